@@ -1,0 +1,188 @@
+"""`fastremover` command line: a thin layer over `RemovalPipeline` and the media functions.
+
+User-caused problems (`FastRemoverError`) print one line and exit with code 2; no tracebacks for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from fastremover.errors import FastRemoverError
+
+EXIT_USER_ERROR = 2
+
+
+def _err(message: str) -> None:
+    print(f"fastremover: {message}", file=sys.stderr)
+
+
+class _Bars:
+    """One tqdm bar per stage, fed by the pipeline's progress callback."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bars: dict = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        bar = self.bars.get(stage)
+        if bar is None:
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, unit="step", leave=False, file=sys.stderr)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+def check_writable(path: str) -> None:
+    """Fail before the (long) run if the output cannot be written."""
+    out = Path(path)
+    parent = out.parent if out.suffix else out
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fastremover-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise FastRemoverError(f"cannot write the output {path}: {e.strerror or e}; choose another -o path") from None
+
+
+def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
+    p.add_argument(
+        "--model",
+        default=default_model,
+        help="classic (weightless fill, default when omitted) | random (preset config, random weights) | PATH to a "
+        "MiniMax-Remover checkpoint folder with transformer/ vae/ scheduler/",
+    )
+    p.add_argument("--preset", default="minimax-remover", help="config for --model random: minimax-remover | tiny")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights for --model random")
+    p.add_argument("--steps", type=int, default=12, help="denoising steps (default 12)")
+    p.add_argument("--seed", type=int, default=42, help="noise seed (default 42)")
+    p.add_argument("--dilate", type=int, default=6, help="mask dilation in pixels, L1 diamond (default 6)")
+    p.add_argument("--mask-threshold", type=int, default=20, help="mask pixel values > this (0-255) count as masked")
+    p.add_argument("--size", default="native", help="native (pad to multiples of 16, default) or WxH, e.g. 832x480")
+    p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None, help="default fp16 on GPU, fp32 on CPU")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--no-composite", action="store_true", help="keep the model's pixels outside the mask too")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastremover", description="Remove objects from videos given a mask video.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("remove", help="remove the masked object from a video")
+    p.add_argument("video", help="video file (mp4/mov/mkv/webm/gif), folder of numbered frames, or an image")
+    p.add_argument("--mask", required=True, help="mask video/folder/image: white (> threshold) = remove")
+    p.add_argument("-o", "--output", required=True, help="output .mp4/.mov/.mkv, a folder for PNG frames, or .png")
+    _add_model_args(p, default_model=None)
+
+    p = sub.add_parser("demo", help="make a synthetic clip + mask, remove the object, write a side-by-side preview")
+    p.add_argument("-o", "--output", default="fastremover-demo", help="output folder (default ./fastremover-demo)")
+    p.add_argument("--frames", type=int, default=49, help="frames of the synthetic clip (default 49)")
+    p.add_argument("--width", type=int, default=432)
+    p.add_argument("--height", type=int, default=240)
+    _add_model_args(p, default_model=None)
+
+    sub.add_parser("info", help="versions, device, and which fast paths are available")
+    return parser
+
+
+def _pipeline_from_args(args):
+    from fastremover.pipeline import RemovalPipeline, warn
+
+    model = args.model
+    if model is None:
+        warn("no --model given: using the weightless classic remover (pass --model PATH for MiniMax-Remover)")
+        model = "classic"
+    if (args.device or "").startswith("cpu") and args.precision in ("fp16", "bf16"):
+        warn(f"--precision {args.precision} on the CPU is very slow (conv3d); fp32 is recommended there")
+    return RemovalPipeline.from_model(
+        model, preset=args.preset, weights_seed=args.weights_seed, device=args.device, precision=args.precision
+    )
+
+
+def _run_removal(args, frames: np.ndarray, mask: np.ndarray):
+    from fastremover.pipeline import RunOptions, warn
+
+    pipe = _pipeline_from_args(args)
+    options = RunOptions(
+        steps=args.steps, seed=args.seed, dilate=args.dilate, size=args.size, composite=not args.no_composite
+    )
+    bars = _Bars(enabled=not args.quiet)
+    try:
+        result = pipe.remove(frames, mask, options, progress=bars)
+    finally:
+        bars.close()
+    for note in result.notes:
+        warn(note)
+    return pipe, result
+
+
+def cmd_remove(args) -> int:
+    from fastremover import media
+
+    check_writable(args.output)
+    video = media.read_video(args.video)
+    mask = media.match_mask_to_video(media.read_mask(args.mask, threshold=args.mask_threshold), video)
+    pipe, result = _run_removal(args, video.frames, mask)
+    media.write_video(args.output, result.frames, video.fps, audio_from=video.source if video.has_audio else None)
+    print(f"wrote {args.output}: {len(result.frames)} frames {video.width}x{video.height} @ {float(video.fps):.3f} fps "
+          f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}]")
+    print(f"timing: {result.timer.summary()}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from fastremover import media
+
+    out = Path(args.output)
+    check_writable(str(out / "input.mp4"))
+    video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0)
+    media.write_video(out / "input.mp4", video.frames, video.fps)
+    media.write_video(out / "mask.mp4", np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
+    pipe, result = _run_removal(args, video.frames, mask)
+    media.write_video(out / "output.mp4", result.frames, video.fps)
+    overlay = video.frames.copy()
+    overlay[result.mask] = (overlay[result.mask] // 2 + np.array([127, 0, 0], np.uint8)).astype(np.uint8)
+    preview = np.concatenate([overlay, result.frames], axis=2)
+    media.write_video(out / "preview.mp4", preview, video.fps)
+    print(f"demo in {out}/: input.mp4 mask.mp4 output.mp4 preview.mp4 (left: input with the mask in red, right: output)")
+    print(f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}] timing: {result.timer.summary()}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from fastremover.info import collect_info, format_info
+
+    print(format_info(collect_info()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info}
+    try:
+        return commands[args.command](args)
+    except FastRemoverError as e:
+        _err(f"error: {e}")
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""`fastremover info`: versions, device, and which fast paths would be active here."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+
+import torch
+
+import fastremover
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except Exception:  # any import failure means "not usable here"
+        return None
+
+
+def collect_info() -> dict:
+    info: dict = {
+        "fastremover": fastremover.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": _version("numpy"),
+        "av (PyAV)": _version("av"),
+        "opencv": _version("cv2"),
+        "safetensors": _version("safetensors"),
+        "triton": _version("triton"),
+        "diffusers (reference only)": _version("diffusers"),
+    }
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
+    info["devices"] = gpus or ["cpu only (no CUDA GPU visible)"]
+    info["modes"] = {"eager": "available (reference-exact path, every device)"}
+    return info
+
+
+def format_info(info: dict) -> str:
+    lines = []
+    for key, value in info.items():
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines.extend(f"  {k}: {v}" for k, v in value.items())
+        elif isinstance(value, list):
+            lines.append(f"{key}:")
+            lines.extend(f"  {v}" for v in value)
+        else:
+            lines.append(f"{key}: {value if value is not None else 'not installed'}")
+    return "\n".join(lines)

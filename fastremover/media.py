@@ -1,0 +1,868 @@
+"""Reading and writing videos, frame folders, images and masks.
+
+Everything the package reads or writes as media goes through here, so the rules are in one place:
+
+* Frames are ``uint8`` RGB arrays shaped ``[F, H, W, 3]``; masks are ``bool`` arrays shaped ``[F, H, W]``.
+* Video files are decoded with PyAV (FFmpeg), images with OpenCV.  Display rotation stored in a video
+  (phones record portrait video as rotated landscape) is applied, so frames are in the orientation a
+  player shows.  Colour conversion honours the stream's colour matrix and range tags.
+* Output is written atomically: to a temporary file next to the target, then renamed over it, so a crash
+  or an error never leaves a half-written file or destroys an existing one.
+* Problems a user can cause (missing file, corrupt video, mismatched mask, unwritable location) raise
+  :class:`~fastremover.errors.FastRemoverError` with a one-line message that says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fractions
+import os
+import re
+import secrets
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import cv2
+import numpy as np
+
+from fastremover.errors import FastRemoverError
+from fastremover.masks import threshold_mask
+
+__all__ = [
+    "Video",
+    "read_video",
+    "read_mask",
+    "match_mask_to_video",
+    "write_video",
+    "write_image",
+    "atomic_write_path",
+    "probe",
+    "synthetic_clip",
+    "DEFAULT_FPS",
+    "VIDEO_EXTENSIONS",
+    "IMAGE_EXTENSIONS",
+]
+
+#: Frame rate given to frame folders and single images, which carry none.
+DEFAULT_FPS = Fraction(24)
+
+#: File endings read with PyAV.  Other endings are refused up front: FFmpeg will happily "decode" a text
+#: file as ANSI art, which would turn a typo into a confusing result instead of a clear error.
+VIDEO_EXTENSIONS = frozenset(
+    {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".gif", ".mpg", ".mpeg", ".ts", ".mts", ".m2ts",
+     ".wmv", ".flv", ".3gp", ".ogv"}
+)
+#: File endings read with OpenCV, alone or as numbered frames in a folder.
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff"})
+
+#: Containers ``write_video`` produces (all H.264).
+_VIDEO_OUTPUTS = {".mp4": "mp4", ".mov": "mov", ".mkv": "matroska"}
+#: Single-image outputs (1-frame results).
+_IMAGE_OUTPUTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff"})
+
+#: Audio codecs copied without re-encoding, per output container.  Others are transcoded to AAC.
+#: Kept explicit (rather than trusting FFmpeg's ``supported_codecs``, which also lists codecs that only
+#: mux with ``-strict experimental`` or that common players reject in that container).
+_AUDIO_COPY = {
+    "mp4": frozenset({"aac", "mp3", "alac", "opus", "flac", "ac3", "eac3"}),
+    "mov": frozenset({"aac", "mp3", "alac", "ac3", "eac3", "pcm_s16le", "pcm_s16be", "pcm_s24le",
+                      "pcm_s24be", "pcm_f32le", "pcm_f32be"}),
+    "matroska": None,  # Matroska takes nearly anything: trust FFmpeg's list.
+}
+
+# Colour conversion quality.  swscale's default fast path for YUV 4:2:0 <-> RGB barely interpolates chroma;
+# on chroma-rich content that alone costs ~2.5 levels of mean error per round trip.  Bicubic (FFmpeg's own CLI
+# default) with accurate rounding and full-resolution chroma roughly halves it for ~2.5 ms/frame at 854x480.
+_Interp = av.video.reformatter.Interpolation
+_DECODE_INTERPOLATION = _Interp.BICUBIC | _Interp.ACCURATE_RND | _Interp.FULL_CHR_H_INT
+_ENCODE_INTERPOLATION = _Interp.AREA | _Interp.ACCURATE_RND | _Interp.FULL_CHR_H_INP | _Interp.FULL_CHR_H_INT
+
+# errno values that mean "this location can't be written", i.e. the user's problem, not a bug.
+_USER_ERRNOS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC,
+     errno.EEXIST, getattr(errno, "EDQUOT", errno.ENOSPC), errno.ENAMETOOLONG}
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Data type
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Video:
+    """Decoded frames plus the facts needed to write a faithful result."""
+
+    frames: np.ndarray  #: ``uint8 [F, H, W, 3]`` RGB.
+    fps: fractions.Fraction  #: Average frame rate of the source (``DEFAULT_FPS`` for folders/images).
+    source: str | None = None  #: Path read from; ``write_video(audio_from=...)`` copies its audio.
+    has_audio: bool = False  #: Whether ``source`` has an audio stream.
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+    @property
+    def height(self) -> int:
+        return int(self.frames.shape[1])
+
+    @property
+    def width(self) -> int:
+        return int(self.frames.shape[2])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _as_fraction(fps: Fraction | float | int, what: str = "fps") -> Fraction:
+    """Exact Fractions and ints stay exact; floats become the nearest short fraction (29.97 -> 2997/100)."""
+    if isinstance(fps, Fraction):
+        rate = fps
+    elif isinstance(fps, int):
+        rate = Fraction(fps)
+    else:
+        rate = Fraction(str(float(fps))).limit_denominator(1_000_000)
+    if rate <= 0:
+        raise FastRemoverError(f"{what} must be positive, got {fps}; pass a frame rate such as 24 or 30000/1001")
+    return rate
+
+
+def _natural_key(name: str) -> list:
+    """Sort key that orders ``frame_2.png`` before ``frame_10.png`` (numbers compared as numbers)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part.lower()) for part in re.split(r"(\d+)", name)]
+
+
+def _frame_files(folder: Path) -> list[Path]:
+    """Image files in ``folder`` in natural order; hidden files (``.DS_Store``, editor droppings) are skipped."""
+    files = [
+        p for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+    ]
+    return sorted(files, key=lambda p: _natural_key(p.name))
+
+
+def _read_image_rgb(path: Path) -> np.ndarray:
+    """Decode one image as ``uint8 [H, W, 3]`` RGB.
+
+    ``IMREAD_COLOR`` turns grey, palette, 16-bit and RGBA images into 8-bit BGR (alpha dropped) and applies
+    the EXIF orientation, so images and masks from the same camera line up.  ``np.fromfile`` + ``imdecode``
+    rather than ``imread`` so non-ASCII paths work on every platform.
+    """
+    try:
+        data = np.fromfile(str(path), dtype=np.uint8)
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise FastRemoverError(f"cannot read {path}: {reason}; check the path and its permissions") from exc
+    image = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+    if image is None:
+        raise FastRemoverError(
+            f"{path} is not a readable image (corrupt or unsupported); re-export it as PNG or JPEG"
+        )
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def _rotate_for_display(image: np.ndarray, rotation: int) -> np.ndarray:
+    """Apply a display-matrix rotation (degrees counter-clockwise, as PyAV reports it) to an ``[H, W, ...]`` array."""
+    quarter_turns = round(rotation / 90) % 4
+    if quarter_turns == 0:
+        return image
+    return np.ascontiguousarray(np.rot90(image, k=quarter_turns))
+
+
+def _open_input(path: Path) -> av.container.InputContainer:
+    try:
+        return av.open(str(path), mode="r")
+    except av.FFmpegError as exc:
+        raise FastRemoverError(
+            f"{path} is not a readable video ({exc.strerror or type(exc).__name__}); "
+            f"check the file is complete, or convert it to MP4 (H.264) or a folder of PNG frames"
+        ) from exc
+
+
+#: Rates that containers with coarse clocks (Matroska/WebM count milliseconds) can only approximate.
+_STANDARD_RATES = tuple(Fraction(n * 1000, 1001) for n in (24, 30, 48, 60, 120, 240)) + tuple(
+    Fraction(n) for n in range(1, 241)
+)
+
+
+def _snap_rate(rate: Fraction) -> Fraction:
+    """Return the standard rate ``rate`` approximates to 1e-4 (19001/317 from an mkv is 60000/1001), else ``rate``."""
+    if rate.denominator in (1, 1001):
+        return rate
+    for standard in _STANDARD_RATES:
+        if abs(rate - standard) <= standard * Fraction(1, 10_000):
+            return standard
+    return rate
+
+
+def _stream_fps(stream: av.video.stream.VideoStream) -> Fraction:
+    for rate in (stream.average_rate, stream.guessed_rate, stream.base_rate):
+        if rate is not None and rate > 0:
+            return _snap_rate(Fraction(rate))
+    return DEFAULT_FPS
+
+
+def _decode_frames(path: Path, max_frames: int | None) -> tuple[Iterator[np.ndarray], Fraction, bool, int]:
+    """Open a video file and return (a generator of RGB frames, average fps, has_audio, expected frame count)."""
+    container = _open_input(path)
+    if not container.streams.video:
+        container.close()
+        raise FastRemoverError(f"{path} has no video stream; give a video file, an image, or a folder of frames")
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"  # frame+slice threads: several times faster on long clips
+    fps = _stream_fps(stream)
+    has_audio = bool(container.streams.audio)
+    expected = stream.frames or 0  # from the container index; 0 when unknown (e.g. webm)
+
+    def frames() -> Iterator[np.ndarray]:
+        count = 0
+        try:
+            if max_frames is not None and max_frames <= 0:
+                return
+            for frame in container.decode(stream):
+                # Colour conversion uses the frame's own matrix/range tags (PyAV 18 does that by default).
+                rgb = frame.to_ndarray(format="rgb24", interpolation=_DECODE_INTERPOLATION)
+                yield _rotate_for_display(rgb, getattr(frame, "rotation", 0) or 0)
+                count += 1
+                if max_frames is not None and count >= max_frames:
+                    return
+        except av.FFmpegError as exc:
+            if count == 0:
+                raise FastRemoverError(
+                    f"{path} could not be decoded ({exc.strerror or type(exc).__name__}); "
+                    f"check the file is complete, or convert it to MP4 (H.264)"
+                ) from exc
+            # A truncated tail (interrupted recording/download) still yields the frames before it; keep those
+            # rather than refusing the whole clip, and say so.
+            warnings.warn(f"{path}: decoding stopped after {count} frames ({exc}); using those frames", stacklevel=3)
+        finally:
+            container.close()
+
+    return frames(), fps, has_audio, expected
+
+
+def _check_exists(path: Path) -> None:
+    if not path.exists():
+        raise FastRemoverError(f"{path} does not exist; check the path")
+
+
+def _iter_source(
+    path: str | os.PathLike, max_frames: int | None, default_fps: Fraction | float
+) -> tuple[Iterator[np.ndarray], Fraction, str | None, bool, int]:
+    """Shared front end of ``read_video`` and ``read_mask``.
+
+    Returns (RGB frame iterator, fps, source path, has_audio, expected frame count or 0 if unknown).
+    """
+    path = Path(path)
+    _check_exists(path)
+    fallback_fps = _as_fraction(default_fps, "default_fps")
+    limit = None if max_frames is None else max(0, int(max_frames))
+
+    if path.is_dir():
+        files = _frame_files(path)
+        if not files:
+            exts = ", ".join(sorted(e.lstrip(".") for e in IMAGE_EXTENSIONS))
+            raise FastRemoverError(f"folder {path} has no image frames; put numbered {exts} files in it")
+        if limit is not None:
+            files = files[:limit]
+        return _iter_folder(path, files), fallback_fps, None, False, len(files)
+
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_EXTENSIONS:
+        frames = iter([] if limit == 0 else [_read_image_rgb(path)])
+        return frames, fallback_fps, None, False, 1
+    if suffix in VIDEO_EXTENSIONS:
+        frames, fps, has_audio, expected = _decode_frames(path, limit)
+        if limit is not None:
+            expected = min(expected, limit)
+        return frames, fps, str(path), has_audio, expected
+    raise FastRemoverError(
+        f"{path} is not a supported video or image (ending {suffix or 'missing'!r}); "
+        f"use mp4/mov/mkv/webm/avi/gif, png/jpg, or a folder of numbered frames"
+    )
+
+
+def _iter_folder(folder: Path, files: list[Path]) -> Iterator[np.ndarray]:
+    first_shape = None
+    for file in files:
+        image = _read_image_rgb(file)
+        if first_shape is None:
+            first_shape = (image.shape, file.name)
+        elif image.shape != first_shape[0]:
+            (h0, w0, _), name0 = first_shape
+            raise FastRemoverError(
+                f"frames in {folder} differ in size: {name0} is {w0}x{h0} but {file.name} is "
+                f"{image.shape[1]}x{image.shape[0]}; resize them all to one size"
+            )
+        yield image
+
+
+def _collect(items: Iterator[np.ndarray], expected: int, path: str | os.PathLike, what: str) -> np.ndarray:
+    """Stack same-shaped frames into one array, filling a preallocated buffer when the count is known.
+
+    A list + ``np.stack`` would briefly hold every frame twice (2 GB extra for 300 frames of 1080p); with
+    the container's frame count we fill the final array in place.  Counts are only hints: extra frames
+    are appended and missing ones trimmed.
+    """
+    buffer: np.ndarray | None = None
+    extra: list[np.ndarray] = []
+    count = 0
+    for item in items:
+        if buffer is None:
+            buffer = np.empty((max(1, expected),) + item.shape, item.dtype)
+        elif item.shape != buffer.shape[1:]:
+            # Resolution changes mid-stream are legal in some containers, but one clip needs one size.
+            raise FastRemoverError(f"{what} {path} changes resolution mid-stream; re-encode it at one resolution")
+        if count < buffer.shape[0]:
+            buffer[count] = item
+        else:
+            extra.append(item)
+        count += 1
+    if buffer is None:
+        raise FastRemoverError(f"{what} {path} contains no frames; give one with at least one frame")
+    if count < expected:
+        # MP4 frame counts come from the index and are exact, so a shortfall means a damaged/truncated file.
+        warnings.warn(
+            f"{path}: the file lists {expected} frames but only {count} could be decoded "
+            f"(truncated or damaged?); using those {count}",
+            stacklevel=3,
+        )
+    if extra:
+        return np.concatenate([buffer, np.stack(extra)])
+    return buffer[:count] if count < buffer.shape[0] else buffer
+
+
+def read_video(
+    path: str | os.PathLike, *, max_frames: int | None = None, default_fps: Fraction | float = DEFAULT_FPS
+) -> Video:
+    """Read a video file, a folder of numbered frames, or one image into memory.
+
+    * Video files (mp4/mov/mkv/webm/avi/gif, ...) are decoded with PyAV; ``fps`` is the stream's average
+      rate.  Variable-frame-rate sources are not resampled: every decoded frame is kept.
+    * A folder is read as frames sorted by the numbers in their names (``2.png`` before ``10.png``); all
+      frames must have the same size.
+    * A single image is a 1-frame video.
+    Folders and images carry no frame rate, so they get ``default_fps`` (24 unless given).
+
+    ``max_frames`` stops reading after that many frames (useful to preview a long clip).
+    """
+    frames_iter, fps, source, has_audio, expected = _iter_source(path, max_frames, default_fps)
+    frames = _collect(frames_iter, expected, path, "video")
+    return Video(frames=frames, fps=fps, source=source, has_audio=has_audio)
+
+
+def read_mask(
+    path: str | os.PathLike, *, threshold: int = 20, max_frames: int | None = None
+) -> np.ndarray:
+    """Read a mask video / folder / image as ``bool [F, H, W]``: first (red) channel ``> threshold``.
+
+    Same inputs as :func:`read_video`.  Grey masks have equal channels, so "first channel" equals the grey
+    value; for RGB(A) masks the red channel is used (as upstream MiniMax-Remover does).  The default threshold
+    of 20 (upstream's value) ignores compression noise around black in lossy mask videos.
+    Frames are thresholded as they are decoded, so a long mask costs 1 byte per pixel, not 3.
+    """
+    frames_iter, _, _, _, expected = _iter_source(path, max_frames, DEFAULT_FPS)
+    return _collect((threshold_mask(frame[None], threshold)[0] for frame in frames_iter), expected, path, "mask")
+
+
+def match_mask_to_video(mask: np.ndarray, video: Video) -> np.ndarray:
+    """Return ``mask`` (``bool [F, H, W]``) aligned to ``video``: same frame count and size.
+
+    * Equal frame counts pair frame *i* with frame *i*; frame rates may differ (a mask exported at another
+      rate from the same edit is still frame-accurate), so nothing is said about that.
+    * A 1-frame mask (a single image) applies to every frame.
+    * A different resolution is resized with nearest neighbour, which keeps the mask binary and never
+      grows it by interpolation.
+    * Any other count mismatch is the user's to fix: we will not guess an alignment.
+    """
+    mask = np.asarray(mask)
+    if mask.ndim == 2:
+        mask = mask[None]
+    if mask.ndim != 3:
+        raise ValueError(f"mask must be [F, H, W] or [H, W], got shape {mask.shape}")
+    mask = mask.astype(bool, copy=False)
+    count, n = mask.shape[0], video.num_frames
+    if count != n and count != 1:
+        raise FastRemoverError(
+            f"the mask has {count} frames but the video has {n}; give a mask with {n} frames "
+            f"(or a single image to use for every frame)"
+        )
+    if mask.shape[1:] != (video.height, video.width):
+        size = (video.width, video.height)
+        mask = np.stack([cv2.resize(m.view(np.uint8), size, interpolation=cv2.INTER_NEAREST) for m in mask]) > 0
+    if count == 1 and n != 1:
+        mask = np.repeat(mask, n, axis=0)
+    return np.ascontiguousarray(mask)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _user_os_error(path: Path | str, exc: OSError) -> FastRemoverError:
+    reason = exc.strerror or str(exc)
+    return FastRemoverError(f"cannot write {path}: {reason}; choose a writable location or free some space")
+
+
+def _ensure_parent(path: Path) -> None:
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise FastRemoverError(
+            f"cannot write {path}: {parent} is not a folder (a file is in the way); choose another output path"
+        ) from exc
+    except OSError as exc:
+        raise _user_os_error(path, exc) from exc
+
+
+@contextlib.contextmanager
+def atomic_write_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success rename it over ``path``, on error delete it.
+
+    The temporary file lives in the same folder (so the final ``os.replace`` is an atomic rename on the same
+    filesystem) and is named ``.<name>.<random>.tmp`` (hidden, and matched by the repo's ``*.tmp`` ignore).
+    It is created empty with mode ``0o666`` minus the umask, so the result gets the same permissions as any
+    ordinarily written file.  A missing parent folder is created.  Writers must say the format explicitly:
+    the temporary name does not end like the target.
+    """
+    path = Path(path)
+    _ensure_parent(path)
+    if path.is_dir():
+        raise FastRemoverError(f"cannot write {path}: it is an existing folder; choose a file name")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        os.close(fd)
+    except OSError as exc:
+        raise _user_os_error(path, exc) from exc
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in _USER_ERRNOS:
+            raise _user_os_error(path, exc) from exc
+        raise
+
+
+def _check_frames(frames: np.ndarray) -> np.ndarray:
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
+        raise ValueError(f"frames must be uint8 [F, H, W, 3] with F >= 1, got shape {frames.shape}")
+    if frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8, got {frames.dtype}")
+    return frames
+
+
+def _encode_image(path: Path, frame: np.ndarray) -> bytes:
+    ext = path.suffix.lower()
+    params: list[int] = []
+    if ext in (".jpg", ".jpeg"):
+        params = [cv2.IMWRITE_JPEG_QUALITY, 95]
+    ok, buf = cv2.imencode(ext, cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR), params)
+    if not ok:
+        raise FastRemoverError(f"OpenCV cannot encode {ext} images here; write a .png instead")
+    return buf.tobytes()
+
+
+def write_image(path: str | os.PathLike, frame: np.ndarray) -> None:
+    """Write one ``uint8 [H, W, 3]`` RGB frame as png/jpg/bmp/webp/tif (chosen by ending), atomically."""
+    path = Path(path)
+    if path.suffix.lower() not in _IMAGE_OUTPUTS:
+        raise FastRemoverError(f"cannot write an image to {path}: use a .png or .jpg ending")
+    frame = np.asarray(frame)
+    if frame.ndim == 4 and frame.shape[0] == 1:
+        frame = frame[0]
+    if frame.ndim != 3:
+        raise ValueError(f"write_image takes one uint8 [H, W, 3] frame, got shape {frame.shape}")
+    data = _encode_image(path, _check_frames(frame[None])[0])
+    with atomic_write_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+_FRAME_NAME = re.compile(r"^\d{5,}\.png$")
+
+
+def _write_frame_folder(folder: Path, frames: np.ndarray) -> None:
+    """Write ``00000.png, 00001.png, ...`` into ``folder``, each atomically.
+
+    Frames named that way from an earlier, longer run are removed so the folder reads back as exactly this
+    result; other files in the folder are left alone.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise FastRemoverError(f"cannot write frames to {folder}: it is a file; give a folder path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _user_os_error(folder, exc) from exc
+    names = [f"{i:05d}.png" for i in range(frames.shape[0])]
+    for name, frame in zip(names, frames):
+        write_image(folder / name, frame)
+    keep = set(names)
+    for stale in folder.iterdir():
+        if _FRAME_NAME.match(stale.name) and stale.name not in keep and stale.is_file():
+            stale.unlink()
+
+
+def write_video(
+    path: str | os.PathLike,
+    frames: np.ndarray,
+    fps: Fraction | float,
+    *,
+    audio_from: str | os.PathLike | None = None,
+    crf: int = 18,
+    preset: str = "medium",
+) -> None:
+    """Write ``uint8 [F, H, W, 3]`` RGB frames.  What is written depends on ``path``:
+
+    * ``.mp4`` / ``.mov`` / ``.mkv``: H.264 (libx264, ``crf`` quality, ``preset`` speed) at exactly ``fps``
+      (a Fraction such as 30000/1001 stays exact: it is the codec time base), tagged BT.709 limited range,
+      with ``+faststart`` for mp4/mov so it streams in browsers.
+    * a path ending in ``/`` or an existing folder: PNG frames ``00000.png, 00001.png, ...`` (lossless).
+    * ``.png`` / ``.jpg`` (and bmp/webp/tif): a single image; the result must have exactly one frame.
+
+    Frame size is kept exactly.  Even sizes use ``yuv420p`` (plays everywhere).  yuv420p cannot store an odd
+    width or height, so odd sizes are encoded as ``yuv444p`` (H.264 High 4:4:4) instead of padding or
+    cropping: the output has the input's exact size and full colour, and FFmpeg, VLC and mpv play it, but
+    browsers and QuickTime may not — a warning says so.  (Padding would change the size the mask and the
+    source refer to; cropping would drop real pixels.)
+
+    Audio: if ``audio_from`` has an audio stream it is copied into the video without re-encoding when the
+    container accepts that codec (mp4 takes aac/mp3/alac/opus/flac/ac3/eac3), otherwise transcoded to AAC
+    (192 kb/s), and cut to the video's duration (to within one audio packet when copied, to the sample when
+    transcoded).  Copied audio keeps its timing relative to the source's first video frame; transcoded audio
+    starts with the first video frame.  ``audio_from`` without audio is fine: no audio is written.
+    The source is meant to be the clip the frames came from (``Video.source``); any other file also works.
+
+    The file appears atomically: an error leaves no partial output and any existing file untouched.
+    """
+    frames = _check_frames(frames)
+    path_str = os.fspath(path)
+    path = Path(path_str)
+    suffix = path.suffix.lower()
+
+    if path_str.endswith(("/", os.sep)) or (path.is_dir() and suffix not in _VIDEO_OUTPUTS):
+        _write_frame_folder(path, frames)
+        return
+    if suffix in _IMAGE_OUTPUTS:
+        if frames.shape[0] != 1:
+            raise FastRemoverError(
+                f"cannot write {frames.shape[0]} frames to the image {path}; "
+                f"use an .mp4 path or a folder path ending in '/'"
+            )
+        write_image(path, frames[0])
+        return
+    if suffix not in _VIDEO_OUTPUTS:
+        raise FastRemoverError(
+            f"cannot write {path}: unsupported ending {suffix or '(none)'!r}; use .mp4, .mov, .mkv, "
+            f"a folder path ending in '/', or .png for a single frame"
+        )
+
+    rate = _as_fraction(fps)
+    container_format = _VIDEO_OUTPUTS[suffix]
+    audio_path = None if audio_from is None else Path(audio_from)
+    if audio_path is not None:
+        _check_exists(audio_path)
+    with atomic_write_path(path) as tmp:
+        _encode_h264(tmp, container_format, frames, rate, crf=crf, preset=preset, audio_from=audio_path, label=path)
+
+
+def _encode_h264(
+    tmp: Path,
+    container_format: str,
+    frames: np.ndarray,
+    rate: Fraction,
+    *,
+    crf: int,
+    preset: str,
+    audio_from: Path | None,
+    label: Path,
+) -> None:
+    num_frames, height, width, _ = frames.shape
+    odd = height % 2 or width % 2
+    pix_fmt = "yuv444p" if odd else "yuv420p"
+    if odd:
+        warnings.warn(
+            f"{label}: {width}x{height} has an odd side, so it is encoded as H.264 4:4:4 to keep that exact "
+            f"size; browsers and QuickTime may not play it (crop or resize to an even size, or write PNG "
+            f"frames, if that matters)",
+            stacklevel=3,
+        )
+    options = {"movflags": "+faststart"} if container_format in ("mp4", "mov") else {}
+    out = av.open(str(tmp), mode="w", format=container_format, container_options=options)
+    try:
+        stream = out.add_stream("libx264", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+        ctx = stream.codec_context
+        ctx.time_base = 1 / rate  # pts are frame indices: exact for any rational rate
+        ctx.options = {"crf": str(int(crf)), "preset": preset}
+        ctx.thread_type = "AUTO"
+        # Tag what we convert with, so players and our own reader invert the same matrix.
+        ctx.colorspace = av.video.reformatter.Colorspace.ITU709
+        ctx.color_range = av.video.reformatter.ColorRange.MPEG
+        ctx.color_primaries = 1  # BT.709
+        ctx.color_trc = 1  # BT.709
+
+        audio = _AudioCopier(audio_from, out, container_format) if audio_from is not None else None
+        try:
+            for index in range(num_frames):
+                frame = av.VideoFrame.from_ndarray(frames[index], format="rgb24")
+                frame = frame.reformat(
+                    format=pix_fmt,
+                    dst_colorspace=av.video.reformatter.Colorspace.ITU709,
+                    dst_color_range=av.video.reformatter.ColorRange.MPEG,
+                    interpolation=_ENCODE_INTERPOLATION,
+                )
+                frame.pts = index
+                frame.time_base = ctx.time_base
+                out.mux(stream.encode(frame))
+            out.mux(stream.encode(None))
+            if audio is not None:
+                audio.copy(duration=float(num_frames / rate))
+        finally:
+            if audio is not None:
+                audio.close()
+    finally:
+        out.close()
+
+
+class _AudioCopier:
+    """Copies (or, if the container needs it, transcodes to AAC) the first audio stream of a source file."""
+
+    def __init__(self, source: Path, out: av.container.OutputContainer, container_format: str) -> None:
+        self.source = source
+        self.out = out
+        self.input = _open_input(source)
+        self.in_stream = self.input.streams.audio[0] if self.input.streams.audio else None
+        self.out_stream = None
+        self.transcode = False
+        # Audio timing is relative to the source's first video frame, which is t=0 in our output.
+        self.offset = 0.0
+        if self.input.streams.video and self.input.streams.video[0].start_time is not None:
+            video = self.input.streams.video[0]
+            self.offset = float(video.start_time * video.time_base)
+        if self.in_stream is None:
+            return
+        # The codec's canonical name ("mp3"), not the decoder's ("mp3float").
+        codec = self.in_stream.codec_context.codec.canonical_name
+        allowed = _AUDIO_COPY[container_format]
+        copyable = codec in out.supported_codecs if allowed is None else codec in allowed
+        if copyable:
+            self.out_stream = out.add_stream_from_template(self.in_stream)
+        else:
+            self.transcode = True
+            in_ctx = self.in_stream.codec_context
+            self.out_stream = out.add_stream("aac", rate=in_ctx.sample_rate or 48000)
+            # Map by channel count: sources often carry an unnamed layout ("1 channels") the encoder rejects.
+            self.out_stream.layout = {1: "mono", 6: "5.1"}.get(in_ctx.layout.nb_channels, "stereo")
+            self.out_stream.bit_rate = 192_000
+
+    def copy(self, duration: float) -> None:
+        if self.in_stream is None:
+            return
+        if self.transcode:
+            self._transcode(duration)
+        else:
+            self._remux(duration)
+
+    def _remux(self, duration: float) -> None:
+        for packet in self.input.demux(self.in_stream):
+            if packet.pts is None or packet.dts is None:  # demuxer flush packet
+                continue
+            start = float(packet.pts * packet.time_base) - self.offset
+            length = float((packet.duration or 0) * packet.time_base)
+            if start >= duration:
+                break
+            if start + length <= 0 and packet.pts >= 0:
+                # Entirely before the first video frame.  (Codec priming packets, which already have negative
+                # timestamps in the source, are kept: the decoder needs them and the muxer hides them.)
+                continue
+            shift = round(self.offset / packet.time_base)
+            packet.pts -= shift
+            packet.dts -= shift
+            packet.stream = self.out_stream
+            self.out.mux(packet)
+
+    def _transcode(self, duration: float) -> None:
+        """Re-encode to AAC, from the first video frame's time for ``duration`` seconds (sample-exact end)."""
+        sample_rate = self.out_stream.codec_context.sample_rate
+        total = int(round(duration * sample_rate))
+        written = 0
+        for frame in self.input.decode(self.in_stream):
+            if frame.time is not None:
+                start = frame.time - self.offset
+                if start >= duration:
+                    break
+                if start + frame.samples / frame.sample_rate <= 0:
+                    continue  # entirely before the first video frame
+            frame.pts = None  # the encoder numbers samples from 0 = the first video frame
+            if written + frame.samples > total:
+                keep = total - written
+                if keep <= 0:
+                    break
+                frame = _trim_audio_frame(frame, keep)
+            written += frame.samples
+            self.out.mux(self.out_stream.encode(frame))
+        self.out.mux(self.out_stream.encode(None))
+
+    def close(self) -> None:
+        self.input.close()
+
+
+def _trim_audio_frame(frame: av.AudioFrame, samples: int) -> av.AudioFrame:
+    """First ``samples`` samples of ``frame`` (to end audio where the video ends)."""
+    data = frame.to_ndarray()
+    planar = frame.format.is_planar
+    data = data[:, :samples] if planar else data[:, : samples * len(frame.layout.channels)]
+    trimmed = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=frame.format.name, layout=frame.layout.name)
+    trimmed.sample_rate = frame.sample_rate
+    return trimmed
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Probing
+# --------------------------------------------------------------------------------------------------------------
+
+
+def probe(path: str | os.PathLike) -> dict:
+    """Cheap facts about an input without decoding it (for messages and ``info``-style output).
+
+    Returns ``{"kind": "video"|"folder"|"image", "num_frames": int, "fps": Fraction, "height": int,
+    "width": int, "has_audio": bool, "duration": float | None}``.  For videos ``num_frames`` is the
+    container's count, or duration x fps when the container has none, so treat it as an estimate.
+    Size is the displayed size (rotation applied).
+    """
+    path = Path(path)
+    _check_exists(path)
+    if path.is_dir():
+        files = _frame_files(path)
+        if not files:
+            raise FastRemoverError(f"folder {path} has no image frames; put numbered png/jpg files in it")
+        h, w, _ = _read_image_rgb(files[0]).shape
+        return {"kind": "folder", "num_frames": len(files), "fps": DEFAULT_FPS, "height": h, "width": w,
+                "has_audio": False, "duration": float(len(files) / DEFAULT_FPS)}
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_EXTENSIONS:
+        h, w, _ = _read_image_rgb(path).shape
+        return {"kind": "image", "num_frames": 1, "fps": DEFAULT_FPS, "height": h, "width": w,
+                "has_audio": False, "duration": None}
+    if suffix not in VIDEO_EXTENSIONS:
+        raise FastRemoverError(f"{path} is not a supported video or image; use mp4/mov/mkv/webm/avi/gif or png/jpg")
+    with _open_input(path) as container:
+        if not container.streams.video:
+            raise FastRemoverError(f"{path} has no video stream; give a video file")
+        stream = container.streams.video[0]
+        fps = _stream_fps(stream)
+        duration = None
+        if stream.duration is not None:
+            duration = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            duration = container.duration / av.time_base
+        num_frames = stream.frames or (round(duration * fps) if duration else 0)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        rotation = _stream_rotation(stream)
+        if round(rotation / 90) % 2:
+            width, height = height, width
+        return {"kind": "video", "num_frames": int(num_frames), "fps": fps, "height": height, "width": width,
+                "has_audio": bool(container.streams.audio), "duration": duration}
+
+
+def _stream_rotation(stream) -> int:
+    """Display rotation of a stream, read from its first frame (the only place PyAV exposes it reliably)."""
+    try:
+        for frame in stream.container.decode(stream):
+            return getattr(frame, "rotation", 0) or 0
+    except av.FFmpegError:
+        pass
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Synthetic clip
+# --------------------------------------------------------------------------------------------------------------
+
+
+def synthetic_clip(
+    num_frames: int = 33,
+    height: int = 240,
+    width: int = 432,
+    *,
+    seed: int = 0,
+    object_fraction: float = 0.15,
+    fps: Fraction | float = 24,
+) -> tuple[Video, np.ndarray]:
+    """A deterministic test clip: a textured, panning background with a striped ellipse moving across it.
+
+    Returns ``(video, mask)`` where ``mask`` (``bool [F, H, W]``) is exactly the ellipse, which covers about
+    ``object_fraction`` of each frame and stays fully inside it.  The background is a sum of sinusoids plus
+    smooth noise that pans a few pixels per frame (so an inpainter has real, moving texture to continue) and
+    the object has a hard edge (so pixels outside the mask never carry object colour).  Everything is
+    vectorised: 152 frames at 854x480 take about a second.
+    """
+    if num_frames < 1 or height < 8 or width < 8:
+        raise ValueError("synthetic_clip needs num_frames >= 1 and a frame of at least 8x8")
+    if not 0 < object_fraction < 0.6:
+        raise ValueError("object_fraction must be in (0, 0.6) so the ellipse fits inside the frame")
+    rng = np.random.default_rng(seed)
+    pan = int(rng.integers(2, 5))  # px per frame, horizontal
+    drift = int(rng.integers(-1, 2))  # px per frame, vertical
+    pad_y = abs(drift) * (num_frames - 1)
+    big_h, big_w = height + pad_y, width + pan * (num_frames - 1)
+
+    # Background: one panorama (sinusoids + smooth noise at two scales), windowed per frame to pan it.
+    yy = np.arange(big_h, dtype=np.float32)[:, None]
+    xx = np.arange(big_w, dtype=np.float32)[None, :]
+    texture = np.empty((big_h, big_w, 3), np.float32)
+    for channel in range(3):
+        fx, fy = rng.uniform(0.02, 0.09, size=2)
+        phase = rng.uniform(0, 2 * np.pi, size=2)
+        texture[..., channel] = np.sin(fx * xx + phase[0]) * np.sin(fy * yy + 0.8 * np.sin(0.015 * xx) + phase[1])
+    for cell, weight in ((32, 0.8), (8, 0.25)):
+        noise = rng.standard_normal((max(2, big_h // cell), max(2, big_w // cell), 3)).astype(np.float32)
+        texture += weight * cv2.resize(noise, (big_w, big_h), interpolation=cv2.INTER_CUBIC)
+    base = rng.uniform(80, 170, size=3).astype(np.float32)
+    panorama = np.clip(base + 40 * texture, 0, 255).astype(np.uint8)
+    f = np.arange(num_frames)
+    y0s = f * drift if drift >= 0 else pad_y + f * drift
+    frames = np.empty((num_frames, height, width, 3), np.uint8)
+    for i in range(num_frames):  # 152 slice copies: faster than one fancy-index gather
+        frames[i] = panorama[y0s[i] : y0s[i] + height, i * pan : i * pan + width]
+
+    # Object: an ellipse (axes ratio 0.7) with area ~ object_fraction, kept inside the frame, crossing it
+    # left to right while bobbing up and down.  Drawn on a per-frame patch around it (sub-pixel centre).
+    area = object_fraction * height * width
+    a = np.sqrt(area / (np.pi * 0.7))
+    b = 0.7 * a
+    scale = min(1.0, (width / 2 - 1) / a, (height / 2 - 1) / b)
+    a, b = a * scale, b * scale
+    t = f / max(1, num_frames - 1)
+    cx = a + 0.5 + t * (width - 2 * a - 2)  # pixel centres: stays within columns 1 .. width-2
+    cy = height / 2 + (height / 2 - b - 1) * 0.6 * np.sin(2 * np.pi * t + rng.uniform(0, 2 * np.pi))
+    px0 = np.clip(np.floor(cx - a) - 1, 0, None).astype(int)
+    py0 = np.clip(np.floor(cy - b) - 1, 0, None).astype(int)
+    pw, ph = min(width, int(np.ceil(2 * a)) + 3), min(height, int(np.ceil(2 * b)) + 3)
+    px0, py0 = np.minimum(px0, width - pw), np.minimum(py0, height - ph)
+    dx = np.arange(pw, dtype=np.float32)[None, None, :] + (px0 - cx).astype(np.float32)[:, None, None]
+    dy = np.arange(ph, dtype=np.float32)[None, :, None] + (py0 - cy).astype(np.float32)[:, None, None]
+    inside = (dx / a) ** 2 + (dy / b) ** 2 <= 1.0  # [F, ph, pw]
+    color = rng.uniform(0, 255, size=3)
+    color[int(np.argmin(base))] = 255  # saturated where the background is weakest, so it stands out
+    stripes = np.sin(dx * (6.0 / a) + dy * (3.0 / b)) > 0  # stripes move with the object
+    patch = np.where(stripes[..., None], color.astype(np.uint8), (color * 0.45).astype(np.uint8))
+    mask = np.zeros((num_frames, height, width), bool)
+    for i in range(num_frames):
+        ys, xs = slice(py0[i], py0[i] + ph), slice(px0[i], px0[i] + pw)
+        mask[i, ys, xs] = inside[i]
+        np.copyto(frames[i, ys, xs], patch[i], where=inside[i][..., None])
+    video = Video(frames=frames, fps=_as_fraction(fps), source=None, has_audio=False)
+    return video, mask

@@ -1,0 +1,223 @@
+"""Checkpoints and presets: `config.json` + safetensors (diffusers layout) -> our modules, with strict key checks.
+
+A MiniMax-Remover checkpoint directory holds three folders:
+    transformer/ config.json, diffusion_pytorch_model.safetensors (or *-0000N-of-0000M.safetensors + *.index.json)
+    vae/         the same for the Wan VAE (diffusers `AutoencoderKLWan`)
+    scheduler/   scheduler_config.json
+Nothing here downloads anything: a checkpoint is a local directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fastremover.errors import FastRemoverError
+from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
+from fastremover.models.vae import WanVAE, WanVAEConfig
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+
+# Presets: model configs without weights. `minimax-remover` is the released model's shape (Wan-1.3B-sized DiT with
+# 48 input channels + the default Wan 2.1 VAE); `tiny` is for tests and CPU demos (same structure, small widths).
+PRESETS: dict[str, dict[str, dict]] = {
+    "minimax-remover": {
+        "transformer": RemoverTransformerConfig().to_dict(),
+        "vae": WanVAEConfig().to_dict(),
+    },
+    "tiny": {
+        "transformer": RemoverTransformerConfig(
+            num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=1, freq_dim=32
+        ).to_dict(),
+        "vae": WanVAEConfig(base_dim=8, num_res_blocks=1).to_dict(),
+    },
+}
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FastRemoverError(f"{what}: {path} is missing; a checkpoint folder needs transformer/, vae/ and scheduler/") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FastRemoverError(f"{what}: cannot read {path} ({e}); re-download or fix the file") from None
+    if not isinstance(data, dict):
+        raise FastRemoverError(f"{what}: {path} must hold a JSON object")
+    return data
+
+
+def read_safetensors_dir(folder: Path, what: str) -> dict[str, torch.Tensor]:
+    """All tensors of a diffusers model folder: one safetensors file, or shards listed by an index json."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.exists():
+        weight_map = _read_json(index, what).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise FastRemoverError(f"{what}: {index} has no weight_map")
+        files = sorted(set(weight_map.values()))
+    elif (folder / WEIGHTS_NAME).exists():
+        files = [WEIGHTS_NAME]
+    else:
+        found = sorted(p.name for p in folder.glob("*.safetensors"))
+        if len(found) == 1:
+            files = found
+        else:
+            raise FastRemoverError(
+                f"{what}: no weights in {folder} (expected {WEIGHTS_NAME} or {INDEX_NAME}"
+                + (f"; found several: {found}" if found else "")
+                + ")"
+            )
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = folder / name
+        if not path.exists():
+            raise FastRemoverError(f"{what}: shard {path} listed in the index is missing")
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise FastRemoverError(f"{what}: cannot read {path} ({e}); the file is corrupt or not safetensors") from None
+    return tensors
+
+
+def load_state_dict_strict(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """Copy `state` into `module`; any missing, unexpected or mis-shaped tensor is one clear error listing them."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    misshaped = sorted(
+        f"{k} {tuple(state[k].shape)} (expected {tuple(own[k].shape)})"
+        for k in set(own) & set(state)
+        if tuple(own[k].shape) != tuple(state[k].shape)
+    )
+    if missing or unexpected or misshaped:
+
+        def show(names: list[str]) -> str:
+            return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing: {show(missing)}")
+        if unexpected:
+            parts.append(f"unexpected: {show(unexpected)}")
+        if misshaped:
+            parts.append(f"wrong shape: {show(misshaped)}")
+        raise FastRemoverError(f"{what} weights do not match its config.json — " + "; ".join(parts))
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(state[k].to(t.dtype))
+
+
+def random_init_(module: nn.Module, seed: int) -> nn.Module:
+    """Deterministic random weights: each tensor is drawn from its own generator seeded by (seed, name), so the values
+    do not depend on module construction order or on which other tensors exist.
+
+    Scales keep activations O(1) through many layers (weights ~ N(0, 1/fan_in), residual output projections smaller),
+    which makes random-weight runs at the real config useful for timing and fidelity measurements.
+    """
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+            leaf = name.rsplit(".", 1)[-1]
+            if "scale_shift_table" in name:
+                value = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
+            elif t.ndim >= 2:  # linear / conv weights
+                fan_in = math.prod(t.shape[1:])
+                std = 1.0 / math.sqrt(fan_in)
+                if name.endswith(("to_out.0.weight", "ffn.net.2.weight")):
+                    std *= 0.5
+                value = torch.randn(t.shape, generator=g) * std
+            elif leaf == "bias":
+                value = torch.randn(t.shape, generator=g) * 0.02
+            elif leaf in ("weight", "gamma"):  # norm scales: near 1
+                value = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+            else:
+                value = torch.randn(t.shape, generator=g) * 0.02
+            t.copy_(value.reshape(t.shape).to(t.dtype))
+    return module
+
+
+@dataclass
+class RemoverModels:
+    transformer: RemoverTransformer
+    vae: WanVAE
+    scheduler_config: dict
+    source: str  # "random:<preset>:<seed>" or the checkpoint path
+
+
+def _check_checkpoint_dir(root: Path) -> None:
+    if not root.exists():
+        raise FastRemoverError(f"checkpoint {root} does not exist; pass a folder with transformer/, vae/, scheduler/")
+    if not root.is_dir():
+        raise FastRemoverError(f"checkpoint {root} is not a folder; pass a folder with transformer/, vae/, scheduler/")
+    missing = [p for p in ("transformer", "vae") if not (root / p).is_dir()]
+    if missing:
+        raise FastRemoverError(
+            f"checkpoint {root} is missing {', '.join(p + '/' for p in missing)}; a MiniMax-Remover checkpoint has "
+            "transformer/, vae/ and scheduler/ (download all three)"
+        )
+
+
+def load_checkpoint(path: str | os.PathLike) -> RemoverModels:
+    """Load a local MiniMax-Remover checkpoint folder in fp32 on the CPU (the pipeline casts and moves it)."""
+    from fastremover.schedulers import load_scheduler_config
+
+    root = Path(path).expanduser()
+    _check_checkpoint_dir(root)
+    t_cfg = RemoverTransformerConfig.from_dict(_read_json(root / "transformer" / "config.json", "transformer"))
+    v_cfg = WanVAEConfig.from_dict(_read_json(root / "vae" / "config.json", "vae"))
+    transformer = RemoverTransformer(t_cfg)
+    vae = WanVAE(v_cfg)
+    load_state_dict_strict(transformer, read_safetensors_dir(root / "transformer", "transformer"), "transformer")
+    load_state_dict_strict(vae, read_safetensors_dir(root / "vae", "vae"), "vae")
+    sched_dir = root / "scheduler"
+    scheduler_config = load_scheduler_config(sched_dir)
+    return RemoverModels(transformer.eval(), vae.eval(), scheduler_config, str(root))
+
+
+def random_models(preset: str = "tiny", seed: int = 0) -> RemoverModels:
+    """Models at a preset's config with deterministic random weights (fp32, CPU)."""
+    from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG
+
+    if preset not in PRESETS:
+        raise FastRemoverError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[preset]
+    transformer = random_init_(RemoverTransformer(RemoverTransformerConfig.from_dict(cfg["transformer"])), seed)
+    vae = random_init_(WanVAE(WanVAEConfig.from_dict(cfg["vae"])), seed + 1)
+    return RemoverModels(transformer.eval(), vae.eval(), dict(DEFAULT_SCHEDULER_CONFIG), f"random:{preset}:{seed}")
+
+
+def save_checkpoint(models: RemoverModels, path: str | os.PathLike) -> Path:
+    """Write models as a diffusers-layout checkpoint folder (used by tests, and to pin random weights to disk)."""
+    from safetensors.torch import save_file
+
+    root = Path(path)
+    for sub, module in (("transformer", models.transformer), ("vae", models.vae)):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        with open(root / sub / "config.json", "w") as f:
+            json.dump(module.config.to_dict(), f, indent=2)
+        state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+        save_file(state, str(root / sub / WEIGHTS_NAME))
+    (root / "scheduler").mkdir(parents=True, exist_ok=True)
+    with open(root / "scheduler" / "scheduler_config.json", "w") as f:
+        json.dump(models.scheduler_config, f, indent=2)
+    return root
+
+
+def load_models(model: str, preset: str = "minimax-remover", seed: int = 0) -> RemoverModels:
+    """`model` is "random" (preset config, random weights) or a checkpoint folder path."""
+    if model == "random":
+        return random_models(preset, seed)
+    return load_checkpoint(model)

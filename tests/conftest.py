@@ -1,0 +1,21 @@
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    # GPU tests are skipped *with a visible reason* on CPU-only machines (CI); they run through the device tool.
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (run `pytest -m gpu` on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    # 2-core CI: keep torch from oversubscribing when pytest runs several things.
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    yield
