@@ -97,7 +97,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, default_model=None)
 
     sub.add_parser("info", help="versions, device, and which fast paths are available")
+
+    p = sub.add_parser("bench", help="time the upstream-style reference and engine modes side by side (same process)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", choices=["w1", "w2", "w3"], default="w1",
+                     help="synthetic clip: w1 69f 432x240, w2 81f 832x480, w3 81f 1280x720 (default w1)")
+    src.add_argument("--video", help="benchmark on this clip instead (needs --mask)")
+    p.add_argument("--mask", help="mask for --video")
+    _add_compare_args(p, default_model="random")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up; medians are reported")
+    p.add_argument("--hash-repeats", type=int, default=0, help="re-run whole engine requests N times, compare hashes")
+    p.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
+    p.add_argument("--no-save", action="store_true", help="print the table only")
+
+    p = sub.add_parser("verify", help="fidelity of the engine modes against the reference on your checkpoint and clip")
+    p.add_argument("video")
+    p.add_argument("--mask", required=True)
+    _add_compare_args(p, default_model=None)
+    p.add_argument("--max-frames", type=int, default=None, help="use only the first N frames")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return parser
+
+
+def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
+    p.add_argument("--model", default=default_model, required=default_model is None,
+                   help="random (preset config, random weights) or PATH to a MiniMax-Remover checkpoint folder")
+    p.add_argument("--preset", default="minimax-remover", help="config for --model random")
+    p.add_argument("--weights-seed", type=int, default=0)
+    p.add_argument("--modes", default="eager", help="comma-separated engine modes to compare (e.g. eager)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-flops", action="store_true", help="skip counting the VAE's FLOPs (an extra VAE pass)")
 
 
 def _pipeline_from_args(args):
@@ -164,6 +196,56 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _compare(args, inputs, repeats: int, hash_repeats: int) -> list[dict]:
+    from fastremover.bench.harness import compare
+    from fastremover.models.loading import load_models
+    from fastremover.pipeline import MODES
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise FastRemoverError(f"--modes {args.modes!r}: choose from {list(MODES)}")
+    models = load_models(args.model, args.preset, args.weights_seed)
+    return compare(models, inputs, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
+                   hash_repeats=hash_repeats, device=args.device, precision=args.precision,
+                   count_flops=not args.no_flops)
+
+
+def cmd_bench(args) -> int:
+    from fastremover.bench.harness import file_inputs, format_table, save_results, synthetic_inputs
+
+    if args.video:
+        if not args.mask:
+            raise FastRemoverError("--video needs --mask")
+        inputs = file_inputs(args.video, args.mask)
+    else:
+        inputs = synthetic_inputs(args.workload)
+    if args.repeats < 0 or args.hash_repeats < 0:
+        raise FastRemoverError("--repeats and --hash-repeats must be >= 0")
+    results = _compare(args, inputs, args.repeats, args.hash_repeats)
+    print(format_table(results))
+    if not args.no_save:
+        for path in save_results(results, args.out):
+            print(f"wrote {path}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from fastremover import media
+    from fastremover.bench.harness import file_inputs, format_table
+
+    inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
+    results = _compare(args, inputs, repeats=0, hash_repeats=0)
+    print(format_table(results))
+    if args.json:
+        import json
+
+        with media.atomic_write_path(args.json) as tmp:
+            Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_info(args) -> int:
     from fastremover.info import collect_info, format_info
 
@@ -173,7 +255,7 @@ def cmd_info(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info}
+    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench, "verify": cmd_verify}
     try:
         return commands[args.command](args)
     except FastRemoverError as e:

@@ -100,6 +100,7 @@ class RemovalResult:
     mask: np.ndarray  # bool [F,H,W] the dilated mask that was removed
     generated: np.ndarray | None = None  # uint8 [F,H,W,3] decoded model output before compositing (None if not run)
     latents: torch.Tensor | None = None  # final denoised latents (fp32, CPU), for fidelity checks
+    pixels: torch.Tensor | None = None  # decoded [1,3,F',H',W'] at the run size, before any crop/composite (keep_pixels)
     timer: StageTimer = field(default_factory=StageTimer)
     ran_model: bool = False
     notes: list[str] = field(default_factory=list)
@@ -275,8 +276,12 @@ class RemovalPipeline:
         *,
         progress: Progress | None = None,
         timer: StageTimer | None = None,
+        keep_pixels: bool = False,
     ) -> RemovalResult:
-        """Remove the masked object. frames: uint8 [F,H,W,3]; mask: bool [F,H,W] (undilated), same F, H, W."""
+        """Remove the masked object. frames: uint8 [F,H,W,3]; mask: bool [F,H,W] (undilated), same F, H, W.
+
+        keep_pixels: also return the decoded video at the run size before cropping/compositing (for fidelity checks).
+        """
         options = options or RunOptions()
         options.validate()
         size = parse_size(options.size)
@@ -316,6 +321,7 @@ class RemovalPipeline:
             mask=dilated,
             generated=generated,
             latents=latents.float().cpu(),
+            pixels=pixels.float().cpu() if keep_pixels else None,
             timer=timer,
             ran_model=True,
             notes=notes,

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from fastremover.errors import FastRemoverError
 from fastremover.models.loading import RemoverModels
 from fastremover.models.transformer import RemoverTransformerConfig
+from fastremover.timing import StageTimer
 
 
 def _require_diffusers():
@@ -173,6 +174,10 @@ def diffusers_vae(models: RemoverModels):
     """diffusers `AutoencoderKLWan` with the same config and weights as our VAE (fp32, CPU)."""
     _require_diffusers()
     from diffusers import AutoencoderKLWan
+    from diffusers.utils import logging as diffusers_logging
+
+    # `.to(fp16)` on a model without fp32 islands warns about `_keep_in_fp32_modules` ([] here): noise, not news.
+    diffusers_logging.set_verbosity_error()
 
     cfg = {k: v for k, v in models.vae.config.to_dict().items() if not k.startswith("_")}
     vae = AutoencoderKLWan(**cfg)
@@ -199,6 +204,7 @@ class ReferenceResult:
     frames: np.ndarray  # uint8 [F,H,W,3] decoded frames at the run size (no compositing)
     pixels: torch.Tensor  # [1,3,F,H,W] decoded video in [-1,1] (fp32, CPU)
     latents: torch.Tensor  # final denoised latents (fp32, CPU)
+    timer: StageTimer
 
 
 class ReferencePipeline:
@@ -210,6 +216,13 @@ class ReferencePipeline:
         self.transformer = upstream_transformer(models).to(self.device).to_upstream_dtype(dtype)
         self.vae = diffusers_vae(models).to(self.device, dtype)
         self.scheduler_config = models.scheduler_config
+
+    def to(self, device: str | torch.device) -> "ReferencePipeline":
+        """Move the models (e.g. off the GPU while the engine is measured)."""
+        self.device = torch.device(device)
+        self.transformer.to(self.device)
+        self.vae.to(self.device)
+        return self
 
     @staticmethod
     def expand_masks(mask: np.ndarray, iterations: int) -> torch.Tensor:
@@ -232,33 +245,38 @@ class ReferencePipeline:
     @torch.no_grad()
     def __call__(
         self, frames: np.ndarray, mask: np.ndarray, *, height: int, width: int, steps: int = 12, seed: int = 42,
-        iterations: int = 6,
+        iterations: int = 6, timer: StageTimer | None = None,
     ) -> ReferenceResult:
         """frames uint8 [F,H,W,3] with F = 4k+1; mask bool/uint8 [F,H,W] (undilated); resized to height x width."""
         dev, dtype = self.device, self.dtype
-        scheduler = diffusers_scheduler(self.scheduler_config)
-        scheduler.set_timesteps(steps, device=dev)
-        num_latent_frames = (frames.shape[0] - 1) // 4 + 1
-        generator = torch.Generator(device=dev).manual_seed(seed)
-        latents = torch.randn(
-            (1, 16, num_latent_frames, height // 8, width // 8), generator=generator, device=dev, dtype=dtype
-        )
-        masks = self.resize(self.expand_masks(mask, iterations), (height, width)).to(dev).to(dtype)
-        masks[masks > 0] = 1
-        images = torch.from_numpy(frames).float() / 127.5 - 1.0
-        images = self.resize(images.permute(3, 0, 1, 2)[None], (height, width)).to(dev).to(dtype)
-        masked_images = images * (1 - masks)
-        cfg = self.vae.config
-        latents_mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(dev, dtype)
-        latents_inv_std = (1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)).to(dev, dtype)
-        masked_latents = (self.vae.encode(masked_images).latent_dist.mode() - latents_mean) * latents_inv_std
-        mask_latents = (self.vae.encode(2 * masks - 1.0).latent_dist.mode() - latents_mean) * latents_inv_std
-        for t in scheduler.timesteps:
-            model_input = torch.cat([latents.to(dtype), masked_latents, mask_latents], dim=1)
-            noise_pred = self.transformer(model_input, t.expand(latents.shape[0]))
-            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-        final = latents
-        video = self.vae.decode(latents.to(dtype) / latents_inv_std + latents_mean, return_dict=False)[0]
-        pixels = video.float().cpu()
-        frames_u8 = ((pixels[0] / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0).numpy()
-        return ReferenceResult(frames=frames_u8, pixels=pixels, latents=final.float().cpu())
+        timer = timer or StageTimer(dev)
+        with timer.stage("preprocess"):
+            scheduler = diffusers_scheduler(self.scheduler_config)
+            scheduler.set_timesteps(steps, device=dev)
+            num_latent_frames = (frames.shape[0] - 1) // 4 + 1
+            generator = torch.Generator(device=dev).manual_seed(seed)
+            latents = torch.randn(
+                (1, 16, num_latent_frames, height // 8, width // 8), generator=generator, device=dev, dtype=dtype
+            )
+            masks = self.resize(self.expand_masks(mask, iterations), (height, width)).to(dev).to(dtype)
+            masks[masks > 0] = 1
+            images = torch.from_numpy(frames).float() / 127.5 - 1.0
+            images = self.resize(images.permute(3, 0, 1, 2)[None], (height, width)).to(dev).to(dtype)
+            masked_images = images * (1 - masks)
+            cfg = self.vae.config
+            latents_mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(dev, dtype)
+            latents_inv_std = (1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)).to(dev, dtype)
+        with timer.stage("vae_encode"):
+            masked_latents = (self.vae.encode(masked_images).latent_dist.mode() - latents_mean) * latents_inv_std
+            mask_latents = (self.vae.encode(2 * masks - 1.0).latent_dist.mode() - latents_mean) * latents_inv_std
+        with timer.stage("denoise"):
+            for t in scheduler.timesteps:
+                model_input = torch.cat([latents.to(dtype), masked_latents, mask_latents], dim=1)
+                noise_pred = self.transformer(model_input, t.expand(latents.shape[0]))
+                latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        with timer.stage("vae_decode"):
+            video = self.vae.decode(latents.to(dtype) / latents_inv_std + latents_mean, return_dict=False)[0]
+        with timer.stage("postprocess"):
+            pixels = video.float().cpu()
+            frames_u8 = ((pixels[0] / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0).numpy()
+        return ReferenceResult(frames=frames_u8, pixels=pixels, latents=latents.float().cpu(), timer=timer)

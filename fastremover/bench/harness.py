@@ -1,0 +1,361 @@
+"""Side-by-side benchmark and verification: the upstream-style reference and our engine modes, in one process, on the
+same weights, inputs, seed and device.
+
+For each pipeline: one warm-up run, then `repeats` timed runs (median per stage, CUDA events and wall clock); the
+reference's models are moved off the GPU while the engine runs and vice versa, so each peak-memory figure is that
+pipeline's own. Fidelity is measured on the decoded video *before* compositing (PSNR mean / worst frame / inside the
+mask, SSIM, cosine of the final latents). `hash_repeats` re-runs whole engine requests with no extra synchronization
+and compares output hashes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastremover import media
+from fastremover.bench.metrics import fidelity
+from fastremover.masks import composite, dilate_masks
+from fastremover.models.loading import RemoverModels
+from fastremover.pipeline import RemovalPipeline, RunOptions
+from fastremover.timing import StageTimer
+
+WORKLOADS = {  # name: (frames, height, width)
+    "w1": (69, 240, 432),
+    "w2": (81, 480, 832),
+    "w3": (81, 720, 1280),
+}
+STAGES = ("preprocess", "vae_encode", "denoise", "vae_decode", "composite_write")
+
+
+@dataclass
+class BenchInputs:
+    name: str
+    frames: np.ndarray  # uint8 [F,H,W,3], F = 4k+1, H and W multiples of 16
+    mask: np.ndarray  # bool [F,H,W] undilated
+    fps: float = 24.0
+
+    @property
+    def size(self) -> tuple[int, int]:  # (W, H)
+        return self.frames.shape[2], self.frames.shape[1]
+
+
+def synthetic_inputs(workload: str, object_fraction: float = 0.15) -> BenchInputs:
+    frames, height, width = WORKLOADS[workload]
+    video, mask = media.synthetic_clip(frames, height, width, seed=0, object_fraction=object_fraction)
+    return BenchInputs(workload, video.frames, mask, float(video.fps))
+
+
+def file_inputs(video_path: str, mask_path: str, max_frames: int | None = None) -> BenchInputs:
+    """A user's clip, cut to what the upstream pipeline can take unchanged: 4k+1 frames, sides multiples of 16
+    (top-left crop), so the reference and the engine see exactly the same pixels."""
+    video = media.read_video(video_path, max_frames=max_frames)
+    mask = media.match_mask_to_video(media.read_mask(mask_path), video)
+    f = (video.num_frames - 1) // 4 * 4 + 1
+    h, w = video.height // 16 * 16, video.width // 16 * 16
+    if h == 0 or w == 0:
+        from fastremover.errors import FastRemoverError
+
+        raise FastRemoverError(f"{video_path}: {video.width}x{video.height} is smaller than 16x16")
+    return BenchInputs(Path(video_path).name, video.frames[:f, :h, :w].copy(), mask[:f, :h, :w].copy(), float(video.fps))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Work counts
+
+
+def dit_flops_per_step(models: RemoverModels, frames: int, height: int, width: int) -> dict:
+    """Analytic FLOPs of one transformer forward: linears (2*M*N*K) and attention (QK^T and PV: 4*S^2*dim per layer)."""
+    cfg = models.transformer.config
+    t, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
+    pt, ph, pw = cfg.patch_size
+    tokens = (t // pt) * (h // ph) * (w // pw)
+    dim, ffn, layers = cfg.dim, cfg.ffn_dim, cfg.num_layers
+    linear = 2 * tokens * layers * (4 * dim * dim + 2 * dim * ffn)
+    linear += 2 * tokens * dim * (cfg.in_channels * pt * ph * pw + cfg.out_channels * pt * ph * pw)
+    attention = 4 * tokens * tokens * dim * layers
+    return {"tokens": tokens, "linear_tflop": linear / 1e12, "attention_tflop": attention / 1e12,
+            "total_tflop": (linear + attention) / 1e12}
+
+
+def vae_flops(pipe: RemovalPipeline, inputs: BenchInputs) -> dict:
+    """Counted FLOPs of the two encodes and the decode (torch's FlopCounterMode over one extra run of the VAE)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    prep = pipe.prepare(inputs.frames, dilate_masks(inputs.mask, 6), size=inputs.size)
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as enc:
+            masked_latents, _ = pipe.encode(prep)
+        with FlopCounterMode(display=False) as dec:
+            pipe.decode(masked_latents)
+    return {"encode_tflop": enc.get_total_flops() / 1e12, "decode_tflop": dec.get_total_flops() / 1e12}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Runs
+
+
+@dataclass
+class PipelineRun:
+    """Timings of repeated runs of one pipeline plus its last output."""
+
+    label: str
+    wall: list[dict] = field(default_factory=list)
+    device: list[dict] = field(default_factory=list)
+    peak_gib: float = 0.0
+    pixels: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    frames: np.ndarray | None = None
+    hashes: list[str] = field(default_factory=list)
+
+    def stages_s(self) -> dict[str, float]:
+        """Median per stage over the timed runs; device (CUDA event) time where available, else wall clock."""
+        runs = self.device if self.device and self.device[0] else self.wall
+        return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in STAGES if any(k in r for r in runs)}
+
+    def total_s(self) -> float:
+        return statistics.median(sum(r.values()) for r in self.wall)
+
+    def summary(self) -> dict:
+        return {
+            "stages_s": {k: round(v, 4) for k, v in self.stages_s().items()},
+            "stages_wall_s": {k: round(statistics.median(r.get(k, 0.0) for r in self.wall), 4) for k in STAGES},
+            "total_s": round(self.total_s(), 4),
+            "peak_gib": round(self.peak_gib, 3),
+            "runs": len(self.wall),
+        }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def _write(frames: np.ndarray, fps: float, workdir: str) -> None:
+    media.write_video(os.path.join(workdir, "out.mp4"), frames, fps)
+
+
+def run_reference(ref, inputs: BenchInputs, steps: int, seed: int, repeats: int, workdir: str) -> PipelineRun:
+    run = PipelineRun("reference")
+    dilated = dilate_masks(inputs.mask, 6)
+    w, h = inputs.size
+    _reset_peak(ref.device)
+    for i in range(1 + repeats):
+        timer = StageTimer(ref.device)
+        result = ref(inputs.frames, inputs.mask, height=h, width=w, steps=steps, seed=seed, iterations=6, timer=timer)
+        with timer.stage("composite_write"):
+            _write(composite(inputs.frames, result.frames, dilated), inputs.fps, workdir)
+        wall = dict(timer.wall_s)
+        wall["composite_write"] += wall.pop("postprocess", 0.0)
+        dev = timer.device_s()
+        if dev:
+            dev["composite_write"] = dev.get("composite_write", 0.0) + dev.pop("postprocess", 0.0)
+        if i > 0 or repeats == 0:
+            run.wall.append(wall)
+            run.device.append(dev)
+    run.peak_gib = _peak(ref.device)
+    run.pixels, run.latents, run.frames = result.pixels, result.latents, result.frames
+    return run
+
+
+def run_engine(pipe: RemovalPipeline, inputs: BenchInputs, steps: int, seed: int, repeats: int, workdir: str,
+               hash_repeats: int = 0) -> PipelineRun:
+    run = PipelineRun(pipe.config.mode)
+    options = RunOptions(steps=steps, seed=seed, dilate=6, size=f"{inputs.size[0]}x{inputs.size[1]}")
+    _reset_peak(pipe.device)
+    for i in range(1 + repeats):
+        timer = StageTimer(pipe.device)
+        result = pipe.remove(inputs.frames, inputs.mask, options, timer=timer, keep_pixels=True)
+        with timer.stage("composite_write"):
+            _write(result.frames, inputs.fps, workdir)
+        wall = dict(timer.wall_s)
+        wall["composite_write"] += wall.pop("composite", 0.0)
+        dev = timer.device_s()
+        if dev:
+            dev["composite_write"] = dev.get("composite_write", 0.0) + dev.pop("composite", 0.0)
+        if i > 0 or repeats == 0:
+            run.wall.append(wall)
+            run.device.append(dev)
+    run.peak_gib = _peak(pipe.device)
+    run.pixels, run.latents, run.frames = result.pixels, result.latents, result.frames
+    for _ in range(hash_repeats):  # whole requests, no stage synchronization
+        out = pipe.remove(inputs.frames, inputs.mask, options, timer=StageTimer(pipe.device, sync=False))
+        run.hashes.append(hashlib.sha256(out.frames.tobytes()).hexdigest())
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The whole comparison
+
+
+def environment() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, cwd=Path(__file__).resolve().parent).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", False
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'unknown'})"
+    return {"gpu": gpu, "torch": torch.__version__, "commit": commit + ("-dirty" if dirty else ""),
+            "command": " ".join(["fastremover", *sys.argv[1:]]) if sys.argv else "", "python": platform.python_version()}
+
+
+def compare(
+    models: RemoverModels,
+    inputs: BenchInputs,
+    *,
+    modes: list[str],
+    steps: int = 12,
+    seed: int = 42,
+    repeats: int = 1,
+    hash_repeats: int = 0,
+    device: str | None = None,
+    precision: str | None = None,
+    count_flops: bool = True,
+) -> list[dict]:
+    """Run the reference and each engine mode on `inputs`; returns one result dict per mode."""
+    from fastremover.bench.reference import ReferencePipeline
+    from fastremover.pipeline import PRECISIONS, default_device
+
+    device = torch.device(device or default_device())
+    precision = precision or ("fp16" if device.type == "cuda" else "fp32")
+    env = environment()
+    work = dit_flops_per_step(models, *inputs.frames.shape[:3])
+    with tempfile.TemporaryDirectory(prefix="fastremover-bench-") as workdir:
+        ref = ReferencePipeline(models, device=device, dtype=PRECISIONS[precision])
+        ref_run = run_reference(ref, inputs, steps, seed, repeats, workdir)
+        ref.to("cpu")
+        del ref
+        gc.collect()
+        results = []
+        for mode in modes:
+            pipe = RemovalPipeline(models, device=str(device), precision=precision, mode=mode)
+            eng = run_engine(pipe, inputs, steps, seed, repeats, workdir, hash_repeats)
+            flops = vae_flops(pipe, inputs) if count_flops else {}
+            results.append(_result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops))
+            models.transformer.to("cpu")
+            models.vae.to("cpu")
+            del pipe
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return results
+
+
+def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops) -> dict:
+    ref_s, eng_s = ref_run.stages_s(), eng.stages_s()
+    vae_ref = ref_s.get("vae_encode", 0) + ref_s.get("vae_decode", 0)
+    vae_eng = eng_s.get("vae_encode", 0) + eng_s.get("vae_decode", 0)
+    mask = torch.from_numpy(dilate_masks(inputs.mask, 6))
+    pad = ref_run.pixels.shape[2] - mask.shape[0]
+    if pad > 0:
+        mask = torch.cat([mask, mask[-1:].expand(pad, -1, -1)])
+    fid = fidelity(eng.pixels, ref_run.pixels, mask, eng.latents, ref_run.latents)
+    denoise_s = eng_s.get("denoise", float("nan"))
+    out = {
+        **env,
+        "workload": inputs.name,
+        "frames": int(inputs.frames.shape[0]),
+        "size": f"{inputs.size[0]}x{inputs.size[1]}",
+        "steps": steps,
+        "seed": seed,
+        "precision": precision,
+        "mode": pipe.config.mode,
+        "engine_config": pipe.config.describe(),
+        "model": pipe.config.model,
+        "reference": ref_run.summary(),
+        "engine": eng.summary(),
+        "speedup_total": round(ref_run.total_s() / eng.total_s(), 4),
+        "speedup_denoise": round(ref_s["denoise"] / eng_s["denoise"], 4),
+        "speedup_vae": round(vae_ref / vae_eng, 4) if vae_eng else None,
+        **{k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else v) for k, v in fid.items()},
+        "dit_tflop_per_step": round(work["total_tflop"], 3),
+        "dit_linear_tflop_per_step": round(work["linear_tflop"], 3),
+        "dit_attention_tflop_per_step": round(work["attention_tflop"], 3),
+        "dit_tokens": work["tokens"],
+        "dit_tflops_achieved": round(work["total_tflop"] * steps / denoise_s, 1) if denoise_s else None,
+        "reference_dit_tflops_achieved": round(work["total_tflop"] * steps / ref_s["denoise"], 1),
+        **{f"vae_{k}": round(v, 2) for k, v in flops.items()},
+    }
+    if eng.hashes:
+        out["hash_repeats"] = len(eng.hashes)
+        out["hashes_identical"] = len(set(eng.hashes)) == 1
+        out["output_sha256"] = eng.hashes[0]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def format_table(results: list[dict]) -> str:
+    if not results:
+        return "(no results)"
+    head = results[0]
+    lines = [
+        f"{head['workload']}: {head['frames']} f {head['size']}, {head['steps']} steps, {head['precision']}, "
+        f"{head['gpu']}, model {head['model']}",
+        f"{'pipeline':<12}" + "".join(f"{s:>16}" for s in STAGES) + f"{'total':>10}{'speedup':>9}{'peak GiB':>10}"
+        f"{'PSNR':>8}{'min':>7}{'mask':>7}{'SSIM':>8}{'lat cos':>10}",
+    ]
+
+    def row(label, summ, extra=""):
+        st = summ["stages_s"]
+        return f"{label:<12}" + "".join(f"{st.get(s, 0):>16.3f}" for s in STAGES) + f"{summ['total_s']:>10.3f}" + extra
+
+    lines.append(row("reference", head["reference"], f"{1.0:>9.2f}x{head['reference']['peak_gib']:>9.2f}"))
+    for r in results:
+        fmt = lambda v, w, p: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{str(v):>{w}}"  # noqa: E731
+        lines.append(row(r["mode"], r["engine"], f"{r['speedup_total']:>9.2f}x{r['engine']['peak_gib']:>9.2f}"
+                         + fmt(r["psnr_mean_db"], 8, 1) + fmt(r["psnr_min_db"], 7, 1) + fmt(r["psnr_mask_db"], 7, 1)
+                         + fmt(r["ssim_mean"], 8, 4) + fmt(r["latent_cos"], 10, 6)))
+    for r in results:
+        lines.append(
+            f"roofline [{r['mode']}]: DiT {r['dit_tflop_per_step']:.2f} TFLOP/step "
+            f"(linear {r['dit_linear_tflop_per_step']:.2f}, attention {r['dit_attention_tflop_per_step']:.2f}, "
+            f"{r['dit_tokens']} tokens) -> {r['dit_tflops_achieved']} TFLOP/s achieved "
+            f"(reference {r['reference_dit_tflops_achieved']}); VAE encode {r.get('vae_encode_tflop', '?')} + decode "
+            f"{r.get('vae_decode_tflop', '?')} TFLOP"
+            + (f"; hashes over {r['hash_repeats']} runs identical: {r['hashes_identical']}" if "hash_repeats" in r else "")
+        )
+    return "\n".join(lines)
+
+
+def save_results(results: list[dict], out_dir: str | os.PathLike = "bench/results") -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    date = _dt.date.today().isoformat()
+    for r in results:
+        sha = r["commit"][:7]
+        path = out_dir / f"{r['workload']}-{r['mode']}-{date}-{sha}.json"
+        with media.atomic_write_path(path) as tmp:
+            Path(tmp).write_text(json.dumps(r, indent=2, sort_keys=False) + "\n")
+        paths.append(path)
+    return paths
