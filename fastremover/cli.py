@@ -23,7 +23,10 @@ def _err(message: str) -> None:
 
 
 class _Bars:
-    """One tqdm bar per stage, fed by the pipeline's progress callback."""
+    """One tqdm bar per stage, fed by the pipeline's progress callback. A stage that starts over (the denoise steps of
+    the next window) gets a fresh bar."""
+
+    UNITS = {"window": "window"}
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -35,11 +38,16 @@ class _Bars:
         from tqdm import tqdm
 
         bar = self.bars.get(stage)
+        if bar is not None and (done < bar.n or total != bar.total):
+            bar.close()
+            bar = None
         if bar is None:
-            bar = self.bars[stage] = tqdm(total=total, desc=stage, unit="step", leave=False, file=sys.stderr)
+            unit = self.UNITS.get(stage, "step")
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, unit=unit, leave=False, file=sys.stderr)
         bar.update(done - bar.n)
         if done >= total:
             bar.close()
+            del self.bars[stage]
 
     def close(self) -> None:
         for bar in self.bars.values():
@@ -59,6 +67,12 @@ def check_writable(path: str) -> None:
         raise FastRemoverError(f"cannot write the output {path}: {e.strerror or e}; choose another -o path") from None
 
 
+# = fastremover.windows.CROP_MODES and DEFAULT_WINDOW (literals: importing the package's numerical modules pulls in
+# OpenCV, and building the parser should stay light); tests/test_windows.py checks they agree.
+CROP_CHOICES = ["auto", "on", "off"]
+DEFAULT_WINDOW = 81
+
+
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
     p.add_argument(
         "--model",
@@ -75,8 +89,23 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
     p.add_argument("--size", default="native", help="native (pad to multiples of 16, default) or WxH, e.g. 832x480")
     p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None, help="default fp16 on GPU, fp32 on CPU")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--mode", choices=["auto", "eager", "exact", "fast"], default="auto",
+                   help="engine: eager (reference order), exact (fused kernels + CUDA graph, no quantization), fast "
+                   "(exact + FP8 linears); auto = exact on a CUDA GPU, eager elsewhere")
     p.add_argument("--no-composite", action="store_true", help="keep the model's pixels outside the mask too")
+    _add_window_args(p)
+    p.add_argument("--crop", choices=CROP_CHOICES, default="auto",
+                   help="run the model on a box around the mask: auto (when the box is under half the frame, default) "
+                   "| on | off")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_window_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"frames per window for long clips (default {DEFAULT_WINDOW}; used as the largest 4k+1 <= N)")
+    p.add_argument("--overlap", type=int, default=None,
+                   help="frames each window shares with the previous one: it continues from them and cross-fades "
+                   "(default: about a fifth of the window, as 4k+1 frames: 17 for 81)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--video", help="benchmark on this clip instead (needs --mask)")
     p.add_argument("--mask", help="mask for --video")
     _add_compare_args(p, default_model="random")
+    p.add_argument("--object-fraction", type=float, default=None,
+                   help="mask area as a fraction of the frame for the synthetic workloads (default 0.15)")
+    p.add_argument("--object-travel", type=float, default=None,
+                   help="part of the frame width the synthetic object's path spans, (0, 1] (default 1: edge to edge)")
+    p.add_argument("--crop", choices=CROP_CHOICES, default=None,
+                   help="also time crop off vs this setting on the same inputs (native size) and report crop_speedup; "
+                   "the fidelity comparison always runs crop off")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up; medians are reported")
     p.add_argument("--hash-repeats", type=int, default=0, help="re-run whole engine requests N times, compare hashes")
     p.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
@@ -124,12 +160,15 @@ def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> 
                    help="random (preset config, random weights) or PATH to a MiniMax-Remover checkpoint folder")
     p.add_argument("--preset", default="minimax-remover", help="config for --model random")
     p.add_argument("--weights-seed", type=int, default=0)
-    p.add_argument("--modes", default="eager", help="comma-separated engine modes to compare (e.g. eager)")
+    p.add_argument("--modes", default="eager", help="comma-separated engine modes to compare: eager,exact,fast")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--no-flops", action="store_true", help="skip counting the VAE's FLOPs (an extra VAE pass)")
+    # The fidelity comparison always runs in one window (the reference has no windows); clips longer than --window
+    # get one more, windowed, engine run whose seam metric is reported.
+    _add_window_args(p)
 
 
 def _pipeline_from_args(args):
@@ -141,18 +180,31 @@ def _pipeline_from_args(args):
         model = "classic"
     if (args.device or "").startswith("cpu") and args.precision in ("fp16", "bf16"):
         warn(f"--precision {args.precision} on the CPU is very slow (conv3d); fp32 is recommended there")
-    return RemovalPipeline.from_model(
-        model, preset=args.preset, weights_seed=args.weights_seed, device=args.device, precision=args.precision
+    pipe = RemovalPipeline.from_model(
+        model, preset=args.preset, weights_seed=args.weights_seed, device=args.device, precision=args.precision,
+        mode=args.mode,
     )
+    for note in pipe.config.notes:
+        warn(note)
+    return pipe
 
 
-def _run_removal(args, frames: np.ndarray, mask: np.ndarray):
-    from fastremover.pipeline import RunOptions, warn
+def _options_from_args(args):
+    """RunOptions from the flags, validated: bad flags fail before any file is read or model loaded."""
+    from fastremover.pipeline import RunOptions
+
+    options = RunOptions(
+        steps=args.steps, seed=args.seed, dilate=args.dilate, size=args.size, composite=not args.no_composite,
+        window=args.window, overlap=args.overlap, crop=args.crop,
+    )
+    options.validate()
+    return options
+
+
+def _run_removal(args, options, frames: np.ndarray, mask: np.ndarray):
+    from fastremover.pipeline import warn
 
     pipe = _pipeline_from_args(args)
-    options = RunOptions(
-        steps=args.steps, seed=args.seed, dilate=args.dilate, size=args.size, composite=not args.no_composite
-    )
     bars = _Bars(enabled=not args.quiet)
     try:
         result = pipe.remove(frames, mask, options, progress=bars)
@@ -166,49 +218,75 @@ def _run_removal(args, frames: np.ndarray, mask: np.ndarray):
 def cmd_remove(args) -> int:
     from fastremover import media
 
+    options = _options_from_args(args)
     check_writable(args.output)
     video = media.read_video(args.video)
     mask = media.match_mask_to_video(media.read_mask(args.mask, threshold=args.mask_threshold), video)
-    pipe, result = _run_removal(args, video.frames, mask)
+    pipe, result = _run_removal(args, options, video.frames, mask)
     media.write_video(args.output, result.frames, video.fps, audio_from=video.source if video.has_audio else None)
     print(f"wrote {args.output}: {len(result.frames)} frames {video.width}x{video.height} @ {float(video.fps):.3f} fps "
-          f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}]")
+          f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}, mode {pipe.config.mode}]")
     print(f"timing: {result.timer.summary()}")
+    if (line := _geometry_line(result)):
+        print(line)
     return 0
+
+
+def _geometry_line(result) -> str:
+    """How the clip was split and cropped, when it was (empty for one full-frame window)."""
+    runs = [w for w in result.windows if w.ran]
+    cropped = [w for w in runs if w.box is not None]
+    if len(result.windows) <= 1 and not cropped:
+        return ""
+    parts = []
+    if len(result.windows) > 1:
+        longest = max(w.stop - w.start for w in result.windows)
+        overlap = min(w.overlap for w in result.windows[1:])  # the last window may share more
+        parts.append(f"{len(result.windows)} windows of up to {longest} frames (overlap {overlap})")
+    if cropped:
+        sizes = sorted({f"{w.box[3] - w.box[2]}x{w.box[1] - w.box[0]}" for w in cropped})
+        parts.append(f"cropped in {len(cropped)} of {len(runs)} windows ({', '.join(sizes)})")
+    return "windows: " + "; ".join(parts)
 
 
 def cmd_demo(args) -> int:
     from fastremover import media
 
+    options = _options_from_args(args)
     out = Path(args.output)
     check_writable(str(out / "input.mp4"))
     video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0)
     media.write_video(out / "input.mp4", video.frames, video.fps)
     media.write_video(out / "mask.mp4", np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
-    pipe, result = _run_removal(args, video.frames, mask)
+    pipe, result = _run_removal(args, options, video.frames, mask)
     media.write_video(out / "output.mp4", result.frames, video.fps)
     overlay = video.frames.copy()
     overlay[result.mask] = (overlay[result.mask] // 2 + np.array([127, 0, 0], np.uint8)).astype(np.uint8)
     preview = np.concatenate([overlay, result.frames], axis=2)
     media.write_video(out / "preview.mp4", preview, video.fps)
     print(f"demo in {out}/: input.mp4 mask.mp4 output.mp4 preview.mp4 (left: input with the mask in red, right: output)")
-    print(f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}] timing: {result.timer.summary()}")
+    print(f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}, mode {pipe.config.mode}] "
+          f"timing: {result.timer.summary()}")
+    if (line := _geometry_line(result)):
+        print(line)
     return 0
 
 
 def _compare(args, inputs, repeats: int, hash_repeats: int) -> list[dict]:
     from fastremover.bench.harness import compare
     from fastremover.models.loading import load_models
-    from fastremover.pipeline import MODES
+    from fastremover.pipeline import MODES, RunOptions
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise FastRemoverError(f"--modes {args.modes!r}: choose from {list(MODES)}")
+    crop = getattr(args, "crop", None)  # bench only
+    RunOptions(window=args.window, overlap=args.overlap, crop=crop or "off").validate()  # before loading the model
     models = load_models(args.model, args.preset, args.weights_seed)
     return compare(models, inputs, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
                    hash_repeats=hash_repeats, device=args.device, precision=args.precision,
-                   count_flops=not args.no_flops)
+                   count_flops=not args.no_flops, window=args.window, overlap=args.overlap, crop=crop)
 
 
 def cmd_bench(args) -> int:
@@ -217,9 +295,17 @@ def cmd_bench(args) -> int:
     if args.video:
         if not args.mask:
             raise FastRemoverError("--video needs --mask")
+        if args.object_fraction is not None or args.object_travel is not None:
+            raise FastRemoverError("--object-fraction/--object-travel set the synthetic workload's object; not for --video")
         inputs = file_inputs(args.video, args.mask)
     else:
-        inputs = synthetic_inputs(args.workload)
+        fraction = 0.15 if args.object_fraction is None else args.object_fraction
+        if not 0 < fraction < 0.6:
+            raise FastRemoverError(f"--object-fraction {fraction}: must be between 0 and 0.6 (exclusive)")
+        travel = 1.0 if args.object_travel is None else args.object_travel
+        if not 0 < travel <= 1:
+            raise FastRemoverError(f"--object-travel {travel}: must be in (0, 1]")
+        inputs = synthetic_inputs(args.workload, object_fraction=fraction, travel=travel)
     if args.repeats < 0 or args.hash_repeats < 0:
         raise FastRemoverError("--repeats and --hash-repeats must be >= 0")
     results = _compare(args, inputs, args.repeats, args.hash_repeats)

@@ -35,8 +35,26 @@ def collect_info() -> dict:
             p = torch.cuda.get_device_properties(i)
             gpus.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
     info["devices"] = gpus or ["cpu only (no CUDA GPU visible)"]
-    info["modes"] = {"eager": "available (reference-exact path, every device)"}
+    info["modes"] = _modes(torch.device("cuda" if gpus else "cpu"))
     return info
+
+
+def _modes(device: torch.device) -> dict[str, str]:
+    """What each engine mode would run on this device (resolve_mode is what the pipeline uses)."""
+    from fastremover.fast.attention import available_backends
+    from fastremover.fast.engine import MODES, resolve_mode
+
+    out = {}
+    for mode in MODES:
+        active, notes = resolve_mode(mode, device)
+        if active == "eager":
+            desc = "eager module (reference order), torch SDPA"
+        else:
+            desc = "fused Triton kernels, CUDA-graph denoise loop, attention: " + "/".join(available_backends(device))
+            if active == "fast":
+                desc += ", FP8 e4m3 linears"
+        out[mode] = desc + (f"  [{notes[0]}]" if notes else "")
+    return out
 
 
 def format_info(info: dict) -> str:

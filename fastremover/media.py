@@ -800,6 +800,7 @@ def synthetic_clip(
     seed: int = 0,
     object_fraction: float = 0.15,
     fps: Fraction | float = 24,
+    travel: float = 1.0,
 ) -> tuple[Video, np.ndarray]:
     """A deterministic test clip: a textured, panning background with a striped ellipse moving across it.
 
@@ -807,12 +808,16 @@ def synthetic_clip(
     ``object_fraction`` of each frame and stays fully inside it.  The background is a sum of sinusoids plus
     smooth noise that pans a few pixels per frame (so an inpainter has real, moving texture to continue) and
     the object has a hard edge (so pixels outside the mask never carry object colour).  Everything is
-    vectorised: 152 frames at 854x480 take about a second.
+    vectorised: 152 frames at 854x480 take about a second.  ``travel`` (0..1] is the part of the frame the object's
+    path spans (1: from the left edge to the right edge; 0.2: a short path around the centre, as for a small object
+    that a crop can follow).
     """
     if num_frames < 1 or height < 8 or width < 8:
         raise ValueError("synthetic_clip needs num_frames >= 1 and a frame of at least 8x8")
     if not 0 < object_fraction < 0.6:
         raise ValueError("object_fraction must be in (0, 0.6) so the ellipse fits inside the frame")
+    if not 0 < travel <= 1:
+        raise ValueError("travel must be in (0, 1]")
     rng = np.random.default_rng(seed)
     pan = int(rng.integers(2, 5))  # px per frame, horizontal
     drift = int(rng.integers(-1, 2))  # px per frame, vertical
@@ -846,8 +851,9 @@ def synthetic_clip(
     scale = min(1.0, (width / 2 - 1) / a, (height / 2 - 1) / b)
     a, b = a * scale, b * scale
     t = f / max(1, num_frames - 1)
-    cx = a + 0.5 + t * (width - 2 * a - 2)  # pixel centres: stays within columns 1 .. width-2
-    cy = height / 2 + (height / 2 - b - 1) * 0.6 * np.sin(2 * np.pi * t + rng.uniform(0, 2 * np.pi))
+    span = width - 2 * a - 2
+    cx = a + 0.5 + (1 - travel) / 2 * span + t * travel * span  # pixel centres: stays within columns 1 .. width-2
+    cy = height / 2 + (height / 2 - b - 1) * 0.6 * travel * np.sin(2 * np.pi * t + rng.uniform(0, 2 * np.pi))
     px0 = np.clip(np.floor(cx - a) - 1, 0, None).astype(int)
     py0 = np.clip(np.floor(cy - b) - 1, 0, None).astype(int)
     pw, ph = min(width, int(np.ceil(2 * a)) + 3), min(height, int(np.ceil(2 * b)) + 3)

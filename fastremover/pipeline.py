@@ -1,20 +1,25 @@
 """RemovalPipeline: the one object the CLI, the Python API and the server call.
 
-Data path (upstream MiniMax-Remover order, REFERENCE §1):
+Data path (upstream MiniMax-Remover order, REFERENCE §1, per window):
     frames uint8 + mask bool (media io)
-    -> preprocess: dilate the mask (L1 diamond, = scipy binary_dilation), frames to [-1,1], fit the run size
-       (native: pad bottom/right to multiples of 16; or an explicit WxH: bilinear resize, mask re-binarized),
-       pad the frame count to 4k+1 by repeating the last frame
+    -> preprocess: dilate the mask (L1 diamond, = scipy binary_dilation); split the clip into overlapping windows
+       (`fastremover.windows`); per window, the frames it shares with the previous window are that window's output,
+       with their mask cleared (known content the model continues from); pick the crop (the whole frame, or a box
+       around the window's mask); frames to [-1,1], fit the run size (native: pad bottom/right to multiples of 16; or
+       an explicit WxH: bilinear resize, mask re-binarized), pad the frame count to 4k+1 by repeating the last frame
     -> VAE encode twice (posterior mode): masked = frames*(1-mask), and 2*mask-1; both normalized
     -> denoise: noise ~ randn [1,16,T,H/8,W/8] from torch.Generator(device).manual_seed(seed);
        each step the transformer sees cat([x, masked_lat, mask_lat]) and the scheduler steps x
-    -> VAE decode of denormalized x -> crop padding, resize back to the source size
-    -> composite: pixels outside the dilated mask are copied from the input
+    -> VAE decode of denormalized x -> crop padding, resize back to the source size, paste the crop back
+    -> composite: pixels outside the dilated mask are copied from the input (feathered inside the mask for crops);
+       shared frames are cross-faded linearly from the previous window's output to this one's
 The `classic` backend replaces encode/denoise/decode with the weightless fill of `fastremover.classic`.
+A clip of at most one window, without a crop, takes exactly the single-pass path (bit-identical to the reference order).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -26,13 +31,26 @@ import torch.nn.functional as F
 from fastremover.classic import classic_remove
 from fastremover.errors import FastRemoverError
 from fastremover.masks import composite, dilate_masks
+from fastremover.fast.engine import MODES, build_denoiser, resolve_mode
 from fastremover.models.loading import RemoverModels, load_models
-from fastremover.schedulers import build_scheduler
 from fastremover.timing import StageTimer
+from fastremover.windows import (
+    CROP_MODES,
+    DEFAULT_WINDOW,
+    Box,
+    Window,
+    choose_crop,
+    crossfade_weights,
+    plan_windows,
+    usable_window_length,
+    validate_windows,
+)
 
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-MODES = ("eager",)
 SIZE_MULTIPLE = 16  # VAE 8x spatial downsampling times the transformer's 2x2 patches
+# A crop's output is pasted back with a ramp up to this wide inside the mask: the model saw less of the scene, so its
+# colours may drift a little from the surroundings (see crop_feather for the cap).
+CROP_FEATHER = 4
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -57,6 +75,16 @@ def parse_size(size: str | tuple[int, int] | None) -> tuple[int, int] | None:
     return w, h
 
 
+def crop_feather(dilate: int) -> int:
+    """Width of the crop's paste-back ramp for a mask dilated by `dilate` (L1) pixels: at most CROP_FEATHER, and narrow
+    enough that the ramp lies on the dilation ring only, so no pixel of the object itself is blended back in.
+
+    An object pixel's nearest unmasked pixel is more than `dilate` away in L1, so at least (dilate + 1) / sqrt(2) in
+    the Euclidean distance the ramp uses; the ramp is fully opaque from feather + 1 on.
+    """
+    return max(0, min(CROP_FEATHER, math.floor((dilate + 1) / math.sqrt(2) - 1)))
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -70,6 +98,11 @@ class RunOptions:
     dilate: int = 6
     size: str | tuple[int, int] = "native"
     composite: bool = True
+    window: int = DEFAULT_WINDOW  # frames per window (used as the largest 4k+1 <= window); shorter clips: one window
+    # frames each window shares with the previous one (conditioning + cross-fade); None: about a fifth of the window
+    # as 4k+1 frames (17 for the default 81, see windows.default_overlap)
+    overlap: int | None = None
+    crop: str = "auto"  # auto | on | off: run the model on a box around the mask instead of the whole frame
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -77,6 +110,14 @@ class RunOptions:
         if self.dilate < 0:
             raise FastRemoverError(f"--dilate {self.dilate}: must be >= 0")
         parse_size(self.size)
+        validate_windows(self.window, self.overlap)
+        if self.crop not in CROP_MODES:
+            raise FastRemoverError(f"--crop {self.crop!r}: choose one of {list(CROP_MODES)}")
+        if self.crop == "on" and parse_size(self.size) is not None:
+            raise FastRemoverError(
+                f"--crop on runs the model at the source resolution; it cannot be combined with --size {self.size} "
+                "(use --size native, or --crop off)"
+            )
 
 
 @dataclass
@@ -86,24 +127,46 @@ class EngineConfig:
     model: str  # "classic", "random:<preset>:<seed>" or a checkpoint path
     device: str
     precision: str
-    mode: str = "eager"
+    mode: str = "eager"  # the mode that runs (after any fallback)
+    requested_mode: str = "eager"
+    fused_kernels: str = "none"
+    fp8_linears: bool = False
     attention: str = "sdpa"
     cuda_graphs: bool = False
+    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
         return asdict(self)
 
 
 @dataclass
+class WindowRun:
+    """What one window ran on: recorded in the result so callers (and tests) can see the geometry used."""
+
+    start: int  # frames [start, stop) of the clip
+    stop: int
+    overlap: int  # leading frames shared with the previous window (conditioned on its output, cross-faded)
+    box: Box | None  # (y0, y1, x0, x1) the model ran on, None = the whole frame
+    run_hw: tuple[int, int] | None  # (H, W) of the model's input after fitting (None for classic or a skipped window)
+    ran: bool  # False when nothing was masked in the window's new frames
+
+
+@dataclass
 class RemovalResult:
     frames: np.ndarray  # uint8 [F,H,W,3] at the source size: the final output (composited unless disabled)
     mask: np.ndarray  # bool [F,H,W] the dilated mask that was removed
-    generated: np.ndarray | None = None  # uint8 [F,H,W,3] decoded model output before compositing (None if not run)
-    latents: torch.Tensor | None = None  # final denoised latents (fp32, CPU), for fidelity checks
-    pixels: torch.Tensor | None = None  # decoded [1,3,F',H',W'] at the run size, before any crop/composite (keep_pixels)
+    # uint8 [F,H,W,3] decoded model output before compositing (the crop pasted into the input); None if the model did
+    # not run, and for more than one window (it would be a second copy of a long video)
+    generated: np.ndarray | None = None
+    # final denoised latents (fp32, CPU), for fidelity checks; only for a single full-frame window (otherwise there is
+    # no one latent tensor of the whole clip)
+    latents: torch.Tensor | None = None
+    # decoded [1,3,F',H',W'] at the run size, before any crop/composite (keep_pixels; single full-frame window only)
+    pixels: torch.Tensor | None = None
     timer: StageTimer = field(default_factory=StageTimer)
     ran_model: bool = False
     notes: list[str] = field(default_factory=list)
+    windows: list[WindowRun] = field(default_factory=list)  # per window: frames, overlap, crop box, run size
 
 
 @dataclass
@@ -155,7 +218,7 @@ class RemovalPipeline:
         *,
         device: str | None = None,
         precision: str | None = None,
-        mode: str = "eager",
+        mode: str = "auto",
     ):
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -163,18 +226,25 @@ class RemovalPipeline:
         precision = precision or ("fp16" if self.device.type == "cuda" else "fp32")
         if precision not in PRECISIONS:
             raise FastRemoverError(f"--precision {precision!r}: choose one of {list(PRECISIONS)}")
-        if mode not in MODES:
-            raise FastRemoverError(f"--mode {mode!r}: choose one of {list(MODES)}")
+        if mode not in ("auto", *MODES):
+            raise FastRemoverError(f"--mode {mode!r}: choose one of {['auto', *MODES]}")
         self.dtype = PRECISIONS[precision]
         self.models = models
+        active, notes = resolve_mode(mode, self.device) if models is not None else ("eager", [])
+        self.denoiser = None
         if models is not None:
             models.transformer.to(self.device).to_inference_dtype(self.dtype)
             models.vae.to(self.device, self.dtype)
+            self.denoiser = build_denoiser(models.transformer, models.scheduler_config, active, self.device)
+        components = self.denoiser.describe() if self.denoiser is not None else {}
         self.config = EngineConfig(
             model="classic" if models is None else models.source,
             device=str(self.device),
             precision=precision,
-            mode=mode,
+            mode=active,
+            requested_mode=mode,
+            notes=notes,
+            **components,
         )
 
     @classmethod
@@ -186,7 +256,7 @@ class RemovalPipeline:
         weights_seed: int = 0,
         device: str | None = None,
         precision: str | None = None,
-        mode: str = "eager",
+        mode: str = "auto",
     ) -> "RemovalPipeline":
         """`model`: "classic" (no weights), "random" (preset config, deterministic random weights) or a checkpoint dir."""
         models = None if model == "classic" else load_models(model, preset, weights_seed)
@@ -237,19 +307,9 @@ class RemovalPipeline:
         seed: int,
         progress: Progress | None = None,
     ) -> torch.Tensor:
-        transformer = self.models.transformer
-        scheduler = build_scheduler(self.models.scheduler_config, steps, device=self.device)
         generator = torch.Generator(self.device).manual_seed(seed)
-        latents = torch.randn(masked_latents.shape, generator=generator, device=self.device, dtype=self.dtype)
-        scheduler.reset()
-        for i in range(steps):
-            model_input = torch.cat([latents.to(self.dtype), masked_latents, mask_latents], dim=1)
-            timestep = scheduler.timesteps[i].expand(latents.shape[0])
-            flow = transformer(model_input, timestep)
-            latents = scheduler.step(i, flow, latents)
-            if progress:
-                progress("denoise", i + 1, steps)
-        return latents
+        noise = torch.randn(masked_latents.shape, generator=generator, device=self.device, dtype=self.dtype)
+        return self.denoiser(noise, masked_latents, mask_latents, steps, progress)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -280,7 +340,12 @@ class RemovalPipeline:
     ) -> RemovalResult:
         """Remove the masked object. frames: uint8 [F,H,W,3]; mask: bool [F,H,W] (undilated), same F, H, W.
 
-        keep_pixels: also return the decoded video at the run size before cropping/compositing (for fidelity checks).
+        Any F: the clip is processed in overlapping windows of `options.window` frames (one window if it is not
+        longer), each on the whole frame or on a crop around the mask (`options.crop`); `result.windows` says which.
+        progress(stage, done, total) is called with "window" (0 first, then after each window) and "denoise" (after
+        each step of each window).
+        keep_pixels: also return the decoded video at the run size before cropping/compositing (for fidelity checks;
+        single full-frame window only).
         """
         options = options or RunOptions()
         options.validate()
@@ -300,32 +365,139 @@ class RemovalPipeline:
         if dilated.all():
             notes.append("the mask covers every pixel: the whole video is regenerated, nothing of the input is kept")
 
-        if self.models is None:
-            with timer.stage("classic"):
-                out = classic_remove(frames, dilated)
-            return RemovalResult(frames=out, mask=dilated, timer=timer, notes=notes)
+        windows = plan_windows(len(frames), options.window, options.overlap)
+        if len(windows) > 1 and usable_window_length(options.window) != options.window:
+            notes.append(f"--window {options.window}: using {usable_window_length(options.window)} frames per window "
+                         "(the VAE works in 4k+1 frames)")
+        # An explicit --size resizes the whole frame: a crop would be a different geometry, so auto means off then.
+        crop_mode = "off" if size is not None else options.crop
+        feather_for_crops = crop_feather(options.dilate)
 
-        with timer.stage("preprocess"):
-            prep = self.prepare(frames, dilated, size)
-        with timer.stage("vae_encode"):
-            masked_latents, mask_latents = self.encode(prep)
-        with timer.stage("denoise"):
-            latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress)
-        with timer.stage("vae_decode"):
-            pixels = self.decode(latents)
-        with timer.stage("composite"):
-            generated = self.finish(pixels, prep)
-            out = composite(frames, generated, dilated) if options.composite else generated
+        out = frames.copy()  # the output, written window by window
+        runs: list[WindowRun] = []
+        generated = latents = pixels = None  # set for a single window only (see RemovalResult)
+        if progress:
+            progress("window", 0, len(windows))
+        for index, win in enumerate(windows):
+            span = slice(win.start, win.stop)
+            with timer.stage("preprocess"):
+                # Frames shared with the previous window enter as known content: its output, with the mask cleared,
+                # so the model continues from what it already generated instead of inventing it again.
+                window_frames = out[span].copy()
+                window_mask = dilated[span].copy()
+                window_mask[: win.overlap] = False
+                # The box only needs to hold what is still to be generated (the shared frames are known already).
+                box = choose_crop(window_mask, crop_mode)
+            if not window_mask.any():  # nothing new to remove: `out` already holds the input / previous output
+                runs.append(WindowRun(win.start, win.stop, win.overlap, None, None, ran=False))
+            else:
+                if self.models is None and window_mask.all() and not dilated.all():
+                    raise FastRemoverError(
+                        f"frames {win.start}..{win.stop - 1} are masked entirely: the classic remover has nothing to "
+                        "fill them from inside one window; use a larger --window or a diffusion model (--model PATH)"
+                    )
+                # Latents and decoded pixels describe the whole clip only for one full-frame window.
+                whole_clip = len(windows) == 1 and box is None
+                filled = self._fill_window(window_frames, window_mask, box, size, options, timer, progress,
+                                           keep_latents=whole_clip, keep_pixels=whole_clip and keep_pixels)
+                with timer.stage("composite"):
+                    # Against the input and the real mask: shared frames take this window's model pixels inside the
+                    # mask too, so the cross-fade below blends the two windows' pixels there.
+                    if options.composite:
+                        feather = feather_for_crops if box is not None else 0
+                        window_out = composite(frames[span], filled.frames, dilated[span], feather=feather)
+                    else:
+                        window_out = filled.frames
+                    _write_window(out, window_out, win)
+                runs.append(WindowRun(win.start, win.stop, win.overlap, box, filled.run_hw, ran=True))
+                if len(windows) == 1:
+                    generated, latents, pixels = filled.frames, filled.latents, filled.pixels
+            if progress:
+                progress("window", index + 1, len(windows))
+
+        ran_model = self.models is not None and any(run.ran for run in runs)
         return RemovalResult(
             frames=out,
             mask=dilated,
-            generated=generated,
-            latents=latents.float().cpu(),
-            pixels=pixels.float().cpu() if keep_pixels else None,
+            generated=generated if ran_model else None,
+            latents=latents,
+            pixels=pixels,
             timer=timer,
-            ran_model=True,
+            ran_model=ran_model,
             notes=notes,
+            windows=runs,
         )
+
+    def _fill_window(
+        self,
+        frames: np.ndarray,
+        mask: np.ndarray,
+        box: Box | None,
+        size: tuple[int, int] | None,
+        options: RunOptions,
+        timer: StageTimer,
+        progress: Progress | None,
+        keep_latents: bool = False,
+        keep_pixels: bool = False,
+    ) -> "_Filled":
+        """One window's frames (uint8 [F,H,W,3]) with the pixels of `mask` filled in by the model (or the classic
+        fill), on the whole frame or only inside `box` (the rest of the frame is `frames` unchanged)."""
+        if box is not None:
+            y0, y1, x0, x1 = box
+            with timer.stage("preprocess"):
+                frames_in = np.ascontiguousarray(frames[:, y0:y1, x0:x1])
+                mask_in = np.ascontiguousarray(mask[:, y0:y1, x0:x1])
+        else:
+            frames_in, mask_in = frames, mask
+
+        if self.models is None:
+            with timer.stage("classic"):
+                filled = _Filled(classic_remove(frames_in, mask_in), run_hw=None)
+        else:
+            with timer.stage("preprocess"):
+                prep = self.prepare(frames_in, mask_in, size)
+            with timer.stage("vae_encode"):
+                masked_latents, mask_latents = self.encode(prep)
+            with timer.stage("denoise"):
+                latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress)
+            with timer.stage("vae_decode"):
+                pixels = self.decode(latents)
+            with timer.stage("composite"):
+                filled = _Filled(
+                    self.finish(pixels, prep),
+                    prep.run_hw,
+                    latents=latents.float().cpu() if keep_latents else None,
+                    pixels=pixels.float().cpu() if keep_pixels else None,
+                )
+
+        if box is not None:
+            with timer.stage("composite"):
+                whole = frames.copy()
+                whole[:, y0:y1, x0:x1] = filled.frames
+                filled.frames = whole
+        return filled
+
+
+
+@dataclass
+class _Filled:
+    """One window's model (or classic) output at the window's frame size, plus what the model ran on."""
+
+    frames: np.ndarray  # uint8 [F,H,W,3]
+    run_hw: tuple[int, int] | None  # the model's input (H, W) after fitting; None for classic
+    latents: torch.Tensor | None = None
+    pixels: torch.Tensor | None = None
+
+
+def _write_window(clip: np.ndarray, window_frames: np.ndarray, win: Window) -> None:
+    """Write one window's frames into the whole clip. The frames it shares with the previous window are cross-faded
+    linearly from what `clip` holds there (the previous window's output) to the new frames, so neither window's
+    content switches abruptly."""
+    clip[win.start + win.overlap : win.stop] = window_frames[win.overlap :]
+    for i, weight in enumerate(crossfade_weights(win.overlap)):
+        old = clip[win.start + i].astype(np.float32)
+        # old + w * (new - old) is exactly `old` wherever both agree (e.g. every pixel outside the mask).
+        clip[win.start + i] = np.rint(old + weight * (window_frames[i].astype(np.float32) - old)).astype(np.uint8)
 
 
 def warn(message: str) -> None:

@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. The variable is read when a kernel module is
+# imported (@triton.jit), so it must be set before any test imports fastremover.fast.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     # GPU tests are skipped *with a visible reason* on CPU-only machines (CI); they run through the device tool.

@@ -6,7 +6,6 @@ import sys
 from fractions import Fraction
 
 import numpy as np
-import pytest
 
 from fastremover import media
 from fastremover.cli import main

@@ -6,6 +6,11 @@ reference's models are moved off the GPU while the engine runs and vice versa, s
 pipeline's own. Fidelity is measured on the decoded video *before* compositing (PSNR mean / worst frame / inside the
 mask, SSIM, cosine of the final latents). `hash_repeats` re-runs whole engine requests with no extra synchronization
 and compares output hashes.
+
+The reference runs a clip in one pass on the whole frame, so the engine run it is compared with does too (one window,
+crop off: `fidelity_options`). Two optional extra engine runs measure what has no reference counterpart: a windowed
+run when the clip is longer than `window` (seam metric of `fastremover.windows`), and crop off vs `crop` on the same
+inputs (end-to-end times and their ratio, `crop_speedup`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import RemoverModels
 from fastremover.pipeline import RemovalPipeline, RunOptions
 from fastremover.timing import StageTimer
+from fastremover.windows import DEFAULT_WINDOW, MIN_WINDOW, Window, default_overlap, seam_metric
 
 WORKLOADS = {  # name: (frames, height, width)
     "w1": (69, 240, 432),
@@ -54,9 +60,9 @@ class BenchInputs:
         return self.frames.shape[2], self.frames.shape[1]
 
 
-def synthetic_inputs(workload: str, object_fraction: float = 0.15) -> BenchInputs:
+def synthetic_inputs(workload: str, object_fraction: float = 0.15, travel: float = 1.0) -> BenchInputs:
     frames, height, width = WORKLOADS[workload]
-    video, mask = media.synthetic_clip(frames, height, width, seed=0, object_fraction=object_fraction)
+    video, mask = media.synthetic_clip(frames, height, width, seed=0, object_fraction=object_fraction, travel=travel)
     return BenchInputs(workload, video.frames, mask, float(video.fps))
 
 
@@ -121,6 +127,7 @@ class PipelineRun:
     latents: torch.Tensor | None = None
     frames: np.ndarray | None = None
     hashes: list[str] = field(default_factory=list)
+    windows: list = field(default_factory=list)  # the engine's per-window geometry (pipeline.WindowRun) of the last run
 
     def stages_s(self) -> dict[str, float]:
         """Median per stage over the timed runs; device (CUDA event) time where available, else wall clock."""
@@ -183,10 +190,18 @@ def run_reference(ref, inputs: BenchInputs, steps: int, seed: int, repeats: int,
     return run
 
 
+def fidelity_options(inputs: BenchInputs, steps: int, seed: int) -> RunOptions:
+    """Engine options for the run compared with the reference. The reference has neither windows nor crops, so this
+    is one window covering every frame and the whole frame at the reference's run size (explicit WxH)."""
+    return RunOptions(steps=steps, seed=seed, dilate=6, size=f"{inputs.size[0]}x{inputs.size[1]}",
+                      window=max(MIN_WINDOW, inputs.frames.shape[0]), overlap=0, crop="off")
+
+
 def run_engine(pipe: RemovalPipeline, inputs: BenchInputs, steps: int, seed: int, repeats: int, workdir: str,
-               hash_repeats: int = 0) -> PipelineRun:
+               hash_repeats: int = 0, options: RunOptions | None = None) -> PipelineRun:
+    """Time the engine on `inputs`; `options` default to `fidelity_options` (the run compared with the reference)."""
     run = PipelineRun(pipe.config.mode)
-    options = RunOptions(steps=steps, seed=seed, dilate=6, size=f"{inputs.size[0]}x{inputs.size[1]}")
+    options = options or fidelity_options(inputs, steps, seed)
     _reset_peak(pipe.device)
     for i in range(1 + repeats):
         timer = StageTimer(pipe.device)
@@ -202,7 +217,7 @@ def run_engine(pipe: RemovalPipeline, inputs: BenchInputs, steps: int, seed: int
             run.wall.append(wall)
             run.device.append(dev)
     run.peak_gib = _peak(pipe.device)
-    run.pixels, run.latents, run.frames = result.pixels, result.latents, result.frames
+    run.pixels, run.latents, run.frames, run.windows = result.pixels, result.latents, result.frames, result.windows
     for _ in range(hash_repeats):  # whole requests, no stage synchronization
         out = pipe.remove(inputs.frames, inputs.mask, options, timer=StageTimer(pipe.device, sync=False))
         run.hashes.append(hashlib.sha256(out.frames.tobytes()).hexdigest())
@@ -238,8 +253,18 @@ def compare(
     device: str | None = None,
     precision: str | None = None,
     count_flops: bool = True,
+    window: int = DEFAULT_WINDOW,
+    overlap: int | None = None,
+    crop: str | None = None,
 ) -> list[dict]:
-    """Run the reference and each engine mode on `inputs`; returns one result dict per mode."""
+    """Run the reference and each engine mode on `inputs`; returns one result dict per mode.
+
+    Fidelity is always the reference vs the engine in one window on the whole frame. If the clip has more than
+    `window` frames, the engine also runs in windows of `window` (`overlap` shared, None = the default) and the seam
+    metric is reported; with `crop` ("auto" | "on" | "off") it also runs crop off vs `crop` at the native size and
+    reports both end-to-end times.
+    """
+    RunOptions(window=window, overlap=overlap, crop=crop or "off").validate()  # bad flags fail before the long runs
     from fastremover.bench.reference import ReferencePipeline
     from fastremover.pipeline import PRECISIONS, default_device
 
@@ -258,7 +283,12 @@ def compare(
             pipe = RemovalPipeline(models, device=str(device), precision=precision, mode=mode)
             eng = run_engine(pipe, inputs, steps, seed, repeats, workdir, hash_repeats)
             flops = vae_flops(pipe, inputs) if count_flops else {}
-            results.append(_result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops))
+            result = _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops)
+            if inputs.frames.shape[0] > window:
+                result.update(_windowed_run(pipe, inputs, steps, seed, window, overlap, workdir))
+            if crop is not None:
+                result.update(_crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, workdir))
+            results.append(result)
             models.transformer.to("cpu")
             models.vae.to("cpu")
             del pipe
@@ -266,6 +296,42 @@ def compare(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return results
+
+
+def _windowed_run(pipe, inputs, steps, seed, window, overlap, workdir) -> dict:
+    """One engine run in windows (crop off, same run size as the fidelity run): how visible are the boundaries?"""
+    options = RunOptions(steps=steps, seed=seed, dilate=6, size=f"{inputs.size[0]}x{inputs.size[1]}",
+                         window=window, overlap=overlap, crop="off")
+    run = run_engine(pipe, inputs, steps, seed, 0, workdir, options=options)
+    windows = [Window(w.start, w.stop, w.overlap) for w in run.windows]
+    seams = seam_metric(run.frames, dilate_masks(inputs.mask, 6), windows)
+    return {
+        "window": window,
+        "overlap": default_overlap(window) if overlap is None else overlap,
+        "windows": len(windows),
+        "windowed_total_s": round(run.total_s(), 4),
+        **{k: (round(v, 4) if v is not None else None) for k, v in seams.items()},
+    }
+
+
+def _crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, workdir) -> dict:
+    """The same request with crop off and with `crop`, at the native size (a crop cannot be combined with a resize)."""
+    runs = {}
+    for setting in dict.fromkeys(("off", crop)):  # --crop off: one run, compared with itself
+        options = RunOptions(steps=steps, seed=seed, dilate=6, size="native", window=window, overlap=overlap,
+                             crop=setting)
+        runs[setting] = run_engine(pipe, inputs, steps, seed, repeats, workdir, options=options)
+    off, cropped = runs["off"], runs[crop]
+    return {
+        "crop_setting": crop,
+        "crop_off_total_s": round(off.total_s(), 4),
+        "crop_total_s": round(cropped.total_s(), 4),
+        "crop_speedup": round(off.total_s() / cropped.total_s(), 4),
+        "crop_boxes": [list(w.box) if w.box else None for w in cropped.windows],  # (y0, y1, x0, x1); None = whole frame
+        "crop_run_sizes": [f"{w.run_hw[1]}x{w.run_hw[0]}" if w.run_hw else None for w in cropped.windows],
+        "crop_fidelity": "not measured: the cropped run differs from the reference by design (the model sees only the "
+                         "crop); psnr/ssim/latent_cos are from the full-frame, one-window run",
+    }
 
 
 def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops) -> dict:
@@ -289,6 +355,8 @@ def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, 
         "mode": pipe.config.mode,
         "engine_config": pipe.config.describe(),
         "model": pipe.config.model,
+        # the engine run compared with the reference has the reference's geometry: one pass, the whole frame
+        "fidelity_run": {"windows": 1, "crop": "off"},
         "reference": ref_run.summary(),
         "engine": eng.summary(),
         "speedup_total": round(ref_run.total_s() / eng.total_s(), 4),
@@ -344,6 +412,18 @@ def format_table(results: list[dict]) -> str:
             f"{r.get('vae_decode_tflop', '?')} TFLOP"
             + (f"; hashes over {r['hash_repeats']} runs identical: {r['hashes_identical']}" if "hash_repeats" in r else "")
         )
+        if "seam_ratio" in r:
+            ratio = f"{r['seam_ratio']:.2f}" if r["seam_ratio"] is not None else "n/a"
+            lines.append(
+                f"windows [{r['mode']}]: {r['windows']} x {r['window']} frames (overlap {r['overlap']}) in "
+                f"{r['windowed_total_s']:.3f}s; seam ratio {ratio} (boundary {r['seam_boundary']} / inside "
+                f"{r['seam_inside']}, mean |frame step| inside the mask)"
+            )
+        if "crop_speedup" in r:
+            lines.append(
+                f"crop [{r['mode']}]: off {r['crop_off_total_s']:.3f}s vs {r['crop_setting']} {r['crop_total_s']:.3f}s "
+                f"-> {r['crop_speedup']:.2f}x; run sizes {r['crop_run_sizes']} (fidelity above is the full-frame run)"
+            )
     return "\n".join(lines)
 
 

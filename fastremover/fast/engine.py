@@ -1,0 +1,53 @@
+"""Engine modes: which denoiser runs, decided once when the pipeline is built.
+
+    auto   exact where it can run, else eager (the default; no note when it picks eager)
+    eager  the reference-order module (every device)
+    exact  fused Triton kernels + torch SDPA + CUDA-graph loop, no quantization   (CUDA GPUs)
+    fast   exact + FP8 e4m3 W8A8 linears                                           (GPUs with FP8 tensor cores, sm_89+)
+A mode the device cannot run falls back to the next safer one with a note (never silently): the pipeline's config
+records what is active, `fastremover info` and the bench JSON print it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
+from fastremover.fast.transformer_fast import FastTransformer
+from fastremover.models.transformer import RemoverTransformer
+
+MODES = ("eager", "exact", "fast")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def resolve_mode(mode: str, device: torch.device) -> tuple[str, list[str]]:
+    """The mode that can run on `device` and the notes explaining any fallback."""
+    if mode == "auto":
+        return ("exact" if device.type == "cuda" and triton_available() else "eager"), []
+    notes = []
+    if mode in ("exact", "fast") and (device.type != "cuda" or not triton_available()):
+        why = "no CUDA GPU" if device.type != "cuda" else "Triton is not installed"
+        notes.append(f"mode {mode} needs a CUDA GPU with Triton ({why}): running the eager path")
+        return "eager", notes
+    if mode == "fast" and not fp8_supported(device):
+        notes.append("mode fast needs FP8 tensor cores (sm_89 or newer): running mode exact (no quantization)")
+        return "exact", notes
+    return mode, notes
+
+
+def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode: str, device: torch.device):
+    if mode == "eager":
+        return EagerDenoiser(transformer, scheduler_config)
+    fast = FastTransformer(transformer, fp8=(mode == "fast"))
+    return FastDenoiser(fast, scheduler_config, cuda_graphs=device.type == "cuda")

@@ -1,0 +1,62 @@
+"""FP8 (e4m3) W8A8 linear layers for Hopper: per-output-channel weight scales, per-token dynamic activation scales.
+
+    y[m, n] = (sum_k qa[m, k] * qw[n, k]) * sa[m] * sw[n] + bias[n]
+
+The weights are quantized once when the fast transformer is built; activations arrive already quantized from the
+fused kernel that produced them (LayerNorm+adaLN, GELU, or a plain row-wise quantizer), so no host sync ever happens.
+The GEMM is `torch._scaled_mm` with row-wise scales (cuBLASLt on SM90; ATen also implements it on the CPU, which is
+what the CPU tests use). Some torch builds accept only bf16 outputs with row-wise scales: `scaled_mm_out_dtype`
+probes once and the layer then casts to the model dtype itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+FP8 = torch.float8_e4m3fn
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_mm_out_dtype(device_type: str, device_index: int | None, want: torch.dtype) -> torch.dtype:
+    """The output dtype `torch._scaled_mm` accepts with row-wise scales and a bias on this device (want, else bf16)."""
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    a = torch.ones(16, 32, device=device).to(FP8)
+    b = torch.ones(16, 32, device=device).to(FP8)
+    sa, sb = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
+    try:
+        torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=torch.zeros(16, device=device, dtype=want), out_dtype=want)
+        return want
+    except RuntimeError:
+        return torch.bfloat16
+
+
+class Fp8Linear(nn.Module):
+    """A frozen nn.Linear in e4m3 with per-output-channel scales; takes pre-quantized activations."""
+
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype):
+        super().__init__()
+        from fastremover.fast.kernels.quant import quant_fp8_weight  # Triton-importing module: only when used
+
+        codes, scale = quant_fp8_weight(linear.weight.detach())
+        # _scaled_mm wants the second operand column-major: keep codes [N, K] row-major and pass codes.t().
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", scale.view(1, -1).contiguous())
+        self.out_dtype = out_dtype
+        dev = codes.device
+        self.mm_dtype = scaled_mm_out_dtype(dev.type, dev.index, out_dtype)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        self.register_buffer("bias", None if bias is None else bias.to(self.mm_dtype).contiguous())
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    def forward(self, x_codes: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """x_codes [M, K] e4m3, x_scale [M, 1] fp32 -> [M, N] in out_dtype."""
+        y = torch._scaled_mm(
+            x_codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, bias=self.bias, out_dtype=self.mm_dtype
+        )
+        return y if self.mm_dtype == self.out_dtype else y.to(self.out_dtype)

@@ -1,0 +1,264 @@
+"""Shared pieces of the fastremover Triton kernels: interpreter detection, row segmentation, exact rounding helpers.
+
+Every kernel in this package runs in two modes:
+
+* compiled (the target: NVIDIA Hopper), launched with `enable_fp_fusion=False` (no mul+add -> FMA contraction anywhere,
+  so every fp32 product is rounded before it is added, like the separate eager kernels do) and
+  `enable_reflect_ftz=False` (libdevice and `tl.math.rsqrt` use the non-flush-to-zero variants, like PyTorch's CUDA
+  build: `rsqrt.approx.f32` instead of `rsqrt.approx.ftz.f32`);
+* interpreted (`TRITON_INTERPRET=1` when the kernel module is imported; CPU tests). The interpreter executes the kernel
+  body with numpy, which gets fp32/fp16 arithmetic and fp32->fp16 rounding right, but (Triton 3.9):
+    - fp32 -> bf16 casts TRUNCATE instead of rounding to nearest even, and bf16 -> fp32 flushes/mangles bf16 subnormals;
+    - fp32 -> float8e4nv casts round half away from zero and drop the mantissa carry (31.6 -> 16.0);
+    - `tl.inline_asm_elementwise` and libdevice (`extern_elementwise`) calls raise NotImplementedError.
+  So under the interpreter the helpers below replace those casts with integer bit manipulation that reproduces
+  PyTorch's software conversions bit for bit (c10::BFloat16 round_to_nearest_even, c10 fp8e4m3fn_from_fp32_value),
+  and replace inline asm / libdevice by plain Triton ops. On the GPU the hardware conversions are used
+  (`cvt.rn.bf16.f32`, `cvt.rn.satfinite.e4m3x2.f32`, `mul.rn.f32`), which give the same bits for every finite value.
+
+Whether a kernel is interpreted is decided from the kernel object itself (`triton.jit` returns an InterpretedFunction
+when TRITON_INTERPRET=1 is set at *import* time of the kernel module); that is the ground truth for which code path
+can run, and it cannot disagree with the environment read at call time the way a second `os.environ` lookup can.
+
+Row kernels hold a whole row in registers as two power-of-two segments (see `row_segments`), so a row is read once
+and written once, and an 8960-wide row costs 9216 lanes instead of next_power_of_2(8960) = 16384.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROW = 16384  # widest row the row kernels accept (registers: <= 32 fp32 values per thread at 16 warps)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_FLOOR = 1e-12  # row_scale = max(amax, SCALE_FLOOR) / FP8_MAX
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting(kernel) -> bool:
+    """True when `kernel` (a @triton.jit object) runs in the Triton CPU interpreter."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - very old triton
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return isinstance(kernel, InterpretedFunction)
+
+
+def launch_options(kernel) -> dict:
+    """Compile options for a launch. The interpreter ignores unknown launch kwargs, but we keep them off anyway."""
+    if interpreting(kernel):
+        return {}
+    if torch.version.hip is not None:  # not a target; the AMD backend has no enable_reflect_ftz option
+        return {"enable_fp_fusion": False}
+    return {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+def row_segments(n: int) -> tuple[int, int]:
+    """Split a row of n columns into a head of HEAD = the largest power of two < n (1 for n == 1) columns and a
+    masked tail of TAIL = next_power_of_2(n - HEAD) columns; both power-of-two constexpr block sizes, TAIL <= HEAD.
+
+    1536 -> (1024, 512), 2048 -> (1024, 1024), 8960 -> (8192, 1024): no lane is wasted for the model's widths
+    except 256 lanes of the 8960-wide FFN rows."""
+    if n < 1:
+        raise ValueError(f"row width must be >= 1, got {n}")
+    head = 1 if n == 1 else 1 << ((n - 1).bit_length() - 1)
+    tail = triton.next_power_of_2(max(n - head, 1))
+    return head, tail
+
+
+def row_num_warps(lanes: int) -> int:
+    """4 warps up to 2048 lanes, then one warp per 512 lanes, at most 16."""
+    return max(4, min(16, triton.next_power_of_2(lanes) // 512))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Input checks (wrappers raise ValueError with the argument's name)
+
+
+def check_tensor(name: str, t, *, ndim: int, dtypes: tuple, shape: tuple | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {t.stride()}")
+
+
+def check_device(kernel, **tensors) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    if not interpreting(kernel):
+        bad = {n: str(d) for n, d in devices.items() if d.type != "cuda"}
+        if bad:
+            raise ValueError(
+                f"compiled Triton kernels need CUDA tensors, got {bad}; to run on the CPU set TRITON_INTERPRET=1 "
+                "before fastremover.fast.kernels is imported"
+            )
+
+
+def check_tokens_per_batch(tokens_per_batch, m: int, batch: int | None = None) -> None:
+    if not isinstance(tokens_per_batch, int) or isinstance(tokens_per_batch, bool) or tokens_per_batch < 1:
+        raise ValueError(f"tokens_per_batch must be a positive int, got {tokens_per_batch!r}")
+    if m % tokens_per_batch:
+        raise ValueError(f"the token count M={m} is not a multiple of tokens_per_batch={tokens_per_batch}")
+    if batch is not None and m // tokens_per_batch != batch:
+        raise ValueError(
+            f"M={m} tokens at tokens_per_batch={tokens_per_batch} make {m // tokens_per_batch} batch rows, "
+            f"but the per-batch vectors have {batch} rows"
+        )
+
+
+def check_row_width(name: str, n: int) -> None:
+    if not 1 <= n <= MAX_ROW:
+        raise ValueError(f"{name} rows must be 1..{MAX_ROW} wide, got {n}")
+
+
+def check_out(name: str, out, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if out is None:
+        return
+    check_tensor(name, out, ndim=len(shape), dtypes=(dtype,), shape=shape)
+    if out.device != device:
+        raise ValueError(f"{name} must be on {device}, got {out.device}")
+
+
+def into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """For the eager references' `out=` arguments (so they are drop-in replacements for the kernels)."""
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def mul_rn(a, b, INTERPRET: tl.constexpr):
+    """fp32 a * b rounded to nearest even, never contracted into an FMA with a following add (`mul.rn.f32` is never
+    fused by ptxas). The interpreter multiplies with numpy, which never fuses either."""
+    if INTERPRET:
+        p = a * b
+    else:
+        p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    return p
+
+
+@triton.jit
+def load_f32(ptrs, mask, INTERPRET: tl.constexpr):
+    """Load fp16/bf16/fp32 and widen to fp32 exactly (masked lanes read 0)."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        if INTERPRET:
+            # bits << 16 is the exact fp32 value (the interpreter's own cast mangles bf16 subnormals)
+            raw = tl.load(ptrs, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+            v = (raw << 16).to(tl.float32, bitcast=True)
+        else:
+            v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def f32_to_bf16_rne(v, INTERPRET: tl.constexpr):
+    """fp32 -> bf16, round to nearest even (c10::BFloat16 semantics; NaN -> 0x7FC0 in the emulation)."""
+    if INTERPRET:
+        bits = v.to(tl.int32, bitcast=True)
+        hi = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        hi = tl.where(v != v, 0x7FC0, hi)
+        out = hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = v.to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def round_to(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> DTYPE (round to nearest even), returned as the DTYPE tensor."""
+    if DTYPE == tl.float32:
+        out = v
+    elif DTYPE == tl.bfloat16:
+        out = f32_to_bf16_rne(v, INTERPRET)
+    else:
+        out = v.to(DTYPE)
+    return out
+
+
+@triton.jit
+def round_through(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> DTYPE -> fp32: the value an eager `.to(DTYPE)` leaves, widened back (exact widening)."""
+    if DTYPE == tl.float32:
+        out = v
+    elif DTYPE == tl.bfloat16:
+        if INTERPRET:
+            out = (f32_to_bf16_rne(v, INTERPRET).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32,
+                                                                                                 bitcast=True)
+        else:
+            out = v.to(tl.bfloat16).to(tl.float32)
+    else:
+        out = v.to(DTYPE).to(tl.float32)
+    return out
+
+
+@triton.jit
+def f32_to_fp8e4m3_rne(v, INTERPRET: tl.constexpr):
+    """fp32 -> float8_e4m3fn, round to nearest even, saturating: |v| > 448 -> +-448, NaN -> NaN.
+
+    Torch's own cast (c10 fp8e4m3fn_from_fp32_value, also used by its CUDA copy kernel) is NOT saturating: values
+    in (448, 464) round to 448 but |v| >= 464 becomes NaN. The quantizers here only ever cast y / row_scale with
+    |y / row_scale| <= 448 * (1 + 2^-23), which both round to 448, so the two agree on every reachable input; the
+    explicit saturation below only makes the kernel well defined outside that range (GPU `cvt...satfinite` does the
+    same)."""
+    v = tl.where(tl.abs(v) > 448.0, tl.where(v > 0, 448.0, -448.0), v)
+    if INTERPRET:
+        # c10 fp8e4m3fn_from_fp32_value, bit for bit
+        bits = v.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        # normal fp8 range (|v| >= 2^-6): add rounding bias to the fp32 bits, keep exponent+3 mantissa bits
+        norm = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+        # subnormal fp8 range: let an fp32 add with 2^14 (ulp 2^-9) do the round-to-nearest-even
+        sub = (tl.abs(v) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+        code = tl.where(mag < (121 << 23), sub, norm)
+        code = tl.where(mag >= (1087 << 20), 0x7F, code)  # NaN (and |v| >= 464, unreachable after saturation)
+        out = (code | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        out = v.to(tl.float8e4nv)
+    return out
+
+
+@triton.jit
+def row_scale_of(amax, any_nan):
+    """row_scale = max(amax, 1e-12) / 448 (correctly rounded division, like torch's `/`), NaN if the row had a NaN
+    (torch's amax propagates NaN; tl.max does not)."""
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    return tl.where(any_nan, float("nan"), scale)
+
+
+@triton.jit
+def store_fp8_row(y0, y1, m0, m1, Q_ROW, c0, c1, RS_PTR, INTERPRET: tl.constexpr):
+    """Row-wise fp8 of a row held as two segments: amax (a max: order-free), the row scale to RS_PTR, codes to
+    Q_ROW + c (masked)."""
+    amax = tl.maximum(tl.max(tl.where(m0, tl.abs(y0), 0.0), axis=0), tl.max(tl.where(m1, tl.abs(y1), 0.0), axis=0))
+    nan0 = tl.max(tl.where(m0 & (y0 != y0), 1, 0), axis=0)
+    nan1 = tl.max(tl.where(m1 & (y1 != y1), 1, 0), axis=0)
+    scale = row_scale_of(amax, (nan0 + nan1) > 0)
+    tl.store(RS_PTR, scale)
+    tl.store(Q_ROW + c0, quantize_fp8(y0, scale, INTERPRET), mask=m0)
+    tl.store(Q_ROW + c1, quantize_fp8(y1, scale, INTERPRET), mask=m1)
+
+
+@triton.jit
+def quantize_fp8(y, scale, INTERPRET: tl.constexpr):
+    """(y / scale) -> fp8, correctly rounded fp32 division then RNE to e4m3 (as torch: two roundings)."""
+    # div_rn does not broadcast its operands (and the interpreter, being numpy, would hide that): splat explicitly
+    return f32_to_fp8e4m3_rne(tl.math.div_rn(y, tl.broadcast_to(scale, y.shape)), INTERPRET)

@@ -1,0 +1,171 @@
+"""Fused adaLN modulation: fp32 LayerNorm (no affine) * (1 + scale[b]) + shift[b], cast to x.dtype or quantized to fp8.
+
+Replaces this eager composition of fastremover/models/transformer.py (TransformerBlock.forward, both norms, and the
+final norm_out of RemoverTransformer.forward):
+
+    n = (layer_norm_fp32(x, eps) * (1 + scale) + shift).to(x.dtype)       # scale, shift: [B, 1, D] fp32
+
+Layout: x [M, D] token-major, M = B * S tokens, batch row of token m is b = m // S; shift/scale [B, D] fp32.
+One program per token row; the row lives in registers as a HEAD + TAIL pair of power-of-two segments
+(`row_segments`: 1536 -> 1024 + 512), so x is read once and y written once.
+
+Reduction order and rounding points (fp32 throughout):
+    1. x widened to fp32 exactly.
+    2. mean = sum(x) / D: tl.sum tree reduction of each segment (Triton's order: per-thread sequential, then warp
+       shuffles, then across warps), head + tail, then a correctly rounded division (`div_rn`).
+    3. var = sum((x - mean)^2) / D: two-pass (NOT Welford), biased like F.layer_norm; each (x - mean) and each square
+       rounded to fp32, same tree order, `div_rn`.
+    4. rstd = rsqrt(var + eps): `rsqrt.approx.f32` on the GPU, the same MUFU instruction PyTorch's CUDA layer_norm
+       gets from rsqrtf(); the interpreter computes 1 / sqrt(.) (two roundings, like torch's CPU kernel).
+    5. ln = (x - mean) * rstd, rounded (as PyTorch's CUDA kernel; its CPU kernel uses x * rstd + (-mean * rstd)).
+    6. y = ln * (1 + scale) + shift: 1 + scale rounded, the product rounded (`mul.rn.f32`, never an FMA), then the
+       add rounded - exactly the three separate eager kernels.
+    7. fp8=False: y rounded to x.dtype (RNE).  fp8=True: see `quant.py`: row_scale = max(amax|y|, 1e-12) / 448
+       (correctly rounded), q = RNE_e4m3(div_rn(y, row_scale)), saturating.
+So the only differences from eager are in mean/var (summation order; eager CUDA uses Welford), which move y by a few
+fp32 ulps at most and flip the final fp16/bf16 rounding of a small fraction of elements by one ulp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastremover.fast.kernels._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_out,
+    check_row_width,
+    check_tensor,
+    check_tokens_per_batch,
+    launch_options,
+    interpreting,
+    into,
+    load_f32,
+    mul_rn,
+    round_to,
+    row_num_warps,
+    row_segments,
+    store_fp8_row,
+)
+
+
+@triton.jit
+def _modulate(d, rstd, shift_row, scale_row, cols, mask, INTERPRET: tl.constexpr):
+    sc = tl.load(scale_row + cols, mask=mask, other=0.0)
+    sh = tl.load(shift_row + cols, mask=mask, other=0.0)
+    ln = mul_rn(d, rstd, INTERPRET)
+    return mul_rn(ln, 1.0 + sc, INTERPRET) + sh
+
+
+@triton.jit
+def _adaln_kernel(
+    X, SHIFT, SCALE, Y, RS,  # Y: x.dtype, or float8e4nv with RS the [M] fp32 row scales
+    D, S, d_f, eps,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // S
+    c0 = tl.arange(0, HEAD)
+    c1 = HEAD + tl.arange(0, TAIL)
+    m0 = c0 < D
+    m1 = c1 < D
+    x_row = X + row * D
+    x0 = load_f32(x_row + c0, m0, INTERPRET)
+    x1 = load_f32(x_row + c1, m1, INTERPRET)
+
+    mean = tl.math.div_rn(tl.sum(x0, axis=0) + tl.sum(x1, axis=0), d_f)
+    d0 = tl.where(m0, x0 - mean, 0.0)
+    d1 = tl.where(m1, x1 - mean, 0.0)
+    var = tl.math.div_rn(tl.sum(d0 * d0, axis=0) + tl.sum(d1 * d1, axis=0), d_f)
+    rstd = tl.math.rsqrt(var + eps)
+
+    y0 = _modulate(d0, rstd, SHIFT + b * D, SCALE + b * D, c0, m0, INTERPRET)
+    y1 = _modulate(d1, rstd, SHIFT + b * D, SCALE + b * D, c1, m1, INTERPRET)
+
+    y_row = Y + row * D
+    if FP8:
+        store_fp8_row(y0, y1, m0, m1, y_row, c0, c1, RS + row, INTERPRET)
+    else:
+        tl.store(y_row + c0, round_to(y0, Y.dtype.element_ty, INTERPRET), mask=m0)
+        tl.store(y_row + c1, round_to(y1, Y.dtype.element_ty, INTERPRET), mask=m1)
+
+
+def adaln_modulate(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    tokens_per_batch: int,
+    eps: float,
+    *,
+    fp8: bool = False,
+    out: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y = LayerNorm_fp32_noaffine(x) * (1 + scale[b]) + shift[b], b = token // tokens_per_batch.
+
+    x: [M, D] fp16/bf16/fp32 contiguous; shift, scale: [B, D] fp32 contiguous with B * tokens_per_batch == M.
+    fp8=False -> y.to(x.dtype) [M, D] (written into `out` if given).
+    fp8=True  -> (q float8_e4m3fn [M, D], row_scale fp32 [M, 1]) with row_scale = max(amax_row|y|, 1e-12) / 448 and
+                 q = RNE_e4m3(y / row_scale) (saturating; |y / row_scale| <= 448 by construction);
+                 written into `out` / `out_scale` if given.
+    D <= 16384.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    m, d = x.shape
+    check_row_width("x", d)
+    check_tensor("shift", shift, ndim=2, dtypes=(torch.float32,))
+    check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), shape=tuple(shift.shape))
+    if shift.shape[1] != d:
+        raise ValueError(f"shift/scale must be [B, {d}] to match x [M, {d}], got {tuple(shift.shape)}")
+    check_tokens_per_batch(tokens_per_batch, m, shift.shape[0])
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    check_device(_adaln_kernel, x=x, shift=shift, scale=scale, out=out, out_scale=out_scale)
+    if not fp8 and out_scale is not None:
+        raise ValueError("out_scale is only used with fp8=True")
+    y_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+    check_out("out", out, (m, d), y_dtype, x.device)
+    y = out if out is not None else torch.empty((m, d), dtype=y_dtype, device=x.device)
+    if fp8:
+        check_out("out_scale", out_scale, (m, 1), torch.float32, x.device)
+        rs = out_scale if out_scale is not None else torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    else:
+        rs = y  # unused (FP8=False never touches RS); any pointer will do
+    if m:
+        head, tail = row_segments(d)
+        interp = interpreting(_adaln_kernel)
+        _adaln_kernel[(m,)](
+            x, shift, scale, y, rs, d, tokens_per_batch, float(d), float(eps),
+            HEAD=head, TAIL=tail, FP8=fp8, INTERPRET=interp,
+            num_warps=row_num_warps(head + tail), **launch_options(_adaln_kernel),
+        )
+    return (y, rs) if fp8 else y
+
+
+def adaln_modulate_reference(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    tokens_per_batch: int,
+    eps: float,
+    *,
+    fp8: bool = False,
+    out: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Eager torch: exactly `(layer_norm_fp32(x, eps) * (1 + scale) + shift).to(x.dtype)` of transformer.py on the
+    [B, S, D] view (fp8=True: the same fp32 y, quantized by `fp8_rowwise_reference`). Same signature as
+    `adaln_modulate`."""
+    from fastremover.fast.kernels.quant import fp8_rowwise_reference
+    from fastremover.models.transformer import layer_norm_fp32
+
+    m, d = x.shape
+    b = m // tokens_per_batch
+    xb = x.view(b, tokens_per_batch, d)
+    y = layer_norm_fp32(xb, eps) * (1 + scale[:, None, :]) + shift[:, None, :]
+    if fp8:
+        q, rs = fp8_rowwise_reference(y.view(m, d))
+        return into(q, out), into(rs, out_scale)
+    return into(y.to(x.dtype).view(m, d), out)

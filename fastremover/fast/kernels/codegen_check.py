@@ -1,0 +1,172 @@
+"""Offline codegen check: compile every kernel for sm_90 (H200) WITHOUT a GPU and inspect its PTX/SASS.
+
+Triton ships ptxas/cuobjdump, so `triton.compile(..., target=GPUTarget("cuda", 90, 32))` works on a CPU-only machine.
+This verifies the properties the kernels' bit-exactness arguments rest on, which the interpreter cannot show:
+    * gate_residual / adaln / qk_norm_rope: no FMA at all (PTX `fma.` / SASS `FFMA`): every product is rounded
+      before its add, like the separate eager kernels;
+    * gate_residual: the product is the inline `mul.rn.f32`;
+    * quantizers: the divisions are IEEE `div.rn.f32` (Triton's `/` on fp32 is the approximate `div.full.f32`);
+    * fp8 via `cvt.rn.satfinite.e4m3x2.f32`, bf16 via `cvt.rn.bf16.f32` (or the x2 form), rsqrt non-ftz;
+    * gelu: the libdevice tanh is inlined, no extern call left.
+
+Must run in a process where TRITON_INTERPRET is not "1" when the kernel modules are imported (tests run it in a
+subprocess): `python -m fastremover.fast.kernels.codegen_check` prints a report and exits non-zero on a violation.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+
+def _compile(kernel, signature: dict, constexprs: dict, num_warps: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastremover.fast.kernels._common import launch_options
+
+    sig = dict(signature)
+    for k in constexprs:
+        sig[k] = "constexpr"
+    # the specialization a real launch gets: 16-byte aligned pointers, row widths divisible by 16 (1536, 8960, 768)
+    names = list(kernel.arg_names)
+    aligned = {names.index(k) for k, t in sig.items() if t.startswith("*") or k in ("D", "N", "NPAIRS")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in sorted(aligned)}
+    src = ASTSource(fn=kernel, signature={k: sig[k] for k in names}, constexprs=constexprs, attrs=attrs)
+    opts = {"num_warps": num_warps, **launch_options(kernel)}  # exactly what the wrappers launch with
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def _opcodes(ptx: str) -> set[str]:
+    ops = set()  # instruction names (directives start with '.', comments with '//': neither matches)
+    for ln in ptx.splitlines():
+        m = re.match(r"\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)", ln)
+        if m:
+            ops.add(m.group(1))
+    return ops
+
+
+def _sass(compiled) -> str | None:
+    try:
+        return compiled.asm["sass"]  # disassembled lazily with the bundled cuobjdump/nvdisasm
+    except Exception:  # cuobjdump missing or failing: SASS checks are skipped, PTX checks still run
+        return None
+
+
+def _resources(compiled) -> str:
+    """'REG:40 ... LOCAL:0' line of `cuobjdump --dump-resource-usage` (empty if the tool is unavailable)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, timeout=60)
+        line = next((ln.strip() for ln in out.stdout.splitlines() if "REG:" in ln), "")
+        return " ".join(w for w in line.split() if w.split(":")[0] in ("REG", "SHARED", "LOCAL", "STACK"))
+    except Exception:
+        return ""
+
+
+def builds() -> list[tuple[str, object, dict, dict, int]]:
+    from fastremover.fast.kernels import adaln, qk_norm_rope, quant, residual
+    from fastremover.fast.kernels._common import row_num_warps as nw
+
+    f = False
+    out = []
+    for xt in ("fp16", "bf16"):
+        out.append((f"gate_residual[{xt}]", residual._gate_residual_kernel,
+                    {"X": f"*{xt}", "BR": f"*{xt}", "G": "*fp32", "Y": f"*{xt}", "M": "i32", "D": "i32", "S": "i32"},
+                    {"BLOCK_M": 8, "BLOCK_D": 512, "INTERPRET": f}, 8))
+        out.append((f"adaln[{xt}]", adaln._adaln_kernel,
+                    {"X": f"*{xt}", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": f"*{xt}", "RS": "*fp32", "D": "i32",
+                     "S": "i32", "d_f": "fp32", "eps": "fp32"},
+                    {"HEAD": 1024, "TAIL": 512, "FP8": False, "INTERPRET": f}, nw(1536)))
+        out.append((f"adaln_fp8[{xt}]", adaln._adaln_kernel,
+                    {"X": f"*{xt}", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": "*fp8e4nv", "RS": "*fp32", "D": "i32",
+                     "S": "i32", "d_f": "fp32", "eps": "fp32"},
+                    {"HEAD": 1024, "TAIL": 512, "FP8": True, "INTERPRET": f}, nw(1536)))
+        out.append((f"qk_norm_rope[{xt}]", qk_norm_rope._qk_norm_rope_kernel,
+                    {"X": f"*{xt}", "W": f"*{xt}", "COS": "*fp32", "SIN": "*fp32", "Y": f"*{xt}", "NPAIRS": "i32",
+                     "S": "i32", "inv_n": "fp32", "eps": "fp32"},
+                    {"HALF": 64, "HEAD": 512, "TAIL": 256, "INTERPRET": f}, nw(1536)))
+        out.append((f"quant_fp8_rowwise[{xt}]", quant._quant_rows_kernel,
+                    {"X": f"*{xt}", "Q": "*fp8e4nv", "RS": "*fp32", "N": "i32"},
+                    {"HEAD": 1024, "TAIL": 512, "GELU": False, "QUANT": True, "INTERPRET": f}, nw(1536)))
+        out.append((f"quant_fp8_rowwise_8960[{xt}]", quant._quant_rows_kernel,
+                    {"X": f"*{xt}", "Q": "*fp8e4nv", "RS": "*fp32", "N": "i32"},
+                    {"HEAD": 8192, "TAIL": 1024, "GELU": False, "QUANT": True, "INTERPRET": f}, nw(9216)))
+        out.append((f"gelu_tanh_quant_fp8[{xt}]", quant._quant_rows_kernel,
+                    {"X": f"*{xt}", "Q": "*fp8e4nv", "RS": "*fp32", "N": "i32"},
+                    {"HEAD": 8192, "TAIL": 1024, "GELU": True, "QUANT": True, "INTERPRET": f}, nw(9216)))
+    return out
+
+
+def check(verbose: bool = True) -> list[str]:
+    """Compile everything for sm_90; return the list of violated properties (empty = all good)."""
+    problems = []
+    for name, kernel, sig, consts, warps in builds():
+        c = _compile(kernel, sig, consts, warps)
+        ptx = c.asm["ptx"]
+        ops = _opcodes(ptx)
+        sass = _sass(c)
+        fam = name.split("[")[0]
+        bf16 = "[bf16]" in name
+
+        def need(cond: bool, what: str):
+            if not cond:
+                problems.append(f"{name}: {what}")
+
+        need(re.search(r"^\s*call|\.extern\s+\.func", ptx, re.M) is None, "a function call was left in the PTX")
+        if sass is not None:
+            need(re.search(r"\b(STL|LDL)\b", sass) is None, "SASS spills registers to local memory (STL/LDL)")
+        need(not any(o.startswith("div.full") or o.startswith("div.approx") for o in ops), "approximate fp32 division")
+        if fam in ("gate_residual", "adaln", "adaln_fp8", "qk_norm_rope", "quant_fp8_rowwise",
+                   "quant_fp8_rowwise_8960"):
+            fmas = sorted(o for o in ops if o.startswith("fma."))
+            need(not fmas, f"PTX contains {fmas}")
+            # PTX mul.rn/add.rn (explicit rounding) are never contracted by ptxas; where there is no div.rn (whose
+            # IEEE expansion is MUFU.RCP + FFMA Newton steps) the SASS must not contain a single FFMA either
+            if sass is not None and "div.rn.f32" not in ops:
+                need(re.search(r"\bFFMA\b", sass) is None, "SASS contains FFMA")
+        if fam == "gate_residual":
+            need("mul.rn.f32" in ptx, "the inline mul.rn.f32 is missing")
+        if fam in ("adaln", "adaln_fp8", "qk_norm_rope"):
+            need(any(o.startswith("rsqrt.approx.f32") for o in ops), f"expected non-ftz rsqrt.approx.f32, got "
+                 f"{sorted(o for o in ops if 'rsqrt' in o)}")
+        if fam in ("adaln_fp8", "quant_fp8_rowwise", "quant_fp8_rowwise_8960", "gelu_tanh_quant_fp8"):
+            need("div.rn.f32" in ops, "expected IEEE div.rn.f32")
+            need(any(o.startswith("cvt.rn.satfinite.e4m3x2.f32") for o in ops), "expected cvt.rn.satfinite.e4m3x2.f32")
+        if bf16 and fam in ("gate_residual", "adaln", "qk_norm_rope"):
+            need(any(o.startswith("cvt.rn.bf16") for o in ops), "expected cvt.rn.bf16(x2).f32")
+        if verbose:
+            flt = sorted(o for o in ops if re.search(r"\.(f32|bf16|f16|e4m3x2)|^cvt|^div|^rsqrt|^fma|^mul\.rn", o))
+            mem = sorted({o for o in ops if o.startswith(("ld.global", "st.global"))})
+            res = _resources(c)
+            need("LOCAL:0" in res or not res, f"uses local memory: {res}")
+            print(f"{name:30s} warps={warps} {res}\n{'':30s} {' '.join(flt)}\n{'':30s} memory: {' '.join(mem)}")
+    return problems
+
+
+def main() -> int:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the kernels must be imported as compiled @triton.jit functions", file=sys.stderr)
+        return 2
+    problems = check()
+    for p in problems:
+        print("VIOLATION:", p)
+    print("codegen OK" if not problems else f"{len(problems)} violation(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
