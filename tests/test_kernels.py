@@ -56,11 +56,11 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ordered(a) - ordered(b)).abs()
 
 
-def lowp_stats(got: torch.Tensor, ref: torch.Tensor) -> dict:
+def lowp_stats(got: torch.Tensor, ref: torch.Tensor, near_zero_ulps: int = 1) -> dict:
     u = ulp_distance(got, ref)
     diff = (got.float() - ref.float()).abs()
     rowmax = ref.float().abs().amax(dim=-1, keepdim=True)
-    near_zero = diff <= rowmax * 2.0 ** -MANT[got.dtype]
+    near_zero = diff <= rowmax * near_zero_ulps * 2.0 ** -MANT[got.dtype]
     return {
         "n": u.numel(),
         "mismatched": int((u > 0).sum()),
@@ -73,15 +73,16 @@ def lowp_stats(got: torch.Tensor, ref: torch.Tensor) -> dict:
     }
 
 
-def assert_lowp_close(got, ref, *, max_frac=1e-3, min_count=0, what=""):
-    """fp16/bf16: <= 1 ulp (or within one dtype-ulp of the row max), and few mismatches; fp32: 1e-6 of max|ref|."""
+def assert_lowp_close(got, ref, *, max_frac=1e-3, min_count=0, near_zero_ulps=1, what=""):
+    """fp16/bf16: <= 1 ulp (or within `near_zero_ulps` dtype-ulps of the row max), and few mismatches;
+    fp32: 1e-6 of max|ref|."""
     assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, ref.dtype, got.shape, ref.shape)
     assert not torch.isnan(got.float()).any(), f"{what}: NaN in the output (unwritten elements?)"
     if got.dtype == F32:
         err = (got - ref).abs().max().item()
         assert err <= 1e-6 * ref.abs().max().item(), f"{what}: fp32 max abs diff {err} vs max|ref| {ref.abs().max()}"
         return {"max_abs_diff": err}
-    s = lowp_stats(got, ref)
+    s = lowp_stats(got, ref, near_zero_ulps)
     assert s["over_1ulp_not_near_zero"] == 0, f"{what}: {s}"
     assert s["mismatched"] <= max(min_count, max_frac * s["n"]), f"{what}: {s}"
     return s
@@ -516,7 +517,10 @@ def test_gpu_qk_norm_rope_ulps(dtype):
     out = poisoned((M_REAL, HEADS * HEAD_DIM), dtype)
     qk.qk_norm_rope(x, w, cos, sin, S_REAL, HEADS, EPS, out=out)
     ref = qk.qk_norm_rope_reference(x, w, cos, sin, S_REAL, HEADS, EPS)
-    s = assert_lowp_close(out, ref, max_frac=1e-3, what=f"seed {seed}")
+    # The rotation e*c - o*s of two normalized values can cancel: a 1-ulp difference in e or o (from the rsqrt, whose
+    # last bit differs between Triton and torch on the GPU) then shows as up to sqrt(2) ulps *of the row maximum* in a
+    # small output. Seen on the H200 (2026-11-30): 2 of 50M elements at 1.1 ulp-of-row-max. Bound: 2 ulps of the row max.
+    s = assert_lowp_close(out, ref, max_frac=1e-3, near_zero_ulps=2, what=f"seed {seed}")
     print(f"qk_norm_rope {dtype}: {s}")
 
 

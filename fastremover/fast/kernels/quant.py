@@ -166,7 +166,10 @@ def fp8_rowwise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The clamp is a no-op on every finite input (|y / scale| <= 448 * (1 + 2^-23), which torch rounds to 448 anyway);
     it only documents the kernels' saturation (torch alone would give NaN at |v| >= 464)."""
     yf = y.float()
-    scale = yf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448
+    amax = yf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    # A tensor divisor, not the Python scalar 448: CUDA's `tensor / scalar` multiplies by a rounded reciprocal,
+    # which differs from a correctly rounded division (and from the CPU, and from the kernels' div.rn) in the last bit.
+    scale = amax / amax.new_full((), 448.0)
     return (yf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
