@@ -434,7 +434,8 @@ def save_results(results: list[dict], out_dir: str | os.PathLike = "bench/result
     date = _dt.date.today().isoformat()
     for r in results:
         sha = r["commit"][:7]
-        path = out_dir / f"{r['workload']}-{r['mode']}-{date}-{sha}.json"
+        crop = f"-crop{r['crop_setting']}" if "crop_setting" in r else ""  # a crop run never overwrites a plain one
+        path = out_dir / f"{r['workload']}-{r['mode']}{crop}-{date}-{sha}.json"
         with media.atomic_write_path(path) as tmp:
             Path(tmp).write_text(json.dumps(r, indent=2, sort_keys=False) + "\n")
         paths.append(path)
