@@ -26,7 +26,7 @@ class _Bars:
     """One tqdm bar per stage, fed by the pipeline's progress callback. A stage that starts over (the denoise steps of
     the next window) gets a fresh bar."""
 
-    UNITS = {"window": "window"}
+    UNITS = {"window": "window", "vae_encode": "chunk", "vae_decode": "frame"}
 
     def __init__(self, enabled: bool):
         self.enabled = enabled

@@ -290,12 +290,16 @@ class RemovalPipeline:
         )
 
     @torch.no_grad()
-    def encode(self, prep: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, prep: Prepared, progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalized latents of the masked video and of the mask video (as 2*mask-1)."""
         vae = self.models.vae
         masked = prep.frames * (1 - prep.mask)
-        masked_latents = vae.normalize(vae.encode(masked))
-        mask_latents = vae.normalize(vae.encode(2 * prep.mask - 1.0))
+
+        def chunks(offset):  # one "vae_encode" bar over both encodes
+            return (lambda done, total: progress("vae_encode", offset * total + done, 2 * total)) if progress else None
+
+        masked_latents = vae.normalize(vae.encode(masked, progress=chunks(0)))
+        mask_latents = vae.normalize(vae.encode(2 * prep.mask - 1.0, progress=chunks(1)))
         return masked_latents, mask_latents
 
     @torch.no_grad()
@@ -312,9 +316,10 @@ class RemovalPipeline:
         return self.denoiser(noise, masked_latents, mask_latents, steps, progress)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
         vae = self.models.vae
-        return vae.decode(vae.denormalize(latents.to(self.dtype)))
+        report = (lambda done, total: progress("vae_decode", done, total)) if progress else None
+        return vae.decode(vae.denormalize(latents.to(self.dtype)), progress=report)
 
     def finish(self, pixels: torch.Tensor, prep: Prepared) -> np.ndarray:
         """Decoded [1,3,F',H',W'] -> uint8 [F,H,W,3] at the source size (drop frame padding, crop or resize back)."""
@@ -457,11 +462,11 @@ class RemovalPipeline:
             with timer.stage("preprocess"):
                 prep = self.prepare(frames_in, mask_in, size)
             with timer.stage("vae_encode"):
-                masked_latents, mask_latents = self.encode(prep)
+                masked_latents, mask_latents = self.encode(prep, progress)
             with timer.stage("denoise"):
                 latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress)
             with timer.stage("vae_decode"):
-                pixels = self.decode(latents)
+                pixels = self.decode(latents, progress)
             with timer.stage("composite"):
                 filled = _Filled(
                     self.finish(pixels, prep),

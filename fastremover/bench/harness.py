@@ -167,25 +167,39 @@ def _write(frames: np.ndarray, fps: float, workdir: str) -> None:
     media.write_video(os.path.join(workdir, "out.mp4"), frames, fps)
 
 
+def _time_requests(run: PipelineRun, device: torch.device, repeats: int, request, fold: str, fps: float,
+                   workdir: str):
+    """One warm-up plus `repeats` timed whole requests. `request(timer)` returns (result, frames to write); the write
+    is timed as `composite_write`, into which the pipeline's own last stage `fold` is merged so both sides report the
+    same stages. Returns the last result."""
+    _reset_peak(device)
+    for i in range(1 + repeats):
+        timer = StageTimer(device)
+        result, frames = request(timer)
+        with timer.stage("composite_write"):
+            _write(frames, fps, workdir)
+        wall = dict(timer.wall_s)
+        wall["composite_write"] += wall.pop(fold, 0.0)
+        dev = timer.device_s()
+        if dev:
+            dev["composite_write"] = dev.get("composite_write", 0.0) + dev.pop(fold, 0.0)
+        if i > 0 or repeats == 0:
+            run.wall.append(wall)
+            run.device.append(dev)
+    run.peak_gib = _peak(device)
+    return result
+
+
 def run_reference(ref, inputs: BenchInputs, steps: int, seed: int, repeats: int, workdir: str) -> PipelineRun:
     run = PipelineRun("reference")
     dilated = dilate_masks(inputs.mask, 6)
     w, h = inputs.size
-    _reset_peak(ref.device)
-    for i in range(1 + repeats):
-        timer = StageTimer(ref.device)
+
+    def request(timer):
         result = ref(inputs.frames, inputs.mask, height=h, width=w, steps=steps, seed=seed, iterations=6, timer=timer)
-        with timer.stage("composite_write"):
-            _write(composite(inputs.frames, result.frames, dilated), inputs.fps, workdir)
-        wall = dict(timer.wall_s)
-        wall["composite_write"] += wall.pop("postprocess", 0.0)
-        dev = timer.device_s()
-        if dev:
-            dev["composite_write"] = dev.get("composite_write", 0.0) + dev.pop("postprocess", 0.0)
-        if i > 0 or repeats == 0:
-            run.wall.append(wall)
-            run.device.append(dev)
-    run.peak_gib = _peak(ref.device)
+        return result, composite(inputs.frames, result.frames, dilated)
+
+    result = _time_requests(run, ref.device, repeats, request, "postprocess", inputs.fps, workdir)
     run.pixels, run.latents, run.frames = result.pixels, result.latents, result.frames
     return run
 
@@ -202,21 +216,12 @@ def run_engine(pipe: RemovalPipeline, inputs: BenchInputs, steps: int, seed: int
     """Time the engine on `inputs`; `options` default to `fidelity_options` (the run compared with the reference)."""
     run = PipelineRun(pipe.config.mode)
     options = options or fidelity_options(inputs, steps, seed)
-    _reset_peak(pipe.device)
-    for i in range(1 + repeats):
-        timer = StageTimer(pipe.device)
+
+    def request(timer):
         result = pipe.remove(inputs.frames, inputs.mask, options, timer=timer, keep_pixels=True)
-        with timer.stage("composite_write"):
-            _write(result.frames, inputs.fps, workdir)
-        wall = dict(timer.wall_s)
-        wall["composite_write"] += wall.pop("composite", 0.0)
-        dev = timer.device_s()
-        if dev:
-            dev["composite_write"] = dev.get("composite_write", 0.0) + dev.pop("composite", 0.0)
-        if i > 0 or repeats == 0:
-            run.wall.append(wall)
-            run.device.append(dev)
-    run.peak_gib = _peak(pipe.device)
+        return result, result.frames
+
+    result = _time_requests(run, pipe.device, repeats, request, "composite", inputs.fps, workdir)
     run.pixels, run.latents, run.frames, run.windows = result.pixels, result.latents, result.frames, result.windows
     for _ in range(hash_repeats):  # whole requests, no stage synchronization
         out = pipe.remove(inputs.frames, inputs.mask, options, timer=StageTimer(pipe.device, sync=False))

@@ -29,6 +29,7 @@ temporal tap on channels-last frames instead (10-15x faster per conv at 8-16 cha
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -558,11 +559,11 @@ class WanVAE(nn.Module):
         return z / inv_std + mean
 
     @torch.no_grad()
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Video [B, in_channels, F, H, W] in [-1, 1] -> posterior mode (mu) [B, z_dim, T, H/8, W/8].
 
         Chunks as diffusers: frame 0, then 4 frames at a time; T = (F-1)//4 + 1. Like diffusers, trailing frames that
-        do not fill a last 4-frame chunk are ignored, so pass F = 4k+1 frames.
+        do not fill a last 4-frame chunk are ignored, so pass F = 4k+1 frames. progress(done, total) after each chunk.
         """
         if x.ndim != 5 or x.shape[1] != self.config.in_channels:
             raise ValueError(f"encode expects [B, {self.config.in_channels}, F, H, W], got {list(x.shape)}")
@@ -574,19 +575,21 @@ class WanVAE(nn.Module):
         bounds = [(0, 1)] + [(s, s + ENCODE_CHUNK_FRAMES) for s in starts]
         cache = CausalCache()
         latents = []
-        for start, end in bounds:
+        for done, (start, end) in enumerate(bounds, 1):
             h = self.encoder(x[:, :, start:end], cache)
             # quant_conv is 1x1x1 (no memory across frames), so running it per chunk equals running it on the whole.
             mu, _log_var = self.quant_conv(h).chunk(2, dim=1)
             latents.append(mu)
+            if progress:
+                progress(done, len(bounds))
         return torch.cat(latents, dim=2).contiguous()
 
     @torch.no_grad()
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
+    def decode(self, z: torch.Tensor, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Latents [B, z_dim, T, h, w] -> video [B, out_channels, 1 + 4(T-1), 8h, 8w], clamped to [-1, 1].
 
         One latent frame at a time, as diffusers. The output is allocated once, after the first frame shows its
-        shape, and each chunk is written into it (no list of chunks to concatenate).
+        shape, and each chunk is written into it (no list of chunks to concatenate). progress(done, total) per frame.
         """
         if z.ndim != 5 or z.shape[1] != self.config.z_dim:
             raise ValueError(f"decode expects [B, {self.config.z_dim}, T, h, w], got {list(z.shape)}")
@@ -603,5 +606,7 @@ class WanVAE(nn.Module):
                 out = chunk.new_empty(chunk.shape[0], chunk.shape[1], total, *chunk.shape[3:]).contiguous()
             out[:, :, frame : frame + chunk.shape[2]] = chunk
             frame += chunk.shape[2]
+            if progress:
+                progress(i + 1, z.shape[2])
         assert frame == out.shape[2], (frame, out.shape)
         return out
