@@ -39,6 +39,7 @@ from fastremover.windows import (
     DEFAULT_WINDOW,
     Box,
     Window,
+    ceil_4k1,
     choose_crop,
     crossfade_weights,
     plan_windows,
@@ -197,7 +198,7 @@ def _resize_video(x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
 def _pad_frames_4k1(x: torch.Tensor) -> torch.Tensor:
     """Repeat the last frame so the count is 4k+1 (the VAE's causal chunking drops frames otherwise)."""
     f = x.shape[2]
-    target = (f - 1 + 3) // 4 * 4 + 1
+    target = ceil_4k1(f)
     if target == f:
         return x
     return torch.cat([x, x[:, :, -1:].expand(-1, -1, target - f, -1, -1)], dim=2)

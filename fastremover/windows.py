@@ -18,7 +18,7 @@ from fastremover.errors import FastRemoverError
 from fastremover.masks import mask_bbox
 
 __all__ = [
-    "Window", "plan_windows", "usable_window_length", "default_overlap", "validate_windows", "crossfade_weights",
+    "Window", "plan_windows", "ceil_4k1", "usable_window_length", "default_overlap", "validate_windows", "crossfade_weights",
     "seam_transitions", "seam_metric",
     "Box", "CROP_MODES", "expand_box", "snap_box", "crop_box", "choose_crop",
 ]
@@ -43,7 +43,7 @@ class Window:
         return self.stop - self.start
 
 
-def _ceil_4k1(n: int) -> int:
+def ceil_4k1(n: int) -> int:
     """Smallest 4k+1 >= n (n >= 1)."""
     return (n - 1 + 3) // 4 * 4 + 1
 
@@ -105,7 +105,7 @@ def plan_windows(num_frames: int, window: int = DEFAULT_WINDOW, overlap: int | N
         prev = windows[-1]
         start = prev.stop - overlap
         if start + window >= num_frames:
-            length = min(window, _ceil_4k1(num_frames - prev.stop + overlap))
+            length = min(window, ceil_4k1(num_frames - prev.stop + overlap))
             windows.append(Window(num_frames - length, num_frames, prev.stop - (num_frames - length)))
             return windows
         windows.append(Window(start, start + window, overlap))

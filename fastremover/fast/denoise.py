@@ -23,6 +23,20 @@ from fastremover.schedulers import build_scheduler
 Progress = Callable[[str, int, int], None]
 
 
+def denoise_loop(scheduler, flow: Callable, noise, masked_latents, mask_latents, progress: Progress | None = None):
+    """The N-step loop in upstream order: each step the model sees cat([x, masked_lat, mask_lat]) and the scheduler
+    steps x. `flow(model_input, i)` is the transformer call of step i."""
+    dtype = masked_latents.dtype
+    latents = noise
+    scheduler.reset()
+    for i in range(scheduler.num_steps):
+        model_input = torch.cat([latents.to(dtype), masked_latents, mask_latents], dim=1)
+        latents = scheduler.step(i, flow(model_input, i), latents)
+        if progress:
+            progress("denoise", i + 1, scheduler.num_steps)
+    return latents
+
+
 class EagerDenoiser:
     """The reference-order loop on the eager module (upstream call order)."""
 
@@ -38,16 +52,11 @@ class EagerDenoiser:
     @torch.no_grad()
     def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None):
         scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device)
-        dtype = masked_latents.dtype
-        latents = noise
-        scheduler.reset()
-        for i in range(steps):
-            model_input = torch.cat([latents.to(dtype), masked_latents, mask_latents], dim=1)
-            flow = self.transformer(model_input, scheduler.timesteps[i].expand(latents.shape[0]))
-            latents = scheduler.step(i, flow, latents)
-            if progress:
-                progress("denoise", i + 1, steps)
-        return latents
+
+        def flow(model_input, i):
+            return self.transformer(model_input, scheduler.timesteps[i].expand(model_input.shape[0]))
+
+        return denoise_loop(scheduler, flow, noise, masked_latents, mask_latents, progress)
 
 
 class FastDenoiser:
@@ -63,16 +72,10 @@ class FastDenoiser:
         return {**self.fast.describe(), "cuda_graphs": self.cuda_graphs}
 
     def _loop(self, scheduler, cond: Conditioning, noise, masked_latents, mask_latents, progress=None):
-        dtype = masked_latents.dtype
-        latents = noise
-        scheduler.reset()
-        for i in range(scheduler.num_steps):
-            model_input = torch.cat([latents.to(dtype), masked_latents, mask_latents], dim=1)
-            flow = self.fast.forward_step(model_input, cond, i)
-            latents = scheduler.step(i, flow, latents)
-            if progress:
-                progress("denoise", i + 1, scheduler.num_steps)
-        return latents
+        def flow(model_input, i):
+            return self.fast.forward_step(model_input, cond, i)
+
+        return denoise_loop(scheduler, flow, noise, masked_latents, mask_latents, progress)
 
     @torch.no_grad()
     def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None):
