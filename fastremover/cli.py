@@ -91,13 +91,27 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--mode", choices=["auto", "eager", "exact", "fast"], default="auto",
                    help="engine: eager (reference order), exact (fused kernels + CUDA graph, no quantization), fast "
-                   "(exact + FP8 linears); auto = exact on a CUDA GPU, eager elsewhere")
+                   "(exact + FP8 linears + 8-bit attention); auto = exact on a CUDA GPU, eager elsewhere")
+    _add_vae_precision_arg(p)
+    _add_attention_arg(p)
     p.add_argument("--no-composite", action="store_true", help="keep the model's pixels outside the mask too")
     _add_window_args(p)
     p.add_argument("--crop", choices=CROP_CHOICES, default="auto",
                    help="run the model on a box around the mask: auto (when the box is under half the frame, default) "
                    "| on | off")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_attention_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention", choices=["auto", "sdpa", "fp8", "fp8-triton"], default="auto",
+                   help="attention backend of modes exact/fast: auto (exact: sdpa; fast: fp8 = cuDNN FP8 attention, "
+                   "else our Triton FP8 kernel), or one of them explicitly (an error if it cannot run here)")
+
+
+def _add_vae_precision_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vae-precision", choices=["auto", "fp16", "fp8"], default="auto",
+                   help="VAE of modes exact/fast on a GPU (the fast channels-last VAE): auto / fp16 = the model dtype; "
+                   "fp8 = FP8 3x3x3 conv3d (lossy); the eager mode always runs the eager VAE")
 
 
 def _add_window_args(p: argparse.ArgumentParser) -> None:
@@ -166,6 +180,8 @@ def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> 
     p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--no-flops", action="store_true", help="skip counting the VAE's FLOPs (an extra VAE pass)")
+    _add_vae_precision_arg(p)
+    _add_attention_arg(p)
     # The fidelity comparison always runs in one window (the reference has no windows); clips longer than --window
     # get one more, windowed, engine run whose seam metric is reported.
     _add_window_args(p)
@@ -182,7 +198,7 @@ def _pipeline_from_args(args):
         warn(f"--precision {args.precision} on the CPU is very slow (conv3d); fp32 is recommended there")
     pipe = RemovalPipeline.from_model(
         model, preset=args.preset, weights_seed=args.weights_seed, device=args.device, precision=args.precision,
-        mode=args.mode,
+        mode=args.mode, vae_precision=args.vae_precision, attention=args.attention,
     )
     for note in pipe.config.notes:
         warn(note)
@@ -225,7 +241,8 @@ def cmd_remove(args) -> int:
     pipe, result = _run_removal(args, options, video.frames, mask)
     media.write_video(args.output, result.frames, video.fps, audio_from=video.source if video.has_audio else None)
     print(f"wrote {args.output}: {len(result.frames)} frames {video.width}x{video.height} @ {float(video.fps):.3f} fps "
-          f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}, mode {pipe.config.mode}]")
+          f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}, mode {pipe.config.mode}, "
+          f"vae {pipe.config.vae}]")
     print(f"timing: {result.timer.summary()}")
     if (line := _geometry_line(result)):
         print(line)
@@ -286,7 +303,8 @@ def _compare(args, inputs, repeats: int, hash_repeats: int) -> list[dict]:
     models = load_models(args.model, args.preset, args.weights_seed)
     return compare(models, inputs, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
                    hash_repeats=hash_repeats, device=args.device, precision=args.precision,
-                   count_flops=not args.no_flops, window=args.window, overlap=args.overlap, crop=crop)
+                   count_flops=not args.no_flops, window=args.window, overlap=args.overlap, crop=crop,
+                   vae_precision=args.vae_precision, attention=args.attention)
 
 
 def cmd_bench(args) -> int:

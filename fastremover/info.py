@@ -36,7 +36,24 @@ def collect_info() -> dict:
             gpus.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
     info["devices"] = gpus or ["cpu only (no CUDA GPU visible)"]
     info["modes"] = _modes(torch.device("cuda" if gpus else "cpu"))
+    info["vae"] = _vae_paths(torch.device("cuda" if gpus else "cpu"))
     return info
+
+
+def _vae_paths(device: torch.device) -> dict[str, str]:
+    """Which VAE each --vae-precision runs here (fastremover.fast.vae_fast.build_vae is what the pipeline uses)."""
+    from fastremover.fast.vae_fast import fp8_conv_available
+
+    fast = device.type == "cuda"
+    base = "fast channels-last VAE (fused norm+SiLU, copy-free causal cache, batch-2 encode when it fits)"
+    fp8_ok = fast and fp8_conv_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    return {
+        "eager mode": "eager VAE (models.vae.WanVAE)",
+        "exact/fast, --vae-precision auto|fp16": (base + ", model dtype") if fast else "eager VAE (no CUDA GPU)",
+        "exact/fast, --vae-precision fp8": (base + " + FP8 conv3d for the 3x3x3 causal convs") if fp8_ok else
+        "not available here (" + ("no CUDA GPU" if not fast else "needs fastremover.fast.kernels.conv3d_fp8 and an "
+                                  "sm_89+ GPU") + ")",
+    }
 
 
 def _modes(device: torch.device) -> dict[str, str]:

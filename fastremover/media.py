@@ -22,6 +22,7 @@ import re
 import secrets
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -615,14 +616,7 @@ def _encode_h264(
 
         audio = _AudioCopier(audio_from, out, container_format) if audio_from is not None else None
         try:
-            for index in range(num_frames):
-                frame = av.VideoFrame.from_ndarray(frames[index], format="rgb24")
-                frame = frame.reformat(
-                    format=pix_fmt,
-                    dst_colorspace=av.video.reformatter.Colorspace.ITU709,
-                    dst_color_range=av.video.reformatter.ColorRange.MPEG,
-                    interpolation=_ENCODE_INTERPOLATION,
-                )
+            for index, frame in enumerate(_yuv_frames(frames, pix_fmt)):
                 frame.pts = index
                 frame.time_base = ctx.time_base
                 out.mux(stream.encode(frame))
@@ -634,6 +628,29 @@ def _encode_h264(
                 audio.close()
     finally:
         out.close()
+
+
+def _to_yuv(rgb: np.ndarray, pix_fmt: str) -> av.VideoFrame:
+    frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+    return frame.reformat(
+        format=pix_fmt,
+        dst_colorspace=av.video.reformatter.Colorspace.ITU709,
+        dst_color_range=av.video.reformatter.ColorRange.MPEG,
+        interpolation=_ENCODE_INTERPOLATION,
+    )
+
+
+def _yuv_frames(frames: np.ndarray, pix_fmt: str):
+    """The frames converted to `pix_fmt`, each converted in one background thread while the caller encodes the
+    previous one (swscale and the encoder both release the GIL). Exactly one conversion runs at a time, in frame
+    order, so the output is the same as converting inline (concurrent swscale conversions were not reproducible)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastremover-yuv") as pool:
+        pending = pool.submit(_to_yuv, frames[0], pix_fmt) if len(frames) else None
+        for index in range(len(frames)):
+            frame = pending.result()
+            if index + 1 < len(frames):
+                pending = pool.submit(_to_yuv, frames[index + 1], pix_fmt)
+            yield frame
 
 
 class _AudioCopier:

@@ -133,6 +133,8 @@ class EngineConfig:
     fused_kernels: str = "none"
     fp8_linears: bool = False
     attention: str = "sdpa"
+    vae: str = "eager"  # the VAE path that runs: "eager" (models.vae.WanVAE) or "fast-fp16" / "fast-bf16" / "fast-fp8"
+    vae_precision: str = "auto"  # as requested: auto | fp16 (the model dtype) | fp8 (FP8 conv3d in the fast VAE)
     cuda_graphs: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -220,6 +222,8 @@ class RemovalPipeline:
         device: str | None = None,
         precision: str | None = None,
         mode: str = "auto",
+        attention: str = "auto",
+        vae_precision: str = "auto",
     ):
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -233,10 +237,17 @@ class RemovalPipeline:
         self.models = models
         active, notes = resolve_mode(mode, self.device) if models is not None else ("eager", [])
         self.denoiser = None
+        self.vae = None  # models.vae (eager) or a FastWanVAE, chosen with the mode (fast.vae_fast.build_vae)
+        vae_path = "none"
         if models is not None:
+            from fastremover.fast.vae_fast import build_vae
+
             models.transformer.to(self.device).to_inference_dtype(self.dtype)
-            models.vae.to(self.device, self.dtype)
-            self.denoiser = build_denoiser(models.transformer, models.scheduler_config, active, self.device)
+            self.vae, vae_path = build_vae(models.vae, active, self.device, self.dtype, vae_precision)
+            self.denoiser, attention_notes = build_denoiser(
+                models.transformer, models.scheduler_config, active, self.device, attention
+            )
+            notes = notes + attention_notes
         components = self.denoiser.describe() if self.denoiser is not None else {}
         self.config = EngineConfig(
             model="classic" if models is None else models.source,
@@ -245,6 +256,8 @@ class RemovalPipeline:
             mode=active,
             requested_mode=mode,
             notes=notes,
+            vae=vae_path,
+            vae_precision=vae_precision,
             **components,
         )
 
@@ -258,10 +271,13 @@ class RemovalPipeline:
         device: str | None = None,
         precision: str | None = None,
         mode: str = "auto",
+        attention: str = "auto",
+        vae_precision: str = "auto",
     ) -> "RemovalPipeline":
         """`model`: "classic" (no weights), "random" (preset config, deterministic random weights) or a checkpoint dir."""
         models = None if model == "classic" else load_models(model, preset, weights_seed)
-        return cls(models, device=device, precision=precision, mode=mode)
+        return cls(models, device=device, precision=precision, mode=mode, attention=attention,
+                   vae_precision=vae_precision)
 
     # ------------------------------------------------------------------------------------------------------------------
     # Stages
@@ -292,8 +308,23 @@ class RemovalPipeline:
 
     @torch.no_grad()
     def encode(self, prep: Prepared, progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalized latents of the masked video and of the mask video (as 2*mask-1)."""
-        vae = self.models.vae
+        """Normalized latents of the masked video and of the mask video (as 2*mask-1).
+
+        The fast VAE forms both inputs chunk by chunk and encodes them as one batch of 2 when memory allows."""
+        vae = self.vae
+        plan = self._vae_tiles(prep.frames.shape, "encode")
+        if plan is not None:  # frames too large for the memory budget: spatial tiles, blended (fast/vae_tiling.py)
+            from fastremover.fast.vae_tiling import encode_tiled
+
+            def tiled(x, offset):
+                report = (lambda done, total: progress("vae_encode", offset * total + done, 2 * total)) if progress else None
+                return vae.normalize(encode_tiled(vae.encode, x, plan.tile, plan.overlap, report))
+
+            return tiled(prep.frames * (1 - prep.mask), 0), tiled(2 * prep.mask - 1.0, 1)
+        if hasattr(vae, "encode_removal_inputs"):
+            report = (lambda done, total: progress("vae_encode", done, total)) if progress else None
+            masked_latents, mask_latents = vae.encode_removal_inputs(prep.frames, prep.mask, progress=report)
+            return vae.normalize(masked_latents), vae.normalize(mask_latents)
         masked = prep.frames * (1 - prep.mask)
 
         def chunks(offset):  # one "vae_encode" bar over both encodes
@@ -318,9 +349,29 @@ class RemovalPipeline:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
-        vae = self.models.vae
+        vae = self.vae
         report = (lambda done, total: progress("vae_decode", done, total)) if progress else None
-        return vae.decode(vae.denormalize(latents.to(self.dtype)), progress=report)
+        z = vae.denormalize(latents.to(self.dtype))
+        cfg = self.models.vae.config
+        frames = 1 + (z.shape[2] - 1) * cfg.temporal_compression
+        plan = self._vae_tiles((1, 3, frames, z.shape[3] * cfg.spatial_compression,
+                                z.shape[4] * cfg.spatial_compression), "decode")
+        if plan is not None:
+            from fastremover.fast.vae_tiling import decode_tiled
+
+            return decode_tiled(vae.decode, z, plan.tile_latent, plan.overlap_latent, report)
+        return vae.decode(z, progress=report)
+
+    def _vae_tiles(self, shape, op: str):
+        """Spatial tiles for a VAE call whose untiled working set would not fit the GPU's free memory (None: it fits,
+        or not on a GPU). The estimate is the eager VAE's (fast/vae_tiling.py's memory model); the fast VAE needs
+        about half of that, so the choice errs on the safe side."""
+        if self.device.type != "cuda":
+            return None
+        from fastremover.fast.vae_tiling import choose_tiling
+
+        _, _, frames, height, width = shape
+        return choose_tiling(frames, height, width, self.dtype, None, self.models.vae.config, op=op)
 
     def finish(self, pixels: torch.Tensor, prep: Prepared) -> np.ndarray:
         """Decoded [1,3,F',H',W'] -> uint8 [F,H,W,3] at the source size (drop frame padding, crop or resize back)."""

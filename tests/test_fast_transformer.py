@@ -98,7 +98,39 @@ def test_modes_fall_back_on_cpu_with_a_note():
     mode, notes = resolve_mode("fast", torch.device("cpu"))
     assert mode == "eager" and "eager" in notes[0]
     assert resolve_mode("eager", torch.device("cpu")) == ("eager", [])
-    assert isinstance(build_denoiser(tiny_model(0), DEFAULT_SCHEDULER_CONFIG, "eager", torch.device("cpu")), EagerDenoiser)
+    denoiser, notes = build_denoiser(tiny_model(0), DEFAULT_SCHEDULER_CONFIG, "eager", torch.device("cpu"))
+    assert isinstance(denoiser, EagerDenoiser) and notes == []
+
+
+def test_attention_backend_choice_and_errors_on_cpu():
+    from fastremover.errors import FastRemoverError
+    from fastremover.fast.attention import available_backends, unavailable_reason
+    from fastremover.fast.engine import resolve_attention
+
+    cpu = torch.device("cpu")
+    assert available_backends(cpu) == ["sdpa"]
+    assert "CUDA" in unavailable_reason("fp8", cpu)
+    assert resolve_attention("auto", "eager", cpu) == ("sdpa", [])
+    with pytest.raises(FastRemoverError, match="fp8"):
+        resolve_attention("fp8", "exact", cpu)  # asked for fp8 explicitly: an error, never a silent fp16 run
+    with pytest.raises(FastRemoverError, match="eager"):
+        resolve_attention("fp8", "eager", cpu)
+    with pytest.raises(FastRemoverError, match="choose one of"):
+        resolve_attention("flash9", "exact", cpu)
+
+
+def test_fused_qkv_fp8_linear_equals_three_separate_quantizations():
+    from fastremover.fast.transformer_fast import _fused_linear
+
+    lins = [torch.nn.Linear(32, 48) for _ in range(3)]
+    for i, lin in enumerate(lins):
+        torch.manual_seed(100 + i)
+        torch.nn.init.normal_(lin.weight)
+    fused = Fp8Linear(_fused_linear(*lins), torch.float32)
+    parts = [Fp8Linear(lin, torch.float32) for lin in lins]
+    assert torch.equal(fused.codes.view(torch.uint8), torch.cat([p.codes for p in parts]).view(torch.uint8))
+    assert torch.equal(fused.scale, torch.cat([p.scale for p in parts], dim=1))
+    assert torch.equal(fused.bias, torch.cat([p.bias for p in parts]))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -123,10 +155,13 @@ def test_gpu_exact_and_fast_vs_eager_at_real_config(real_model):
         cond = exact.conditioning(t, 1)
         got_exact = exact.forward_step(x, cond, 0)
         got_fast = FastTransformer(real_model, fp8=True).forward_step(x, cond, 0)
-    c_exact, c_fast = cos(got_exact, eager), cos(got_fast, eager)
-    print(f"cos vs eager fp16: exact {c_exact:.6f}, fast(fp8 linears) {c_fast:.6f}")
+        got_fast_attn = FastTransformer(real_model, fp8=True, attention="fp8").forward_step(x, cond, 0)
+    c_exact, c_fast, c_attn = cos(got_exact, eager), cos(got_fast, eager), cos(got_fast_attn, eager)
+    print(f"cos vs eager fp16: exact {c_exact:.6f}, fast(fp8 linears) {c_fast:.6f}, "
+          f"fast(fp8 linears + fp8 attention) {c_attn:.6f}")
     assert c_exact > 0.9999
     assert c_fast > 0.99 and not torch.equal(got_fast, eager)
+    assert c_attn > 0.99 and not torch.equal(got_fast_attn, got_fast)
 
 
 @pytest.mark.gpu
@@ -145,8 +180,9 @@ def test_gpu_fp8_linear_cosine_at_real_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_gpu_graph_replay_is_bit_identical(real_model, mode):
-    denoiser = build_denoiser(real_model, DEFAULT_SCHEDULER_CONFIG, mode, torch.device("cuda"))
+    denoiser, notes = build_denoiser(real_model, DEFAULT_SCHEDULER_CONFIG, mode, torch.device("cuda"))
     assert isinstance(denoiser, FastDenoiser) and denoiser.cuda_graphs
+    assert denoiser.describe()["attention"] == ("fp8" if mode == "fast" else "sdpa"), notes
     noise, masked, mask = (inputs(s, (1, 16, 5, 30, 54), "cuda", torch.float16) for s in (1, 2, 3))
     first = denoiser(noise, masked, mask, steps=4)  # eager run on the fast transformer, then capture
     replay = denoiser(noise, masked, mask, steps=4)

@@ -306,9 +306,11 @@ def test_gelu_tanh_f32_matches_torch():
     y = quant.gelu_tanh_f32(h)
     ref = quant.gelu_tanh_reference(h)
     err = (y - ref).abs()
-    assert (err <= 2.0**-21 * ref.abs().clamp_min(1.0)).all(), f"max abs err {err.max().item()}"
-    # most values are bit-identical (interpreter: ~93 %; the GPU path uses the same tanhf as torch)
-    assert (y == ref).float().mean() >= 0.85
+    # the sigmoid form x / (1 + exp(-2u)) is the same function as torch's (0.5x)(1 + tanh(u)), rounded differently
+    print(f"gelu (sigmoid form) vs torch: max |diff| {err.max().item():.3g}, "
+          f"bit-identical {(y == ref).float().mean().item():.3f}")
+    assert (err <= 2.0**-20 * ref.abs().clamp_min(1.0)).all(), f"max abs err {err.max().item()}"
+    assert (y != ref).any()  # really our formula, not torch's gelu
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
@@ -323,9 +325,9 @@ def test_gelu_tanh_quant_fp8(dtype, n):
     # bit-exact against quantizing the kernel's own fp32 gelu (same device code)
     q2, s2 = quant.fp8_rowwise_reference(quant.gelu_tanh_f32(h))
     assert torch.equal(rs, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
-    # against torch's gelu: tanh's last bit can move y (and the scale) by an ulp
+    # against torch's gelu: the last bits of y (and of the scale) can differ
     q_ref, s_ref = quant.gelu_tanh_quant_fp8_reference(h)
-    assert_fp8_close(q, rs, q_ref, s_ref, quant.gelu_tanh_reference(h), scale_rtol=2.0**-21, max_frac=1e-3,
+    assert_fp8_close(q, rs, q_ref, s_ref, quant.gelu_tanh_reference(h), scale_rtol=2.0**-20, max_frac=1e-3,
                      min_count=3, what=f"gelu {dtype}")
 
 
@@ -563,3 +565,40 @@ def test_gpu_gelu_tanh_quant_fp8(dtype):
     q_ref, s_ref = quant.gelu_tanh_quant_fp8_reference(h)
     st = assert_fp8_close(q, rs, q_ref, s_ref, y_ref, scale_rtol=2.0**-21, max_frac=1e-4, what=f"seed {seed}")
     print(f"gelu fp8 {dtype}: {st}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# per-tensor fp8 quantization (the 8-bit attention's q/k/v)
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_quant_fp8_tensorwise_bit_exact_on_column_slices(smooth):
+    from fastremover.fast.kernels.quant import quant_fp8_tensorwise, quant_fp8_tensorwise_reference
+
+    g = torch.Generator().manual_seed(31 + smooth)
+    b, s, n = 2, 37, 96
+    fused = (torch.randn(b * s, 3 * n, generator=g) * 3 + 0.5).to(DEV)
+    x = fused[:, n : 2 * n]  # a column slice: row stride 3n, as the fused QKV output gives it
+    mean = torch.mean(x.view(b, s, n), dim=1, dtype=torch.float32) if smooth else None
+    q, scale = quant_fp8_tensorwise(x, mean, s)
+    q_ref, scale_ref = quant_fp8_tensorwise_reference(x, mean, s)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    y = x.float() - (mean.repeat_interleave(s, 0) if smooth else 0)
+    assert float(scale) == pytest.approx(float(y.abs().max()) / 448, rel=1e-6)
+    assert (q.float() * scale - y).abs().max() <= y.abs().max() / 16  # 3 mantissa bits
+
+
+@pytest.mark.gpu
+@gpu_real
+def test_gpu_quant_fp8_tensorwise_bit_exact_at_real_shape():
+    from fastremover.fast.kernels.quant import quant_fp8_tensorwise, quant_fp8_tensorwise_reference
+
+    fused = torch.randn(32760, 3 * 1536, device="cuda", dtype=F16) * 2
+    for smooth in (False, True):
+        x = fused[:, 1536:3072]
+        mean = torch.mean(x.view(1, 32760, 1536), dim=1, dtype=torch.float32) if smooth else None
+        q, scale = quant_fp8_tensorwise(x, mean, 32760)
+        q_ref, scale_ref = quant_fp8_tensorwise_reference(x, mean, 32760)
+        assert torch.equal(scale, scale_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

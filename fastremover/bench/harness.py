@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,6 +129,11 @@ class PipelineRun:
     frames: np.ndarray | None = None
     hashes: list[str] = field(default_factory=list)
     windows: list = field(default_factory=list)  # the engine's per-window geometry (pipeline.WindowRun) of the last run
+    # per stage, max over the timed runs (CUDA only; empty on the CPU): the peak of torch.cuda.max_memory_allocated
+    # during the stage (everything resident: weights, inputs, working memory), and that peak minus what was allocated
+    # when the stage began (the stage's own working memory)
+    stage_peak_gib: dict = field(default_factory=dict)
+    stage_peak_delta_gib: dict = field(default_factory=dict)
 
     def stages_s(self) -> dict[str, float]:
         """Median per stage over the timed runs; device (CUDA event) time where available, else wall clock."""
@@ -143,6 +149,8 @@ class PipelineRun:
             "stages_wall_s": {k: round(statistics.median(r.get(k, 0.0) for r in self.wall), 4) for k in STAGES},
             "total_s": round(self.total_s(), 4),
             "peak_gib": round(self.peak_gib, 3),
+            "stage_peak_gib": {k: round(v, 3) for k, v in self.stage_peak_gib.items()} or None,
+            "stage_peak_delta_gib": {k: round(v, 3) for k, v in self.stage_peak_delta_gib.items()} or None,
             "runs": len(self.wall),
         }
 
@@ -163,6 +171,33 @@ def _peak(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
+@dataclass
+class PeakTimer(StageTimer):
+    """A StageTimer that also records each stage's CUDA memory peak (torch.cuda.reset_peak_memory_stats when the
+    stage begins, max_memory_allocated when it ends): `peaks[stage] = (peak GiB, peak - allocated at start GiB)`,
+    max over repeated entries. `overall_gib` keeps the whole run's peak across those resets. No-op on the CPU.
+    Stages must not nest (the pipeline's and the reference's do not)."""
+
+    peaks: dict = field(default_factory=dict)
+    overall_gib: float = 0.0
+
+    @contextmanager
+    def stage(self, name: str):
+        if not self._cuda:
+            with super().stage(name):
+                yield
+            return
+        self.overall_gib = max(self.overall_gib, _peak(self.device))
+        start = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with super().stage(name):
+            yield
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.overall_gib = max(self.overall_gib, peak / 2**30)
+        old = self.peaks.get(name, (0.0, 0.0))
+        self.peaks[name] = (max(old[0], peak / 2**30), max(old[1], (peak - start) / 2**30))
+
+
 def _write(frames: np.ndarray, fps: float, workdir: str) -> None:
     media.write_video(os.path.join(workdir, "out.mp4"), frames, fps)
 
@@ -173,8 +208,9 @@ def _time_requests(run: PipelineRun, device: torch.device, repeats: int, request
     is timed as `composite_write`, into which the pipeline's own last stage `fold` is merged so both sides report the
     same stages. Returns the last result."""
     _reset_peak(device)
+    overall = 0.0
     for i in range(1 + repeats):
-        timer = StageTimer(device)
+        timer = PeakTimer(device)
         result, frames = request(timer)
         with timer.stage("composite_write"):
             _write(frames, fps, workdir)
@@ -186,7 +222,11 @@ def _time_requests(run: PipelineRun, device: torch.device, repeats: int, request
         if i > 0 or repeats == 0:
             run.wall.append(wall)
             run.device.append(dev)
-    run.peak_gib = _peak(device)
+            for stage, (peak, delta) in timer.peaks.items():
+                run.stage_peak_gib[stage] = max(run.stage_peak_gib.get(stage, 0.0), peak)
+                run.stage_peak_delta_gib[stage] = max(run.stage_peak_delta_gib.get(stage, 0.0), delta)
+        overall = max(overall, timer.overall_gib)
+    run.peak_gib = max(overall, _peak(device))  # the per-stage resets hide earlier peaks from max_memory_allocated
     return result
 
 
@@ -261,6 +301,8 @@ def compare(
     window: int = DEFAULT_WINDOW,
     overlap: int | None = None,
     crop: str | None = None,
+    vae_precision: str = "auto",
+    attention: str = "auto",
 ) -> list[dict]:
     """Run the reference and each engine mode on `inputs`; returns one result dict per mode.
 
@@ -285,7 +327,8 @@ def compare(
         gc.collect()
         results = []
         for mode in modes:
-            pipe = RemovalPipeline(models, device=str(device), precision=precision, mode=mode)
+            pipe = RemovalPipeline(models, device=str(device), precision=precision, mode=mode,
+                                   vae_precision=vae_precision, attention=attention)
             eng = run_engine(pipe, inputs, steps, seed, repeats, workdir, hash_repeats)
             flops = vae_flops(pipe, inputs) if count_flops else {}
             result = _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops)
@@ -332,6 +375,8 @@ def _crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, 
         "crop_off_total_s": round(off.total_s(), 4),
         "crop_total_s": round(cropped.total_s(), 4),
         "crop_speedup": round(off.total_s() / cropped.total_s(), 4),
+        "crop_off_stages_s": off.summary().get("stages_wall_s"),
+        "crop_stages_s": cropped.summary().get("stages_wall_s"),
         "crop_boxes": [list(w.box) if w.box else None for w in cropped.windows],  # (y0, y1, x0, x1); None = whole frame
         "crop_run_sizes": [f"{w.run_hw[1]}x{w.run_hw[0]}" if w.run_hw else None for w in cropped.windows],
         "crop_fidelity": "not measured: the cropped run differs from the reference by design (the model sees only the "
@@ -367,6 +412,10 @@ def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, 
         "speedup_total": round(ref_run.total_s() / eng.total_s(), 4),
         "speedup_denoise": round(ref_s["denoise"] / eng_s["denoise"], 4),
         "speedup_vae": round(vae_ref / vae_eng, 4) if vae_eng else None,
+        "vae": pipe.config.vae,
+        # engine / reference per VAE stage (CUDA): absolute peaks, and the stages' own working memory
+        "vae_stage_peak_ratio": _ratios(eng.stage_peak_gib, ref_run.stage_peak_gib),
+        "vae_stage_peak_delta_ratio": _ratios(eng.stage_peak_delta_gib, ref_run.stage_peak_delta_gib),
         **{k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else v) for k, v in fid.items()},
         "dit_tflop_per_step": round(work["total_tflop"], 3),
         "dit_linear_tflop_per_step": round(work["linear_tflop"], 3),
@@ -381,6 +430,11 @@ def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, 
         out["hashes_identical"] = len(set(eng.hashes)) == 1
         out["output_sha256"] = eng.hashes[0]
     return out
+
+
+def _ratios(eng: dict, ref: dict) -> dict | None:
+    out = {k: round(eng[k] / ref[k], 4) for k in ("vae_encode", "vae_decode") if eng.get(k) and ref.get(k)}
+    return out or None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -417,6 +471,14 @@ def format_table(results: list[dict]) -> str:
             f"{r.get('vae_decode_tflop', '?')} TFLOP"
             + (f"; hashes over {r['hash_repeats']} runs identical: {r['hashes_identical']}" if "hash_repeats" in r else "")
         )
+        if r.get("vae_stage_peak_ratio"):
+            pk, pr = r["engine"]["stage_peak_gib"] or {}, r["reference"]["stage_peak_gib"] or {}
+            lines.append(
+                f"vae [{r['mode']}]: {r['vae']}; peak GiB encode {pk.get('vae_encode', 0):.2f} "
+                f"(reference {pr.get('vae_encode', 0):.2f}), decode {pk.get('vae_decode', 0):.2f} "
+                f"(reference {pr.get('vae_decode', 0):.2f}); ratios {r['vae_stage_peak_ratio']}, working memory "
+                f"ratios {r['vae_stage_peak_delta_ratio']}"
+            )
         if "seam_ratio" in r:
             ratio = f"{r['seam_ratio']:.2f}" if r["seam_ratio"] is not None else "n/a"
             lines.append(

@@ -1,17 +1,30 @@
 """Attention backends for the fast transformer, chosen by name, device and dtype.
 
-Each backend takes q, k, v as [B, S, H, D] (the layout the projections produce) and returns [B, S, H, D].
+Each backend takes q, k, v as [B, S, H, D] fp16/bf16 (the layout the projections produce; any strides with a unit
+stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
 - `sdpa`: torch's scaled_dot_product_attention with its own backend choice (cuDNN on Hopper in torch >= 2.5),
-  numerically the eager path.
-- `fp8`: 8-bit attention — not built yet; asking for it is an error rather than a silent fallback, so that a bench
-  row labelled fp8 always ran fp8.
+  numerically the eager path. The `exact` mode's default.
+- `fp8`: 8-bit attention through cuDNN's FP8 SDPA (fast/cudnn_sdpa.py): q, k, v quantized per tensor to e4m3 on the
+  device (fast/kernels/quant.py: amax tile kernel + quantize kernel), K first smoothed by subtracting its mean over
+  the sequence (per batch, head and channel). Smoothing is exact under softmax: it subtracts q . mean_k from every
+  logit of a query row, a per-row constant; what it buys is resolution, because K's shared per-channel offset no
+  longer eats the e4m3 range. The `fast` mode's default where cuDNN can build it (Hopper, cudnn-frontend installed).
+- `fp8-triton`: our own Triton FP8 flash kernel (fast/kernels/attention_fp8.py), same quantization; kept for the
+  side-by-side measurement (`python -m fastremover.fast.attention --bench`).
+A backend that cannot run here is an error naming why, never a silent fallback, so a bench row labelled fp8 always
+ran fp8; `auto_backend` is what the engine modes use to pick.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import os
 from typing import Callable
 
 import torch
+import torch.nn.attention
 import torch.nn.functional as F
 
 from fastremover.errors import FastRemoverError
@@ -24,16 +37,220 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa}
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] with rows of H*D contiguous -> the [B*S, H*D] row-strided view the quantizer reads."""
+    b, s, h, d = t.shape
+    sb, ss, sh, sd = t.stride()
+    if sd != 1 or sh != d or (b > 1 and sb != s * ss):
+        raise ValueError(f"attention: q/k/v need rows of H*D contiguous values, got strides {t.stride()}")
+    return t.as_strided((b * s, h * d), (ss, 1))
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True):
+    """Per-tensor e4m3 codes and scales of q, k (mean-smoothed over the sequence when smooth_k) and v, [B, S, H, D]
+    each; all on the device, no host sync."""
+    from fastremover.fast.kernels.quant import quant_fp8_tensorwise
+
+    b, s, h, d = q.shape
+    q8, sq = quant_fp8_tensorwise(_rows(q))
+    k_rows = _rows(k)
+    mean = torch.mean(k_rows.view(b, s, h * d), dim=1, dtype=torch.float32) if smooth_k else None
+    k8, sk = quant_fp8_tensorwise(k_rows, mean, s)
+    v8, sv = quant_fp8_tensorwise(_rows(v))
+    shape = (b, s, h, d)
+    return q8.view(shape), k8.view(shape), v8.view(shape), sq, sk, sv
+
+
+def quantize_qkv_reference(q, k, v, *, smooth_k: bool = True):
+    from fastremover.fast.kernels.quant import quant_fp8_tensorwise_reference
+
+    b, s, h, d = q.shape
+    q8, sq = quant_fp8_tensorwise_reference(q.reshape(b * s, h * d))
+    kr = k.reshape(b * s, h * d)
+    mean = torch.mean(kr.view(b, s, h * d), dim=1, dtype=torch.float32) if smooth_k else None
+    k8, sk = quant_fp8_tensorwise_reference(kr, mean, s)
+    v8, sv = quant_fp8_tensorwise_reference(v.reshape(b * s, h * d))
+    shape = (b, s, h, d)
+    return q8.view(shape), k8.view(shape), v8.view(shape), sq, sk, sv
+
+
+def fp8_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True) -> torch.Tensor:
+    from fastremover.fast.cudnn_sdpa import sdpa_fp8
+
+    q8, k8, v8, sq, sk, sv = quantize_qkv(q, k, v, smooth_k=smooth_k)
+    o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of o / sv (Hopper writes FP8 output)
+    return o8.to(q.dtype).mul_(sv.view(()))  # the fast transformer skips this: its O projection takes the codes
+
+
+def fp8_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True) -> torch.Tensor:
+    from fastremover.fast.kernels.attention_fp8 import AUTOTUNE_CONFIGS, attention_fp8
+
+    q8, k8, v8, sq, sk, sv = quantize_qkv(q, k, v, smooth_k=smooth_k)
+    # One pinned kernel config, not the autotuner's pick: configs differ in key-block size, which changes where P is
+    # quantized, so a timing-based choice could change output bits from one process to the next.
+    config = os.environ.get("FASTREMOVER_FP8_ATTN_CONFIG", "").strip() or AUTOTUNE_CONFIGS[0]
+    return attention_fp8(q8, k8, v8, sq, sk, sv, out_dtype=q.dtype, config=config)
+
+
+BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa, "fp8": fp8_cudnn, "fp8-triton": fp8_triton}
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """None when backend `name` can run on `device`, else why not."""
+    if name not in BACKENDS:
+        return f"unknown attention backend {name!r} (known: {sorted(BACKENDS)})"
+    if name == "sdpa":
+        return None
+    if device.type != "cuda":
+        return f"attention backend {name} needs a CUDA GPU"
+    if name == "fp8":
+        from fastremover.fast.cudnn_sdpa import supported
+
+        why = supported(device.index if device.index is not None else torch.cuda.current_device())
+        return None if why is None else f"cuDNN FP8 attention is not available: {why}"
+    if name == "fp8-triton":
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return "FP8 tensor cores need sm_89 or newer"
+        try:
+            import fastremover.fast.kernels.attention_fp8  # noqa: F401
+        except ImportError as exc:
+            return f"the Triton FP8 attention kernel is not importable: {exc}"
+    return None
 
 
 def available_backends(device: torch.device) -> list[str]:
-    return list(BACKENDS)
+    return [name for name in BACKENDS if unavailable_reason(name, device) is None]
+
+
+def auto_backend(mode: str, device: torch.device) -> tuple[str, list[str]]:
+    """The backend an engine mode uses: `sdpa` for exact; for fast `fp8` (cuDNN: the faster of the two 8-bit
+    backends on the H200), else `fp8-triton` (no extra package needed), else sdpa with a note."""
+    if mode != "fast":
+        return "sdpa", []
+    why = unavailable_reason("fp8", device)
+    if why is None:
+        return "fp8", []
+    why_triton = unavailable_reason("fp8-triton", device)
+    if why_triton is None:
+        return "fp8-triton", [f"mode fast: cuDNN FP8 attention unavailable ({why}); using the Triton FP8 kernel"]
+    return "sdpa", [f"mode fast: 8-bit attention unavailable ({why}; {why_triton}); attention runs in fp16 (sdpa)"]
 
 
 def get_backend(name: str, device: torch.device) -> AttentionFn:
-    if name not in BACKENDS:
-        raise FastRemoverError(
-            f"attention backend {name!r} is not available here; available: {available_backends(device)}"
-        )
+    why = unavailable_reason(name, device)
+    if why is not None:
+        raise FastRemoverError(f"attention backend {name!r} cannot run here: {why}")
     return BACKENDS[name]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Side-by-side benchmark (GPU): python -m fastremover.fast.attention --bench [--out FILE]
+
+
+def _time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: float = 1.0) -> list[dict]:
+    """fp16 SDPA vs the 8-bit backends at the DiT's shapes; q, k ~ N(0, 1) with a shared per-channel offset on K of
+    size k_bias (trained DiTs have one; it is what smoothing removes), v ~ N(0, 1)."""
+    from fastremover.fast.cudnn_sdpa import sdpa_fp8
+
+    rows = []
+    dev = torch.device("cuda")
+    for s in seq_lens:
+        g = torch.Generator(device=dev).manual_seed(s)
+        shape = (1, s, heads, head_dim)
+        qkv = torch.randn(1, s, 3, heads, head_dim, device=dev, generator=g, dtype=torch.float16)
+        qkv[:, :, 1] += (k_bias * torch.randn(heads, head_dim, device=dev, generator=g)).half()
+        q, k, v = qkv.unbind(2)  # strided views, as the fused QKV projection produces them
+        flop = 4.0 * s * s * heads * head_dim
+        ref = sdpa(q, k, v)
+        base_ms = _time_ms(lambda: sdpa(q, k, v))
+        rows.append({"seq": s, "backend": "sdpa-fp16", "ms": base_ms, "tflops": flop / base_ms / 1e9, "cos": 1.0,
+                     "speedup": 1.0})
+        try:  # cuDNN's fp16 SDPA through the frontend (own heuristics) and torch's flash backend, for reference
+            from fastremover.fast.cudnn_sdpa import sdpa_half
+
+            out = sdpa_half(q, k, v)
+            ms = _time_ms(lambda: sdpa_half(q, k, v))
+            rows.append({"seq": s, "backend": "cudnn-frontend-fp16", "ms": ms, "tflops": flop / ms / 1e9,
+                         "cos": _cos(out, ref), "speedup": base_ms / ms})
+        except Exception as exc:
+            rows.append({"seq": s, "backend": "cudnn-frontend-fp16", "error": repr(exc)[:300]})
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            ms = _time_ms(lambda: sdpa(q, k, v))
+        rows.append({"seq": s, "backend": "sdpa-fp16 (flash)", "ms": ms, "tflops": flop / ms / 1e9,
+                     "speedup": base_ms / ms})
+        for name in ("fp8", "fp8-triton"):
+            why = unavailable_reason(name, dev)
+            if why:
+                rows.append({"seq": s, "backend": name, "error": why})
+                continue
+            for smooth in (True, False):
+                fn = BACKENDS[name]
+                try:
+                    out = fn(q, k, v, smooth_k=smooth)
+                    ms = _time_ms(lambda: fn(q, k, v, smooth_k=smooth))
+                except Exception as exc:  # report, keep benchmarking the rest
+                    rows.append({"seq": s, "backend": name, "smooth_k": smooth, "error": repr(exc)[:300]})
+                    continue
+                rows.append({"seq": s, "backend": name, "smooth_k": smooth, "ms": ms, "tflops": flop / ms / 1e9,
+                             "cos": _cos(out, ref), "speedup": base_ms / ms})
+            if name == "fp8":  # the kernel alone (quantization excluded), fp8 output codes
+                q8, k8, v8, sq, sk, sv = quantize_qkv(q, k, v)
+                inv = torch.reciprocal(sv)
+                o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv, scale_o=inv)
+                ms = _time_ms(lambda: sdpa_fp8(q8, k8, v8, sq, sk, sv, scale_o=inv))
+                rows.append({"seq": s, "backend": "fp8 kernel only (fp8 out)", "ms": ms, "tflops": flop / ms / 1e9,
+                             "cos": _cos(o8.float() * sv, ref), "speedup": base_ms / ms})
+                try:
+                    from fastremover.fast.cudnn_sdpa import survey_plans
+
+                    for plan in survey_plans(q8, k8, v8, sq, sk, sv, _time_ms):
+                        if "ms" in plan:
+                            plan["tflops"] = flop / plan["ms"] / 1e9
+                        rows.append({"seq": s, "backend": f"fp8 plan {plan['plan']}: {plan['name'][:60]}", **plan})
+                except Exception as exc:
+                    rows.append({"seq": s, "backend": "fp8 plan survey", "error": repr(exc)[:300]})
+                ms = _time_ms(lambda: quantize_qkv(q, k, v))
+                rows.append({"seq": s, "backend": "quantize q/k/v only", "ms": ms})
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not args.bench:
+        parser.error("nothing to do (use --bench)")
+    rows = bench()
+    for r in rows:
+        if "error" in r:
+            print(f"S={r['seq']:>6} {r['backend']:<28} smooth={r.get('smooth_k', '-')!s:<5} ERROR {r['error']}")
+        else:
+            print(f"S={r['seq']:>6} {r['backend']:<28} smooth={r.get('smooth_k', '-')!s:<5} {r['ms']:8.3f} ms "
+                  f"{r.get('tflops', math.nan):7.1f} TFLOP/s  x{r.get('speedup', math.nan):5.2f}  "
+                  f"cos {r.get('cos', math.nan):.5f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

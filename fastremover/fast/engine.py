@@ -3,7 +3,8 @@
     auto   exact where it can run, else eager (the default; no note when it picks eager)
     eager  the reference-order module (every device)
     exact  fused Triton kernels + torch SDPA + CUDA-graph loop, no quantization   (CUDA GPUs)
-    fast   exact + FP8 e4m3 W8A8 linears                                           (GPUs with FP8 tensor cores, sm_89+)
+    fast   exact + FP8 e4m3 W8A8 linears + 8-bit attention (cuDNN FP8 SDPA where it builds, else fp16 SDPA with a
+           note)                                                                   (GPUs with FP8 tensor cores, sm_89+)
 A mode the device cannot run falls back to the next safer one with a note (never silently): the pipeline's config
 records what is active, `fastremover info` and the bench JSON print it.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from fastremover.errors import FastRemoverError
+from fastremover.fast.attention import BACKENDS, auto_backend, unavailable_reason
 from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
 from fastremover.fast.transformer_fast import FastTransformer
 from fastremover.models.transformer import RemoverTransformer
@@ -46,8 +49,28 @@ def resolve_mode(mode: str, device: torch.device) -> tuple[str, list[str]]:
     return mode, notes
 
 
-def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode: str, device: torch.device):
+def resolve_attention(attention: str, mode: str, device: torch.device) -> tuple[str, list[str]]:
+    """The attention backend for an (already resolved) mode: `auto` picks per mode; an explicit backend must be able
+    to run (an error otherwise: a run asked for fp8 attention must not silently get fp16)."""
     if mode == "eager":
-        return EagerDenoiser(transformer, scheduler_config)
-    fast = FastTransformer(transformer, fp8=(mode == "fast"))
-    return FastDenoiser(fast, scheduler_config, cuda_graphs=device.type == "cuda")
+        if attention not in ("auto", "sdpa"):
+            raise FastRemoverError(f"--attention {attention}: the eager mode always uses torch SDPA (use --mode fast)")
+        return "sdpa", []
+    if attention == "auto":
+        return auto_backend(mode, device)
+    if attention not in BACKENDS:
+        raise FastRemoverError(f"--attention {attention!r}: choose one of {['auto', *BACKENDS]}")
+    why = unavailable_reason(attention, device)
+    if why is not None:
+        raise FastRemoverError(f"--attention {attention}: {why}")
+    return attention, []
+
+
+def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode: str, device: torch.device,
+                   attention: str = "auto"):
+    """(denoiser, notes) for a resolved mode."""
+    backend, notes = resolve_attention(attention, mode, device)
+    if mode == "eager":
+        return EagerDenoiser(transformer, scheduler_config), notes
+    fast = FastTransformer(transformer, fp8=(mode == "fast"), attention=backend)
+    return FastDenoiser(fast, scheduler_config, cuda_graphs=device.type == "cuda"), notes

@@ -2,9 +2,11 @@
 
 Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     n      = adaln_modulate(x, shift, scale)            LayerNorm (fp32 stats) + adaLN in one pass [-> fp8 + row scales]
-    q,k,v  = linear(n)                                  three GEMMs on one (quantized) input
+    q,k,v  = linear(n)                                  exact: three GEMMs; fast: one fused [D, 3D] FP8 GEMM
     q,k    = qk_norm_rope(q), qk_norm_rope(k)           RMSNorm across heads + 3D RoPE in one pass, [B,S,H,Dh] layout
-    o      = attention(q, k, v); linear(o)              backend from fast/attention.py
+    o      = attention(q, k, v); linear(o)              backend from fast/attention.py; with the fp8 backend in the
+                                                        fast mode, cuDNN's FP8 output codes feed the FP8 O projection
+                                                        directly (per-tensor scale broadcast to rows)
     x      = gate_residual(x, o, gate)                  in place, fp32 math
     n2     = adaln_modulate(x, c_shift, c_scale)
     f      = linear(gelu_tanh(linear(n2)))              fp8: GELU fused with the row-wise quantization of its output
@@ -49,6 +51,28 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
     )
 
 
+def gelu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ weight.T + bias). On CUDA one cuBLASLt GEMM with the GELU_BIAS epilogue (torch's
+    `_addmm_activation`): the tanh-GELU is applied to the fp32 accumulator before the single rounding to x.dtype,
+    where eager rounds the GEMM output first and then runs a separate GELU pass (so results differ by an ulp-level
+    rounding, not by formula). Elsewhere: the eager composition."""
+    if x.is_cuda and x.dim() == 2:
+        return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def _fused_linear(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the given Linears' outputs side by side (weights and biases concatenated)."""
+    first = linears[0]
+    fused = nn.Linear(first.in_features, sum(l.out_features for l in linears), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([l.weight for l in linears]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([l.bias for l in linears]))
+    return fused
+
+
 @dataclass
 class Conditioning:
     """Per-step tensors that depend only on the timesteps (precomputed once per run / graph)."""
@@ -70,12 +94,18 @@ class FastTransformer(nn.Module):
         self.ops = kernel_ops(self.use_triton)
         self.attention_name = attention
         self.attention = get_backend(attention, device)
+        if not fp8:
+            # exact mode: q/k/v as one GEMM on the concatenated weights (one 4608-wide GEMM instead of three)
+            self.qkv = nn.ModuleList(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v) for b in model.blocks)
+        # fp8 attention whose codes go straight into the FP8 O projection (no dequantize / requantize pass)
+        self.fp8_attention_codes = fp8 and attention == "fp8"
         if fp8:
-            # Quantize every block linear once: q/k/v share one quantized input, out/ffn take their own.
+            # Quantize every block linear once: q/k/v as one fused GEMM (per-output-channel scales, so the fused
+            # weight's codes and scales are exactly the three separate ones), out/ffn their own.
             self.fp8_blocks = nn.ModuleList(
                 nn.ModuleDict({
-                    "q": Fp8Linear(b.attn1.to_q, self.dtype), "k": Fp8Linear(b.attn1.to_k, self.dtype),
-                    "v": Fp8Linear(b.attn1.to_v, self.dtype), "o": Fp8Linear(b.attn1.to_out[0], self.dtype),
+                    "qkv": Fp8Linear(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v), self.dtype),
+                    "o": Fp8Linear(b.attn1.to_out[0], self.dtype),
                     "ff1": Fp8Linear(b.ffn.net[0].proj, self.dtype), "ff2": Fp8Linear(b.ffn.net[2], self.dtype),
                 })
                 for b in model.blocks
@@ -106,17 +136,24 @@ class FastTransformer(nn.Module):
         if self.fp8:
             lin = self.fp8_blocks[index]
             qa, sa = ops.adaln_modulate(x, mods[0], mods[1], s, eps, fp8=True)
-            q, k, v = lin["q"](qa, sa), lin["k"](qa, sa), lin["v"](qa, sa)
+            q, k, v = lin["qkv"](qa, sa).chunk(3, dim=1)  # column slices: row stride 3D, read in place
         else:
             n = ops.adaln_modulate(x, mods[0], mods[1], s, eps)
-            q = F.linear(n, attn.to_q.weight, attn.to_q.bias)
-            k = F.linear(n, attn.to_k.weight, attn.to_k.bias)
-            v = F.linear(n, attn.to_v.weight, attn.to_v.bias)
+            q, k, v = self.qkv[index](n).chunk(3, dim=1)
         q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
         k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-        o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1), v.view(b, s, heads, -1))
-        o = o.reshape(b * s, -1)
-        o = self.fp8_blocks[index]["o"](*ops.quant_rowwise(o)) if self.fp8 else F.linear(o, attn.to_out[0].weight, attn.to_out[0].bias)
+        if self.fp8_attention_codes:
+            from fastremover.fast.attention import quantize_qkv
+            from fastremover.fast.cudnn_sdpa import sdpa_fp8
+
+            q8, k8, v8, sq, sk, sv = quantize_qkv(*(t.unflatten(1, (heads, -1)).view(b, s, heads, -1) for t in (q, k, v)))
+            o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of o / sv
+            o = self.fp8_blocks[index]["o"](o8.view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
+        else:
+            o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1),
+                               v.unflatten(1, (heads, -1)).view(b, s, heads, -1))
+            o = o.reshape(b * s, -1)
+            o = self.fp8_blocks[index]["o"](*ops.quant_rowwise(o)) if self.fp8 else F.linear(o, attn.to_out[0].weight, attn.to_out[0].bias)
         x = ops.gate_residual(x, o, mods[2], s, inplace=True)
         if self.fp8:
             lin = self.fp8_blocks[index]
@@ -125,7 +162,7 @@ class FastTransformer(nn.Module):
         else:
             n2 = ops.adaln_modulate(x, mods[3], mods[4], s, eps)
             ff = blk.ffn
-            h = F.gelu(F.linear(n2, ff.net[0].proj.weight, ff.net[0].proj.bias), approximate="tanh")
+            h = gelu_linear(n2, ff.net[0].proj.weight, ff.net[0].proj.bias)
             f = F.linear(h, ff.net[2].weight, ff.net[2].bias)
         return ops.gate_residual(x, f, mods[5], s, inplace=True)
 

@@ -78,7 +78,10 @@ def row_num_warps(lanes: int) -> int:
 # Input checks (wrappers raise ValueError with the argument's name)
 
 
-def check_tensor(name: str, t, *, ndim: int, dtypes: tuple, shape: tuple | None = None) -> None:
+def check_tensor(name: str, t, *, ndim: int, dtypes: tuple, shape: tuple | None = None,
+                 row_strided: bool = False) -> None:
+    """Type, rank, dtype, shape and layout checks; row_strided=True accepts any stride in dim 0 with the rest
+    contiguous (a column slice of a wider row-major matrix)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
@@ -87,6 +90,8 @@ def check_tensor(name: str, t, *, ndim: int, dtypes: tuple, shape: tuple | None 
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if row_strided and t.dim() >= 1 and t[:1].is_contiguous():
+        return
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {t.stride()}")
 
@@ -245,20 +250,29 @@ def row_scale_of(amax, any_nan):
 
 
 @triton.jit
+def inverse_scale_of(amax, any_nan):
+    """inv_scale = 448 / max(amax, 1e-12) (correctly rounded division), NaN if the row had a NaN. Codes are y times
+    this: one division per row instead of one per element (an IEEE division is ~10 instructions on the GPU)."""
+    inv = tl.math.div_rn(448.0, tl.maximum(amax, 1e-12))
+    return tl.where(any_nan, float("nan"), inv)
+
+
+@triton.jit
 def store_fp8_row(y0, y1, m0, m1, Q_ROW, c0, c1, RS_PTR, INTERPRET: tl.constexpr):
     """Row-wise fp8 of a row held as two segments: amax (a max: order-free), the row scale to RS_PTR, codes to
     Q_ROW + c (masked)."""
     amax = tl.maximum(tl.max(tl.where(m0, tl.abs(y0), 0.0), axis=0), tl.max(tl.where(m1, tl.abs(y1), 0.0), axis=0))
     nan0 = tl.max(tl.where(m0 & (y0 != y0), 1, 0), axis=0)
     nan1 = tl.max(tl.where(m1 & (y1 != y1), 1, 0), axis=0)
-    scale = row_scale_of(amax, (nan0 + nan1) > 0)
-    tl.store(RS_PTR, scale)
-    tl.store(Q_ROW + c0, quantize_fp8(y0, scale, INTERPRET), mask=m0)
-    tl.store(Q_ROW + c1, quantize_fp8(y1, scale, INTERPRET), mask=m1)
+    any_nan = (nan0 + nan1) > 0
+    tl.store(RS_PTR, row_scale_of(amax, any_nan))
+    inv = inverse_scale_of(amax, any_nan)
+    tl.store(Q_ROW + c0, quantize_fp8(y0, inv, INTERPRET), mask=m0)
+    tl.store(Q_ROW + c1, quantize_fp8(y1, inv, INTERPRET), mask=m1)
 
 
 @triton.jit
-def quantize_fp8(y, scale, INTERPRET: tl.constexpr):
-    """(y / scale) -> fp8, correctly rounded fp32 division then RNE to e4m3 (as torch: two roundings)."""
-    # div_rn does not broadcast its operands (and the interpreter, being numpy, would hide that): splat explicitly
-    return f32_to_fp8e4m3_rne(tl.math.div_rn(y, tl.broadcast_to(scale, y.shape)), INTERPRET)
+def quantize_fp8(y, inv_scale, INTERPRET: tl.constexpr):
+    """(y * inv_scale) -> fp8: a rounded fp32 product (never fused into anything) then RNE to e4m3 (as torch's
+    `(y * inv).to(float8_e4m3fn)`: two roundings)."""
+    return f32_to_fp8e4m3_rne(mul_rn(y, tl.broadcast_to(inv_scale, y.shape), INTERPRET), INTERPRET)

@@ -21,7 +21,7 @@ Reduction order and rounding points (fp32 throughout):
     6. y = ln * (1 + scale) + shift: 1 + scale rounded, the product rounded (`mul.rn.f32`, never an FMA), then the
        add rounded - exactly the three separate eager kernels.
     7. fp8=False: y rounded to x.dtype (RNE).  fp8=True: see `quant.py`: row_scale = max(amax|y|, 1e-12) / 448
-       (correctly rounded), q = RNE_e4m3(div_rn(y, row_scale)), saturating.
+       (correctly rounded), q = RNE_e4m3(y * (448 / max(amax, 1e-12))) (one div_rn per row), saturating.
 So the only differences from eager are in mean/var (summation order; eager CUDA uses Welford), which move y by a few
 fp32 ulps at most and flip the final fp16/bf16 rounding of a small fraction of elements by one ulp.
 """

@@ -90,14 +90,14 @@ def _norm_rope_store(e, o, r, W, COS_ROW, SIN_ROW, Y_ROW, p, npairs,
 @triton.jit
 def _qk_norm_rope_kernel(
     X, W, COS, SIN, Y,
-    NPAIRS, S, inv_n, eps,
+    NPAIRS, S, stride_x, inv_n, eps,
     HALF: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = row % S
     p0 = tl.arange(0, HEAD)
     p1 = HEAD + tl.arange(0, TAIL)
-    x_row = X + row * (2 * NPAIRS)
+    x_row = X + row * stride_x
     e0, o0 = _load_pairs(x_row, p0, NPAIRS, INTERPRET)
     e1, o1 = _load_pairs(x_row, p1, NPAIRS, INTERPRET)
     ss = tl.sum(e0 * e0 + o0 * o0, axis=0) + tl.sum(e1 * e1 + o1 * o1, axis=0)
@@ -124,9 +124,10 @@ def qk_norm_rope(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm over the whole H*Dh row (fp32 statistics, weight in x.dtype) then RoPE per head on (even, odd) pairs
-    with table row s = token % tokens_per_batch. x [M, H*Dh] fp16/bf16/fp32 contiguous, weight [H*Dh] x.dtype,
-    cos/sin [tokens_per_batch, Dh/2] fp32 -> [M, H*Dh] x.dtype (into `out` if given; `out` may be x itself)."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    with table row s = token % tokens_per_batch. x [M, H*Dh] fp16/bf16/fp32 with contiguous rows (any row stride: a
+    column slice of a fused QKV output works), weight [H*Dh] x.dtype, cos/sin [tokens_per_batch, Dh/2] fp32
+    -> [M, H*Dh] x.dtype contiguous (into `out` if given; `out` may be x itself when x is contiguous)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, row_strided=True)
     m, width = x.shape
     check_row_width("x", width)
     if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1 or width % heads:
@@ -142,13 +143,13 @@ def qk_norm_rope(
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     check_device(_qk_norm_rope_kernel, x=x, weight=weight, cos=cos, sin=sin, out=out)
     check_out("out", out, (m, width), x.dtype, x.device)
-    y = out if out is not None else torch.empty_like(x)
+    y = out if out is not None else torch.empty((m, width), dtype=x.dtype, device=x.device)
     if m:
         npairs = width // 2
         head, tail = row_segments(npairs)
         inv_n = _fp32_reciprocal(width)  # fp32 1/N, as torch's CUDA mean factor
         _qk_norm_rope_kernel[(m,)](
-            x, weight, cos, sin, y, npairs, tokens_per_batch, inv_n, float(eps),
+            x, weight, cos, sin, y, npairs, tokens_per_batch, x.stride(0), inv_n, float(eps),
             HALF=head_dim // 2, HEAD=head, TAIL=tail, INTERPRET=interpreting(_qk_norm_rope_kernel),
             num_warps=row_num_warps(2 * (head + tail)), **launch_options(_qk_norm_rope_kernel),
         )
@@ -167,5 +168,5 @@ def qk_norm_rope_reference(
     norm = RMSNorm(width, eps).to(device=x.device, dtype=weight.dtype)
     with torch.no_grad():
         norm.weight.copy_(weight)
-        n = norm(x.view(m // tokens_per_batch, tokens_per_batch, width)).unflatten(-1, (heads, -1))
+        n = norm(x.reshape(m // tokens_per_batch, tokens_per_batch, width)).unflatten(-1, (heads, -1))
         return into(apply_rope(n, cos, sin).flatten(-2).view(m, width), out)

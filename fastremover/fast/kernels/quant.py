@@ -2,9 +2,11 @@
 
 Scale rule (everywhere in fastremover.fast): for a row y (fp32),
     row_scale = max(amax(|y|), 1e-12) / 448          correctly rounded fp32 division (torch `/`)
-    q         = RNE_e4m3(y / row_scale)              correctly rounded fp32 division, then round-to-nearest-even
-so q * row_scale ~= y with relative error <= 2^-4 (3 mantissa bits), and |y / row_scale| <= 448 * (1 + 2^-23)
-always rounds to +-448 at the top: nothing ever overflows. Saturation: values past 448 would clamp to +-448 (torch's
+    inv_scale = 448 / max(amax(|y|), 1e-12)          correctly rounded fp32 division, once per row
+    q         = RNE_e4m3(y * inv_scale)              rounded fp32 product, then round-to-nearest-even
+so q * row_scale ~= y with relative error <= 2^-4 (3 mantissa bits), and |y * inv_scale| <= 448 * (1 + 2^-23)^2
+always rounds to +-448 at the top: nothing ever overflows. (A per-element division would be a correctly rounded
+quotient too, but costs ~10 GPU instructions per element; the product is one.) Saturation: values past 448 would clamp to +-448 (torch's
 own cast turns |v| >= 464 into NaN; unreachable here). A NaN anywhere in a row makes that row's scale NaN (as torch's
 amax does), and so every code of the row NaN; an inf makes the scale inf (inf elements -> NaN codes, others -> 0).
 
@@ -13,25 +15,23 @@ Kernels (one program per row; the row lives in registers as HEAD + TAIL power-of
     quant_fp8_rowwise(x)       y = x.float()
     gelu_tanh_quant_fp8(h)     y = gelu_tanh(h.float()) in fp32, then the same quantization
     gelu_tanh_f32(h)           y alone (fp32) - the exact intermediate of gelu_tanh_quant_fp8, for tests/debugging
+Per-tensor (the 8-bit attention's q/k/v; two tile kernels, no host sync):
+    quant_fp8_tensorwise(x, mean=None)   y = x.float() [- mean[b, col]], one scale for the whole tensor:
+                                         amax by tile maxima + one fp32 atomic max, then codes with the rule above.
 Reduction: amax is a max, so its value does not depend on the order; with y bit-identical to eager, scale and codes
 are bit-identical too (quant_fp8_rowwise always is).
 
-GELU (tanh approximation), written exactly like PyTorch's CUDA kernel (ActivationGeluKernel.cu) as nvcc compiles it:
-    x3    = (x * x) * x                                       two rounded products
-    inner = kBeta * fma(kKappa, x3, x)                        nvcc contracts `x + kKappa * x_cube` into one FMA
-    y     = (0.5 * x) * (1 + tanh(inner))                     0.5 * x exact; 1 + t rounded; product rounded
+GELU (tanh approximation) in the sigmoid form, which needs one exp2 and one division instead of tanhf:
+    0.5 * x * (1 + tanh(u)) = x / (1 + exp(-2u)),   u = kBeta * (x + kKappa * x^3)
+    inner = kBeta * fma(kKappa, (x * x) * x, x)       as PyTorch's CUDA kernel (ActivationGeluKernel.cu) forms u
+    y     = x / (1 + exp2(inner * -2 log2(e)))        GPU: ex2.approx + the fast fp32 division; interpreter: numpy
     kBeta = float(M_SQRT2 * M_2_SQRTPI * 0.5) = 0.7978845834732056, kKappa = float(0.044715)
-    tanh: libdevice __nv_tanhf on the GPU (the CUDA math library's tanhf, what torch calls);
-          interpreter: sign(u) * (1 - 2 / (exp(2|u|) + 1)) with |u| clamped to 20 (numpy exp).
-Measured on the CPU (interpreter vs torch's CPU F.gelu(h.float(), approximate="tanh"), 2^20 N(0, 3^2) inputs plus
-2^20 points evenly over [-12, 12]): 93 % bit-identical, max |diff| = 2.4e-7 = 2^-22 absolute, i.e. tanh differs
-from torch's in its last bit and nothing else. Counted in ulps of y it looks worse where 1 + tanh cancels
-(x in [-3, -1]: up to 6 ulps with |y| >= 0.1; x < -5: torch's tanh is exactly -1 and y = -0 where ours gives
--1.5e-7); torch's own result has the same absolute error against float64 (4.3e-7 both). For fp8 (spacing 2^-4
-relative to the row max) this is invisible. Asserted bound: |diff| <= 2^-21 * max(1, |y|)
-(tests/test_kernels.py::test_gelu_tanh_f32_matches_torch). The GPU path should be bit-identical to torch's CUDA gelu
-(same formula and rounding points, same FMA contraction, same tanhf); the gpu test asserts the same bound and prints
-the bit-identical fraction.
+This is the same function, not torch's rounding: PyTorch's `(0.5x)(1 + tanhf(u))` cancels for x in [-3, -1] and
+flushes y to -0 below x ~ -5, where this form keeps relative accuracy. The fp8 quantization that follows has a
+spacing of 2^-4 relative to the row max, so a few-ulp fp32 difference is invisible there; the previous bit-exact
+libdevice-tanhf form was ALU-bound at 0.77 ms for 32760 x 8960 (24 % of HBM bandwidth). Asserted bound against
+torch's F.gelu(h.float(), approximate="tanh"): |diff| <= 2^-20 * max(1, |y|)
+(tests/test_kernels.py::test_gelu_tanh_f32_matches_torch, CPU and GPU).
 """
 
 from __future__ import annotations
@@ -50,37 +50,24 @@ from fastremover.fast.kernels._common import (
     into,
     launch_options,
     load_f32,
+    quantize_fp8,
     row_num_warps,
     row_segments,
     store_fp8_row,
 )
 
-try:  # libdevice is only called on the compiled path (the interpreter cannot run extern calls)
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover
-    from triton.language.extra.cuda import libdevice
-
 GELU_BETA = tl.constexpr(float(torch.tensor(1.41421356237309504880 * 1.12837916709551257390 * 0.5,
                                             dtype=torch.float32)))
 GELU_KAPPA = tl.constexpr(float(torch.tensor(0.044715, dtype=torch.float32)))
-
-
-@triton.jit
-def _tanh_f32(u, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        a = tl.minimum(tl.abs(u), 20.0)  # tanh(20) == 1 in fp32; keeps exp finite
-        t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
-        t = tl.where(u < 0, -t, t)
-    else:
-        t = libdevice.tanh(u)
-    return t
+MINUS_TWO_LOG2E = tl.constexpr(float(torch.tensor(-2.0 * 1.4426950408889634, dtype=torch.float32)))
 
 
 @triton.jit
 def gelu_tanh_f32_device(x, INTERPRET: tl.constexpr):
-    """fp32 tanh-GELU, torch's CUDA formula and rounding points (see the module docstring)."""
+    """fp32 tanh-GELU in the sigmoid form x / (1 + exp(-2u)) (see the module docstring)."""
     inner = GELU_BETA * tl.fma(GELU_KAPPA, (x * x) * x, x)
-    return (0.5 * x) * (1.0 + _tanh_f32(inner, INTERPRET))
+    # exp2 overflows to inf for very negative x: x / inf = -0, the limit (torch gives -0 there too)
+    return x / (1.0 + tl.exp2(inner * MINUS_TWO_LOG2E))
 
 
 @triton.jit
@@ -149,9 +136,76 @@ def gelu_tanh_f32(h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.
     return _launch_rows("h", h, gelu=True, quant=False, out=out, out_scale=None)
 
 
+@triton.jit
+def _tile_values(X, MEAN, M, N, S, stride_x, HAS_MEAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    y = load_f32(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask, INTERPRET)
+    if HAS_MEAN:  # one fp32 subtraction, rounded (eager: x.float() - mean)
+        y = y - tl.load(MEAN + (rows // S).to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    return rows, cols, mask, y
+
+
+@triton.jit
+def _tensor_amax_kernel(X, MEAN, AMAX, M, N, S, stride_x, HAS_MEAN: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    _, _, mask, y = _tile_values(X, MEAN, M, N, S, stride_x, HAS_MEAN, BLOCK_M, BLOCK_N, INTERPRET)
+    tile_max = tl.max(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1), axis=0)
+    tl.atomic_max(AMAX, tile_max)  # max is order-free: the result does not depend on the programs' order
+
+
+@triton.jit
+def _tensor_quant_kernel(X, MEAN, AMAX, Q, SCALE, M, N, S, stride_x, HAS_MEAN: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    rows, cols, mask, y = _tile_values(X, MEAN, M, N, S, stride_x, HAS_MEAN, BLOCK_M, BLOCK_N, INTERPRET)
+    amax = tl.load(AMAX)
+    inv = tl.math.div_rn(448.0, tl.maximum(amax, 1e-12))
+    tl.store(Q + rows.to(tl.int64)[:, None] * N + cols[None, :], quantize_fp8(y, inv, INTERPRET), mask=mask)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(SCALE, tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0))
+
+
+def quant_fp8_tensorwise(
+    x: torch.Tensor, mean: torch.Tensor | None = None, tokens_per_batch: int | None = None,
+    *, out: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor: x [M, N] fp16/bf16/fp32 with unit column stride (any row stride, e.g. a
+    column slice of a fused QKV output) -> (codes float8_e4m3fn [M, N] contiguous, scale fp32 [1]).
+
+    y = x.float(), or x.float() - mean[m // tokens_per_batch] when `mean` [B, N] fp32 is given (the attention's
+    K smoothing); scale = max(amax|y|, 1e-12) / 448, codes = RNE(y * (448 / max(amax, 1e-12))). Bit-exact to
+    `quant_fp8_tensorwise_reference`. A NaN in y gives NaN codes where it sits (the scale ignores it)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, row_strided=True)
+    m, n = x.shape
+    s = m if tokens_per_batch is None else tokens_per_batch
+    if mean is not None:
+        check_tensor("mean", mean, ndim=2, dtypes=(torch.float32,))
+        if s < 1 or m % s or mean.shape != (m // s, n) or not mean.is_contiguous():
+            raise ValueError(f"quant_fp8_tensorwise: mean must be contiguous [{m} // tokens_per_batch, {n}]")
+    check_device(_tensor_quant_kernel, x=x, mean=mean, out=out, out_scale=out_scale)
+    check_out("out", out, (m, n), torch.float8_e4m3fn, x.device)
+    check_out("out_scale", out_scale, (1,), torch.float32, x.device)
+    q = out if out is not None else torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = out_scale if out_scale is not None else torch.empty(1, dtype=torch.float32, device=x.device)
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    if m and n:
+        block_m, block_n = 16, min(256, triton.next_power_of_2(n))
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        args = (x, mean if mean is not None else amax, amax)
+        opts = dict(HAS_MEAN=mean is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                    INTERPRET=interpreting(_tensor_quant_kernel), num_warps=4, **launch_options(_tensor_quant_kernel))
+        _tensor_amax_kernel[grid](*args, m, n, s, x.stride(0), **opts)
+        _tensor_quant_kernel[grid](*args, q, scale, m, n, s, x.stride(0), **opts)
+    else:
+        scale.fill_(1e-12 / 448.0)
+    return q, scale
+
+
 def quant_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel fp8 of a Linear weight w [N, K] (plain torch, runs once at load):
-    scale [N] fp32 = max(amax_k |w[n]|, 1e-12) / 448, q [N, K] float8_e4m3fn = RNE(w / scale[:, None])."""
+    scale [N] fp32 = max(amax_k |w[n]|, 1e-12) / 448, q [N, K] float8_e4m3fn = RNE(w * (448 / max(amax, 1e-12)))."""
     check_tensor("w", w, ndim=2, dtypes=FLOAT_DTYPES)
     q, scale = fp8_rowwise_reference(w)
     return q, scale.view(-1)
@@ -163,19 +217,39 @@ def quant_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_rowwise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager torch row-wise quantization of y [..., K] (computed in fp32): (q float8_e4m3fn, row_scale [..., 1]).
-    The clamp is a no-op on every finite input (|y / scale| <= 448 * (1 + 2^-23), which torch rounds to 448 anyway);
+    The clamp is a no-op on every finite input (|y * inv| <= 448 * (1 + 2^-23)^2, which torch rounds to 448 anyway);
     it only documents the kernels' saturation (torch alone would give NaN at |v| >= 464)."""
     yf = y.float()
     amax = yf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    return _codes(yf, amax), _scale(amax)
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
     # A tensor divisor, not the Python scalar 448: CUDA's `tensor / scalar` multiplies by a rounded reciprocal,
     # which differs from a correctly rounded division (and from the CPU, and from the kernels' div.rn) in the last bit.
-    scale = amax / amax.new_full((), 448.0)
-    return (yf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    return amax / amax.new_full((), 448.0)
+
+
+def _codes(yf: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    inv = amax.new_full((), 448.0) / amax
+    return (yf * inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def quant_fp8_rowwise_reference(x: torch.Tensor, *, out=None, out_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     q, rs = fp8_rowwise_reference(x.float())
     return into(q, out), into(rs, out_scale)
+
+
+def quant_fp8_tensorwise_reference(
+    x: torch.Tensor, mean: torch.Tensor | None = None, tokens_per_batch: int | None = None, *, out=None, out_scale=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = x.shape
+    y = x.float()
+    if mean is not None:
+        s = m if tokens_per_batch is None else tokens_per_batch
+        y = (y.view(m // s, s, n) - mean.view(-1, 1, n)).view(m, n)
+    amax = y.abs().amax().clamp_min(1e-12).view(1)
+    return into(_codes(y, amax), out), into(_scale(amax), out_scale)
 
 
 def gelu_tanh_reference(h: torch.Tensor, *, out=None) -> torch.Tensor:

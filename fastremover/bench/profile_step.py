@@ -1,0 +1,166 @@
+"""Where one denoise step's GPU time goes: the real-config DiT (random weights) at a workload's token count, one
+`FastTransformer.forward_step` under torch.profiler, kernels grouped by name.
+
+    python -m fastremover.bench.profile_step --workload w2 --modes exact fast [--attention fp8] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+
+import torch
+
+from fastremover.bench.harness import WORKLOADS
+from fastremover.fast.engine import resolve_attention
+from fastremover.fast.transformer_fast import FastTransformer
+from fastremover.models.loading import random_models
+
+GROUPS = (  # kernel-name patterns -> a readable group (first match wins)
+    ("attention", r"fmha|flash|attention|sdpa|cudnn_generated|sm90_xmma_fprop|_attn"),
+    ("gemm", r"gemm|sm90_xmma|cutlass|nvjet|matmul|_scaled_mm"),
+    ("adaln", r"adaln"),
+    ("qk_norm_rope", r"qk_norm_rope"),
+    ("gate_residual", r"gate_residual"),
+    ("quant/gelu", r"quant|gelu|amax"),
+)
+
+
+def group_of(name: str) -> str:
+    for group, pattern in GROUPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return group
+    return "other"
+
+
+def real_model():
+    return random_models("minimax-remover", seed=0).transformer.to("cuda").to_inference_dtype(torch.float16)
+
+
+def profile(model, workload: str, mode: str, attention: str, steps: int = 12) -> dict:
+    frames, height, width = WORKLOADS[workload]
+    device = torch.device("cuda")
+    backend, notes = resolve_attention(attention, mode, device)
+    fast = FastTransformer(model, fp8=(mode == "fast"), attention=backend)
+    t = (frames - 1) // 4 + 1
+    x = torch.randn(1, model.config.in_channels, t, height // 8, width // 8, device=device, dtype=torch.float16)
+    timesteps = torch.linspace(999, 1, steps, device=device)
+    cond = fast.conditioning(timesteps, 1)
+    for i in range(2):  # compile / build graphs
+        fast.forward_step(x, cond, i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(3):
+        fast.forward_step(x, cond, i)
+    end.record()
+    torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end) / 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fast.forward_step(x, cond, 0)
+        torch.cuda.synchronize()
+    by_kernel: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us and ev.key:
+            by_kernel[ev.key] += us
+            counts[ev.key] += ev.count
+    groups: dict[str, float] = defaultdict(float)
+    for name, us in by_kernel.items():
+        groups[group_of(name)] += us / 1000.0
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    del fast
+    torch.cuda.empty_cache()
+    return {
+        "workload": workload, "mode": mode, "attention": backend, "notes": notes, "step_ms_eager_launch": step_ms,
+        "profiled_ms_by_group": {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:120], "ms": round(us / 1000.0, 3), "count": counts[n]} for n, us in top],
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="w2", choices=sorted(WORKLOADS))
+    parser.add_argument("--modes", nargs="+", default=["exact", "fast"])
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    model = real_model()
+    results = [profile(model, args.workload, mode, args.attention) for mode in args.modes]
+    for r in results:
+        print(f"\n{r['workload']} {r['mode']} attention={r['attention']}: {r['step_ms_eager_launch']:.1f} ms/step "
+              f"(no graph) {r['notes']}")
+        for group, ms in r["profiled_ms_by_group"].items():
+            print(f"   {group:<14} {ms:8.2f} ms")
+        for k in r["top_kernels"][:8]:
+            print(f"      {k['ms']:8.2f} ms x{k['count']:<4} {k['name']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The fast VAE: python -m fastremover.bench.profile_step --vae [--workload w2]
+
+VAE_GROUPS = (
+    ("conv (cuDNN)", r"conv|cudnn|xmma|implicit|sm90|sm80|gemm|nhwc|fprop|cutlass|nvjet"),
+    ("norm+silu (Triton)", r"vae_rms|_rms_norm|_norm_kernel"),
+    ("conv fp8 (Triton)", r"conv3d_fp8|_conv3d"),
+    ("copy / cat / pad", r"copy|cat|pad|fill|Memset|Memcpy"),
+    ("elementwise", r"elementwise|vectorized|add|mul|clamp|silu"),
+    ("attention", r"fmha|flash|attention"),
+)
+
+
+def profile_vae(workload: str = "w2", precision: str = "auto") -> dict:
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    frames, height, width = WORKLOADS[workload]
+    vae = random_models("minimax-remover", seed=0).vae
+    fast = FastWanVAE(vae, device=torch.device("cuda"), dtype=torch.float16, precision=precision)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    video = torch.rand(1, 3, frames, height, width, device="cuda", generator=g, dtype=torch.float16) * 2 - 1
+    mask = (torch.rand(1, 1, frames, height, width, device="cuda", generator=g) > 0.9).half().expand(1, 3, -1, -1, -1)
+    out = {}
+    for name, fn in (("encode", lambda: fast.encode_removal_inputs(video, mask)),
+                     ("decode", lambda: fast.decode(torch.randn(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8,
+                                                                 device="cuda", dtype=torch.float16)))):
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        by_kernel: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+            if us and ev.key:
+                by_kernel[ev.key] += us
+                counts[ev.key] += ev.count
+        groups: dict[str, float] = defaultdict(float)
+        for kname, us in by_kernel.items():
+            group = next((gname for gname, pat in VAE_GROUPS if re.search(pat, kname, re.IGNORECASE)), "other")
+            groups[group] += us / 1000.0
+        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:14]
+        out[name] = {"ms_by_group": {k: round(v, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+                     "top": [{"name": n[:110], "ms": round(us / 1000.0, 2), "count": counts[n]} for n, us in top]}
+    return out
+
+
+if __name__ == "__main__" and "--vae" in sys.argv:
+    res = profile_vae(sys.argv[sys.argv.index("--workload") + 1] if "--workload" in sys.argv else "w2")
+    for stage, r in res.items():
+        print(f"\nfast VAE {stage}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms_by_group"].items()))
+        for k in r["top"]:
+            print(f"   {k['ms']:8.2f} ms x{k['count']:<5} {k['name']}")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,924 @@
+"""FP8 (e4m3) implicit-GEMM causal 3x3x3 conv3d for the Wan VAE (Triton, Hopper), with its eager reference.
+
+Replaces, for the VAE's 3x3x3 causal convs (`vae.CausalConv3d` with padding 1, stride 1), the eager
+
+    stream = cat([zeros(2 - P), prev (P frames, P in 0..2), x], dim=2)     # the causal front padding / cache
+    y      = F.conv3d(stream, weight, bias, padding=(0, 1, 1))               # [B, Cout, T, H, W]
+
+by one kernel that reads `prev` and `x` through two pointers (no concatenation) and computes with fp8 operands.
+
+Numerics (the only rounding points; everything else is exact):
+    weights     per output channel, once at load (`quantize_conv_weight`, the house rule of quant.py):
+                s_w[o] = max(amax |w[o]|, 1e-12) / 448,  w_q = RNE_e4m3(w / s_w[o])       (correctly rounded division)
+    activations one per-tensor scale over every frame the conv reads (prev and x), on the device, no host sync
+                (`activation_scale`; or a caller-given fp32 [1] tensor):
+                s_a = max(amax(|prev|, |x|), 1e-12) / 448
+                q   = RNE_sat_e4m3(v * inv),  inv = RN(1 / s_a)                            (one fp32 product)
+                A multiply by the reciprocal (not a division per element, which is ~10 instructions in the GEMM's
+                hot loop); the eager reference does the same two operations, so its codes are bit-identical.
+                |v * inv| <= 448 (1 + 2^-22) for every v of the tensor, which rounds to 448: nothing saturates
+                except a caller-given scale that is too small (then +-448, like `cvt.rn.satfinite`).
+    GEMM        acc[m, o] = sum over K = 27 * Cin of q_x * q_w: fp8 x fp8 products are exact in fp32 (4 x 4
+                significant bits); the sum is accumulated by the tensor cores (see the bounds below).
+    epilogue    y = RN_dtype( RN( RN(acc * RN(s_a * s_w[o])) + bias[o] ) )   fp32, no FMA (enable_fp_fusion=False),
+                bias fused, output in x's dtype (fp16/bf16), channels_last_3d.
+    NaN in prev/x makes s_a NaN (as torch's amax) and so every output NaN; inf makes s_a inf (codes 0 / NaN).
+
+Eager reference (`causal_conv3d_fp8_reference`): the same scales and codes (bit-identical), dequantized to fp32
+(xd = RN(q_x * s_a), wd = RN(q_w * s_w)), the zero / cached front frames concatenated, F.conv3d computed in float64
+(so the reference is the exact sum of the fp32 products up to 2^-53: no TF32, no cuDNN algorithm choice, no
+summation order in it), rounded to fp32, + fp32 bias, rounded to the dtype. Kernel vs reference is not bit-exact
+(fp32 accumulation vs an exact sum, and the scale applied after the sum instead of before). With
+S = conv(|xd|, |wd|) (the sum of absolute products) and ulp_dtype the output dtype's unit in the last place:
+    any IEEE fp32 accumulation (the interpreter: numpy's fp32 matmul per K-chunk, fp32 adds across chunks):
+        |y - y_ref| <= (K + 8) * 2^-24 * (S + |bias|) + ulp_dtype(|y_ref| + that)
+        [(K - 1) u S for any fp32 summation order, u S for each of the scale/dequant roundings, u |y| for each
+        bias add, and the two final roundings to the dtype at most one ulp apart]
+    Hopper fp8 wgmma: the tensor cores do NOT accumulate fp8 products in IEEE fp32: the running sum keeps only
+        about 14 significant bits (DeepSeek-V3 report, sec. 3.3.2 "Increasing Accumulation Precision", which
+        promotes to fp32 every 128 K-elements for that reason). Left alone over K = 10368 (324 k32 instructions)
+        the truncation error grows with K and is biased toward zero. So the kernel promotes: the tensor-core
+        partial sum covers one BLOCK_K chunk (<= 128 K-elements, <= 4 instructions) and is then added to an fp32
+        register accumulator (`tl.dot(..., max_num_imprecise_acc=BLOCK_K)`, `precise_acc=True`, the default; it
+        costs a second accumulator's registers and a wait per chunk). Bound asserted by the GPU tests:
+            |y - y_ref| <= 2^-9 * (S + |bias|) + ulp_dtype(|y_ref| + that)
+        (model: <= 4 truncations of ~2^-13 relative per chunk = 2^-11 S, times 4 margin; the tests print the
+        measured max |y - y_ref| / (S + |bias|)). `precise_acc=False` leaves Triton's sm_90 default (no promotion:
+        faster, error grows with K); the bench and the gpu test print its error too.
+
+Kernel (`_conv3d_fp8_kernel`): implicit GEMM, M = B*T*H*W output pixels, N = Cout, K = 27*Cin ordered
+(kt, kh, kw, cin) - the weight's layout [Cout, 27*Cin] K-major (what fp8 wgmma wants for B).
+    * a program owns BLOCK_M (64 / 128) consecutive output pixels and BLOCK_N0 + BLOCK_N1 output channels, one or
+      two power-of-two column blocks sharing the A tile (96 = 64 + 32, 192 = 128 + 64) so no MMA column is wasted
+      (tl.arange needs powers of two); Cout = 384 takes 3 programs of 128 or 2 of 128 + 64. The accumulators stay
+      <= 64 fp32 registers per thread (x2 with the promotion's partial sum): the candidates that spilled in the
+      offline sm_90 compile are excluded (`candidate_configs`, `codegen_check`).
+    * one flat K loop over (tap, Cin chunk of BLOCK_K) so Triton software-pipelines it (num_stages); BLOCK_K =
+      the largest of 128 / 64 / 32 dividing Cin (Cin 96 -> 32, 192 -> 64, 384 -> 128); Cin = 16, 48, ... run 32-wide
+      chunks with the tail channels masked. Numerics depend on Cin only, never on the tuned config.
+    * tap (kt, kh, kw) of output pixel m = ((b*T + t)*H + h)*W + w reads virtual frame v = t + kt of
+      zeros(2 - P) ++ prev ++ x: x pixel m + delta if v >= 2, else prev pixel mp + delta, with
+      delta = ((kt - 2)*H + kh - 1)*W + kw - 1 and mp = ((b*P + t + P)*H + h)*W + w. Both tensors are addressed
+      from x's base pointer (prev through its element offset from x, see the kernel's doc); spatial zero padding
+      and frames before the stream are load masks (no concatenation, no padded copy). A row reads BLOCK_K
+      contiguous channels (NDHWC): 16-byte cp.async loads into the pipelined shared-memory stages.
+    * activations: `quantize="pass"` (default) quantizes prev and x once (one elementwise pass, 3 bytes/element of
+      HBM traffic) and the GEMM loads fp8 tiles straight into shared memory; `quantize="fused"` loads fp16 tiles and
+      quantizes in registers in the K loop. The fused form repeats the conversion (cvt + mul + cvt) for every one of
+      the 27 taps and every N-program of a pixel tile (27-54x per element) and moves 2 bytes instead of 1 per
+      element per tap through L2/L1; the pass moves ~0.46 GB at 480x832x96ch x 4 frames (~0.1 ms of HBM time,
+      an estimate) against a GEMM of 0.8 TFLOP. The bench measures both (`--bench`, variant "fused").
+    * grid: pid -> (pixel tile, N block) with the N blocks of a pixel tile adjacent (its A rows are shared in L2).
+
+Autotuning: a few configs per (Cin, Cout, quantize mode, accumulation, M bucket) are timed on the first call with
+that key (triton.testing.do_bench: that first call synchronizes the host once; later calls never do, so a CUDA
+graph should be captured after one warm-up call). FASTREMOVER_CONV3D_FP8_TUNE=0 disables tuning (heuristic config).
+
+Interpreter (TRITON_INTERPRET=1, CPU tests): Triton's interpreter runs the fp8 tl.dot itself (it widens the e4m3
+codes to fp16 - exact - and calls numpy's fp32 matmul), so no emulation of the dot is needed; fp32 -> e4m3 casts go
+through _common.f32_to_fp8e4m3_rne (the interpreter's own cast rounds wrongly), bf16 through load_f32 / round_to.
+`max_num_imprecise_acc` is ignored there (numpy accumulates in IEEE fp32), which is why the interpreter bound is
+the tighter one above.
+
+Refusals (ValueError, so the caller falls back to fp16 cuDNN; `supported(cin, cout)` asks first): Cin or Cout not
+a multiple of 16 (the VAE's conv_in, Cin = 3, and the decoder's conv_out, Cout = 3; the encoder's conv_out, 384 -> 32,
+is accepted - whether it pays is the caller's call), a prev with more than 2 frames, tensors not channels_last_3d,
+mismatched shapes/dtypes/devices, more than 2^31 - 2^20 output pixels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastremover.fast.kernels._common import (
+    FP8_MAX,
+    check_device,
+    f32_to_fp8e4m3_rne,
+    interpreting,
+    launch_options,
+    load_f32,
+    round_to,
+    row_scale_of,
+)
+
+FP8 = torch.float8_e4m3fn
+TAPS = 27  # 3 x 3 x 3
+CACHE_FRAMES = 2  # frames a 3-tap causal conv needs from before the chunk
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+P_OFF_BIAS = 1 << 62  # see _conv3d_fp8_kernel's P_OFF
+QUANT_MODES = ("pass", "fused")
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Device code
+
+
+@triton.jit
+def _to_e4m3(v, INTERPRET: tl.constexpr):
+    """fp32 -> e4m3, RNE, saturating. GPU: one `cvt.rn.satfinite.e4m3x2.f32` per pair (it saturates by itself, so the
+    explicit clamp of _common.f32_to_fp8e4m3_rne is skipped in the hot loop); interpreter: the bit-exact emulation."""
+    if INTERPRET:
+        q = f32_to_fp8e4m3_rne(v, INTERPRET)
+    else:
+        q = v.to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
+def _amax_partial_kernel(P, X, PART, n_p, n_x, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """PART[pid] = max |v| over this program's blocks of prev then x (grid-strided); NaN if any was NaN."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    nan = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(pid, tl.cdiv(n_p, BLOCK), nprog):
+        idx = tl.cast(i, tl.int64) * BLOCK + offs
+        m = idx < n_p
+        v = tl.abs(load_f32(P + idx, m, INTERPRET))
+        amax = tl.maximum(amax, v)
+        nan = tl.maximum(nan, (v != v).to(tl.int32))
+    for i in range(pid, tl.cdiv(n_x, BLOCK), nprog):
+        idx = tl.cast(i, tl.int64) * BLOCK + offs
+        m = idx < n_x
+        v = tl.abs(load_f32(X + idx, m, INTERPRET))
+        amax = tl.maximum(amax, v)
+        nan = tl.maximum(nan, (v != v).to(tl.int32))
+    a = tl.max(amax, axis=0)
+    tl.store(PART + pid, tl.where(tl.max(nan, axis=0) > 0, float("nan"), a))
+
+
+@triton.jit
+def _amax_finalize_kernel(PART, n, SA, BLOCK: tl.constexpr):
+    """SA[0] = max(max PART, 1e-12) / 448 (div.rn), NaN if a partial is NaN (max is order-free: exact)."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    nan = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, tl.cdiv(n, BLOCK)):
+        m = i * BLOCK + offs < n
+        v = tl.load(PART + i * BLOCK + offs, mask=m, other=0.0)
+        amax = tl.maximum(amax, v)
+        nan = tl.maximum(nan, (v != v).to(tl.int32))
+    tl.store(SA, row_scale_of(tl.max(amax, axis=0), tl.max(nan, axis=0) > 0))
+
+
+@triton.jit
+def _quant_act_kernel(P, X, PQ, XQ, SA, n_p, n_x, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """PQ/XQ = RNE_sat_e4m3(v * RN(1 / SA[0])) elementwise over the flat (dense) storage of prev and x."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    inv = tl.math.div_rn(1.0, tl.load(SA))
+    for i in range(pid, tl.cdiv(n_p, BLOCK), nprog):
+        idx = tl.cast(i, tl.int64) * BLOCK + offs
+        m = idx < n_p
+        tl.store(PQ + idx, _to_e4m3(load_f32(P + idx, m, INTERPRET) * inv, INTERPRET), mask=m)
+    for i in range(pid, tl.cdiv(n_x, BLOCK), nprog):
+        idx = tl.cast(i, tl.int64) * BLOCK + offs
+        m = idx < n_x
+        tl.store(XQ + idx, _to_e4m3(load_f32(X + idx, m, INTERPRET) * inv, INTERPRET), mask=m)
+
+
+@triton.jit(do_not_specialize=["M", "T", "H", "W", "NP"])  # one compile per config, whatever the frame size
+def _conv3d_fp8_kernel(
+    X, P_OFF, WQ, WS, BIAS, SA, Y,
+    M, T, H, W, NP, CIN, COUT, KTOT,
+    BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
+    IN_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Y[m, o] (= y[b, o, t, h, w], NDHWC) for BLOCK_M pixels x (BLOCK_N0 + BLOCK_N1) channels; see the module doc.
+
+    X [B*T*H*W, CIN] and prev [B*NP*H*W, CIN] (NP = 0..2 cached frames) are fp16/bf16 (quantized here with SA) or,
+    with IN_FP8, already e4m3. prev is addressed from X's base: its element offset from X is P_OFF - 2^62 (biased so
+    the argument is always an i64: one compile whatever the distance between the two allocations; Triton still
+    specializes its divisibility by 16). The row offset is written as select(pixel) * CIN + (v < 2) * p_off so that
+    Triton's alignment analysis still sees 16-element divisibility: then the A tile is a 16-byte vectorized,
+    cp.async-pipelined load. A select between two pointers, or between two offsets one of which has p_off added,
+    loses it: the sm_90 compile then issues one scalar load per element and no cp.async for A (checked offline;
+    codegen_check asserts no scalar byte/halfword loads).
+    WQ [COUT, KTOT = 27*CIN] e4m3 K-major; WS [COUT] fp32; BIAS [COUT] any float (unused without HAS_BIAS)."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(COUT, BLOCK_N0 + BLOCK_N1)
+    pid_m = pid // n_blocks
+    n_start = (pid % n_blocks) * (BLOCK_N0 + BLOCK_N1)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    w_ = rows % W
+    h_ = (rows // W) % H
+    bt = rows // (W * H)
+    t_ = bt % T
+    b_ = bt // T
+    pix_x = rows.to(tl.int64)  # the row's own pixel in x's index space
+    pix_p = ((b_.to(tl.int64) * NP + t_ + NP) * H + h_) * W + w_  # the same pixel in prev's index space
+    p_off = P_OFF - (1 << 62)  # elements from X to prev
+
+    sa = tl.load(SA)
+    if not IN_FP8:
+        inv = tl.math.div_rn(1.0, sa)
+    offs_k = tl.arange(0, BLOCK_K)
+    n0 = n_start + tl.arange(0, BLOCK_N0)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N0], dtype=tl.float32)
+    if BLOCK_N1 > 0:
+        n1 = n_start + BLOCK_N0 + tl.arange(0, BLOCK_N1)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N1], dtype=tl.float32)
+
+    n_chunks = tl.cdiv(CIN, BLOCK_K)
+    for it in range(0, 27 * n_chunks):  # (tap, channel chunk), tap = (kt, kh, kw)
+        tap = it // n_chunks
+        c0 = (it - tap * n_chunks) * BLOCK_K
+        kt = tap // 9
+        kh = (tap // 3) % 3
+        kw = tap % 3
+        delta = ((kt - 2) * H + (kh - 1)) * W + (kw - 1)
+        hh = h_ + (kh - 1)
+        ww = w_ + (kw - 1)
+        v = t_ + kt  # virtual frame of zeros(2 - NP) ++ prev ++ x
+        in_x = v >= 2
+        ok = row_ok & (hh >= 0) & (hh < H) & (ww >= 0) & (ww < W) & (v >= 2 - NP)
+        row_ptr = X + (tl.where(in_x, pix_x, pix_p) + delta) * CIN + (v < 2).to(tl.int64) * p_off
+        cc = c0 + offs_k
+        c_ok = cc < CIN
+        a_ptrs = row_ptr[:, None] + cc[None, :]
+        a_mask = ok[:, None] & c_ok[None, :]
+        if IN_FP8:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        else:  # quantize in registers: RNE_sat_e4m3(v * inv)
+            a = _to_e4m3(load_f32(a_ptrs, a_mask, INTERPRET) * inv, INTERPRET)
+        kk = tap * CIN + cc
+        b0 = tl.load(WQ + n0.to(tl.int64)[None, :] * KTOT + kk[:, None],
+                     mask=c_ok[:, None] & (n0 < COUT)[None, :], other=0.0)
+        if PROMOTE > 0:
+            acc0 = tl.dot(a, b0, acc0, max_num_imprecise_acc=PROMOTE)
+        else:
+            acc0 = tl.dot(a, b0, acc0)
+        if BLOCK_N1 > 0:
+            b1 = tl.load(WQ + n1.to(tl.int64)[None, :] * KTOT + kk[:, None],
+                         mask=c_ok[:, None] & (n1 < COUT)[None, :], other=0.0)
+            if PROMOTE > 0:
+                acc1 = tl.dot(a, b1, acc1, max_num_imprecise_acc=PROMOTE)
+            else:
+                acc1 = tl.dot(a, b1, acc1)
+
+    out_rows = rows.to(tl.int64)[:, None] * COUT
+    _conv_epilogue(acc0, n0, sa, WS, BIAS, Y, out_rows, row_ok, COUT, HAS_BIAS, INTERPRET)
+    if BLOCK_N1 > 0:
+        _conv_epilogue(acc1, n1, sa, WS, BIAS, Y, out_rows, row_ok, COUT, HAS_BIAS, INTERPRET)
+
+
+@triton.jit
+def _conv_epilogue(acc, n, sa, WS, BIAS, Y, out_rows, row_ok, COUT, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    n_ok = n < COUT
+    sc = sa * tl.load(WS + n, mask=n_ok, other=0.0)
+    y = acc * sc[None, :]
+    if HAS_BIAS:
+        y = y + load_f32(BIAS + n, n_ok, INTERPRET)[None, :]
+    tl.store(Y + out_rows + n[None, :], round_to(y, Y.dtype.element_ty, INTERPRET),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Configs and autotuning
+
+
+@dataclass(frozen=True)
+class ConvConfig:
+    """Launch shape of _conv3d_fp8_kernel: BLOCK_M pixels x (block_n0 + block_n1) channels per program."""
+
+    block_m: int
+    block_n0: int
+    block_n1: int
+    num_warps: int
+    num_stages: int
+
+
+def block_k_for(cin: int) -> int:
+    """BLOCK_K (channels of one tap per K step): 128 / 64 / 32, the largest dividing Cin, else 32 (masked tail)."""
+    for bk in (128, 64, 32):
+        if cin % bk == 0:
+            return bk
+    return 32
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _split(width: int) -> tuple[int, int] | None:
+    """width = BLOCK_N0 + BLOCK_N1 with powers of two >= 16 (BLOCK_N1 may be 0): 96 -> (64, 32), 192 -> (128, 64)."""
+    if _pow2(width) and width >= 16:
+        return width, 0
+    hi = 1 << (width.bit_length() - 1)
+    lo = width - hi
+    return (hi, lo) if _pow2(lo) and lo >= 16 else None
+
+
+# fp32 accumulator registers per thread at most (x2 with precise_acc: the tensor cores' partial sum is a second
+# accumulator); above this the sm_90 compile spills (checked offline: 128 x 192 per 8 warps spills, 128 x 128 not).
+ACC_REGS_MAX = 64
+SMEM_BUDGET = 160 * 1024  # bytes of pipelined A + B stages (the H200 gives a program up to 227 KB)
+
+
+def candidate_configs(cin: int, cout: int, m: int, in_fp8: bool = True) -> list[ConvConfig]:
+    """At most 3 configs to time (each distinct one is a compile on first use: keep it short), best guess first.
+
+    Columns per program: Cout itself if <= 256, else a divisor (192 / 128 / 96 / 64) - always exact, two blocks
+    where it is not a power of two; pixel tiles of 128 or 64 rows; warps so the accumulator stays <= ACC_REGS_MAX
+    registers per thread; as many stages (<= 4) as fit SMEM_BUDGET."""
+    bk = block_k_for(cin)
+    widths = [wd for wd in dict.fromkeys(([cout] if cout <= 256 else []) + [192, 128, 96, 64, 32, 16])
+              if cout % wd == 0 and _split(wd) and wd >= min(cout, 64)]
+    if not widths:  # Cout a multiple of 16 always has 16; keep a masked fallback anyway
+        widths = [min(128, triton.next_power_of_2(cout))]
+    cands = []
+    for wd in widths:
+        for bm in (128, 64):
+            for warps in (4, 8):
+                if bm * wd > ACC_REGS_MAX * 32 * warps or (warps == 8 and bm * wd <= 64 * 32 * 4):
+                    continue
+                if bk == 128 and (warps == 4 or (bm == 128 and not _pow2(wd))):  # spills (offline sm_90 compile)
+                    continue
+                per_stage = bm * bk * (1 if in_fp8 else 2) + bk * wd
+                stages = max(2, min(4, SMEM_BUDGET // per_stage))
+                n0, n1 = _split(wd) or (wd, 0)
+                cands.append(ConvConfig(bm, n0, n1, warps, stages))
+    small = m < 128 * 132 * 2  # under two waves of 128-pixel tiles: prefer 64-pixel tiles
+    cands.sort(key=lambda c: (-(c.block_m * (c.block_n0 + c.block_n1)), (c.block_m == 128) == small,
+                              -(c.block_n0 + c.block_n1)))
+    return cands[:3]
+
+
+def default_config(cin: int, cout: int, m: int, in_fp8: bool = True) -> ConvConfig:
+    """The heuristic config (used untuned and in the interpreter): the first candidate."""
+    return candidate_configs(cin, cout, m, in_fp8)[0]
+
+
+_TUNED: dict[tuple, ConvConfig] = {}
+
+
+def _tune_key(cin: int, cout: int, m: int, in_dtype: torch.dtype, promote: int, has_bias: bool,
+              device: torch.device) -> tuple:
+    """Tuning cache key: channels, M rounded up to a power of two, GEMM input dtype, accumulation, bias, device."""
+    return (cin, cout, 1 << max(0, (m - 1).bit_length()), in_dtype, promote, has_bias, device.index)
+
+
+def _tuning_enabled() -> bool:
+    return os.environ.get("FASTREMOVER_CONV3D_FP8_TUNE", "1") != "0"
+
+
+def _pick_config(key: tuple, cin: int, cout: int, m: int, launch) -> ConvConfig:
+    """Cached best config for `key`; times the candidates with `launch(config)` the first time (GPU only)."""
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    cands = candidate_configs(cin, cout, m, in_fp8=key[3] == FP8)
+    if not _tuning_enabled() or len(cands) == 1:
+        cfg = cands[0]
+    else:
+        import triton.testing
+
+        best = None
+        for c in cands:
+            try:
+                launch(c)  # compile outside the timing
+                ms = triton.testing.do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median")
+            except Exception as e:  # e.g. out of shared memory for this config: skip it
+                if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
+                    raise
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, c)
+        if best is None:
+            raise RuntimeError(f"conv3d_fp8: no candidate config runs for {key}")
+        cfg = best[1]
+    _TUNED[key] = cfg
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def supported(cin: int, cout: int) -> bool:
+    """True for the channel counts the FP8 kernel takes (multiples of 16); callers fall back to cuDNN otherwise."""
+    return cin > 0 and cout > 0 and cin % 16 == 0 and cout % 16 == 0
+
+
+def _is_cl3d(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def _check_act(name: str, t, dtypes: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 5:
+        raise ValueError(f"{name} must be 5-D [B, C, T, H, W], got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if not _is_cl3d(t):
+        raise ValueError(f"{name} must be contiguous in channels_last_3d memory (NDHWC); "
+                         f"call .contiguous(memory_format=torch.channels_last_3d); got strides {t.stride()}")
+
+
+def _check_prev_x(prev, x, dtypes: tuple) -> None:
+    _check_act("x", x, dtypes)
+    if prev is None:
+        return
+    _check_act("prev", prev, dtypes)
+    if prev.dtype != x.dtype:
+        raise ValueError(f"prev must have x's dtype {x.dtype}, got {prev.dtype}")
+    b, c, _, h, w = x.shape
+    if not (1 <= prev.shape[2] <= CACHE_FRAMES) or (prev.shape[0], prev.shape[1], prev.shape[3], prev.shape[4]) != (
+            b, c, h, w):
+        raise ValueError(f"prev must be [B, C, 1..{CACHE_FRAMES}, H, W] = [{b}, {c}, 1..2, {h}, {w}] (the cached "
+                         f"frames before x), got {tuple(prev.shape)}")
+    if prev.device != x.device:
+        raise ValueError(f"prev must be on x's device {x.device}, got {prev.device}")
+
+
+def _check_scale(name: str, s, device) -> None:
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1:
+        raise ValueError(f"{name} must be a one-element fp32 tensor, got "
+                         f"{type(s).__name__ if not isinstance(s, torch.Tensor) else (s.dtype, tuple(s.shape))}")
+    if s.device != device:
+        raise ValueError(f"{name} must be on {device} (a device tensor: no host sync), got {s.device}")
+
+
+def _grid_cap(device: torch.device, interp: bool) -> int:
+    if interp:
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def quantize_conv_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [Cout, Cin, 3, 3, 3] fp16/bf16/fp32 -> (w_q float8_e4m3fn [Cout, 27*Cin] K-major, K ordered
+    (kt, kh, kw, cin); w_scale fp32 [Cout]). Per output channel: s = max(amax |w[o]|, 1e-12) / 448 (a tensor
+    division: correctly rounded on CPU and CUDA), q = RNE(w / s), clamped to +-448 (a no-op: |w / s| <= 448).
+    Plain torch, once at load."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 5 or tuple(weight.shape[2:]) != (3, 3, 3):
+        raise ValueError(f"weight must be [Cout, Cin, 3, 3, 3], got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"weight must be fp16/bf16/fp32, got {weight.dtype}")
+    cout, cin = weight.shape[:2]
+    if not supported(cin, cout):
+        raise ValueError(f"conv3d_fp8 needs Cin and Cout multiples of 16 (got Cin={cin}, Cout={cout}); "
+                         "use the fp16 cuDNN conv for this layer")
+    wk = weight.detach().float().permute(0, 2, 3, 4, 1).reshape(cout, TAPS * cin)
+    amax = wk.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    scale = amax / amax.new_full((), FP8_MAX)
+    q = (wk / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()
+    return q, scale.view(cout).contiguous()
+
+
+def dequantize_conv_weight(w_q: torch.Tensor, w_scale: torch.Tensor, cin: int) -> torch.Tensor:
+    """(w_q, w_scale) -> fp32 [Cout, Cin, 3, 3, 3] with wd = RN(q * s[o]) (the reference's weights)."""
+    cout = w_q.shape[0]
+    wd = w_q.float() * w_scale.float().view(cout, 1)
+    return wd.view(cout, 3, 3, 3, cin).permute(0, 4, 1, 2, 3).contiguous()
+
+
+def activation_scale(prev: torch.Tensor | None, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """s_a = max(amax(|prev|, |x|), 1e-12) / 448 as an fp32 [1] device tensor (two launches, no host sync; NaN if
+    any input is NaN). prev/x fp16/bf16 channels_last_3d, as for causal_conv3d_fp8."""
+    _check_prev_x(prev, x, ACT_DTYPES)
+    check_device(_amax_partial_kernel, x=x, prev=prev, out=out)
+    if out is not None:
+        _check_scale("out", out, x.device)
+    sa = out if out is not None else torch.empty(1, dtype=torch.float32, device=x.device)
+    interp = interpreting(_amax_partial_kernel)
+    n_p = prev.numel() if prev is not None else 0
+    n_x = x.numel()
+    block = 4096
+    nprog = max(1, min(triton.cdiv(n_p, block) + triton.cdiv(n_x, block), _grid_cap(x.device, interp)))
+    part = torch.empty(nprog, dtype=torch.float32, device=x.device)
+    _amax_partial_kernel[(nprog,)](prev if prev is not None else x, x, part, n_p, n_x, BLOCK=block,
+                                   INTERPRET=interp, num_warps=8, **launch_options(_amax_partial_kernel))
+    _amax_finalize_kernel[(1,)](part, nprog, sa, BLOCK=1024, num_warps=4, **launch_options(_amax_finalize_kernel))
+    return sa
+
+
+def quantize_activation(prev: torch.Tensor | None, x: torch.Tensor, act_scale: torch.Tensor
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(prev, x) fp16/bf16 -> e4m3 codes RNE_sat(v * RN(1 / act_scale)), same shapes, channels_last_3d; one launch."""
+    _check_prev_x(prev, x, ACT_DTYPES)
+    check_device(_quant_act_kernel, x=x, prev=prev, act_scale=act_scale)
+    _check_scale("act_scale", act_scale, x.device)
+    interp = interpreting(_quant_act_kernel)
+    xq = torch.empty_like(x, dtype=FP8, memory_format=torch.channels_last_3d)
+    pq = torch.empty_like(prev, dtype=FP8, memory_format=torch.channels_last_3d) if prev is not None else None
+    n_p = prev.numel() if prev is not None else 0
+    n_x = x.numel()
+    block = 4096
+    nprog = max(1, min(triton.cdiv(n_p, block) + triton.cdiv(n_x, block), 4 * _grid_cap(x.device, interp)))
+    _quant_act_kernel[(nprog,)](prev if prev is not None else x, x, pq if pq is not None else xq, xq, act_scale,
+                                n_p, n_x, BLOCK=block, INTERPRET=interp, num_warps=8,
+                                **launch_options(_quant_act_kernel))
+    return pq, xq
+
+
+def causal_conv3d_fp8(
+    prev: torch.Tensor | None,
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    act_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    quantize: str = "pass",
+    precise_acc: bool = True,
+    out_dtype: torch.dtype | None = None,
+    config: ConvConfig | None = None,
+) -> torch.Tensor:
+    """The causal 3x3x3 conv (padding 1, stride 1) of the stream zeros(2 - P) ++ prev ++ x, with fp8 operands.
+
+    prev  None (zeros: the first chunk) or the P = 1..2 cached frames [B, Cin, P, H, W]
+    x     the new frames [B, Cin, T, H, W]; prev and x fp16/bf16, channels_last_3d (each frame a contiguous [H, W, C]).
+          Already-quantized e4m3 prev/x (from quantize_activation) are accepted too; then act_scale and out_dtype
+          are required.
+    w_q, w_scale  from quantize_conv_weight ([Cout, 27*Cin] e4m3, [Cout] fp32); bias None or [Cout] (any float dtype,
+          applied in fp32).
+    act_scale  None: activation_scale(prev, x) (computed on the device); or a one-element fp32 device tensor.
+    out   optional [B, Cout, T, H, W] channels_last_3d tensor of the output dtype (x's dtype, or out_dtype).
+    quantize  "pass": quantize prev/x in one elementwise pass, GEMM on fp8 loads; "fused": quantize in the GEMM loop.
+    precise_acc  promote the tensor-core partial sums to fp32 every BLOCK_K (see the module doc); False: Triton's
+          sm_90 default (no promotion).
+    config  a ConvConfig to launch with (skips autotuning).
+    Returns y [B, Cout, T, H, W] channels_last_3d. Raises ValueError for Cin/Cout not multiples of 16 (use cuDNN)."""
+    in_fp8 = isinstance(x, torch.Tensor) and x.dtype == FP8
+    _check_prev_x(prev, x, (FP8,) if in_fp8 else ACT_DTYPES)
+    b, cin, t, h, w = x.shape
+    if not isinstance(w_q, torch.Tensor) or w_q.dim() != 2 or w_q.dtype != FP8 or not w_q.is_contiguous():
+        raise ValueError("w_q must be a contiguous float8_e4m3fn [Cout, 27*Cin] tensor (quantize_conv_weight), got "
+                         f"{(w_q.dtype, tuple(w_q.shape)) if isinstance(w_q, torch.Tensor) else type(w_q).__name__}")
+    cout = w_q.shape[0]
+    if not supported(cin, cout):
+        raise ValueError(f"conv3d_fp8 needs Cin and Cout multiples of 16 (got Cin={cin}, Cout={cout}); "
+                         "use the fp16 cuDNN conv for this layer")
+    if w_q.shape[1] != TAPS * cin:
+        raise ValueError(f"w_q must be [Cout, 27*Cin] = [{cout}, {TAPS * cin}] for x's Cin={cin}, got "
+                         f"{tuple(w_q.shape)}")
+    if not isinstance(w_scale, torch.Tensor) or w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (cout,):
+        raise ValueError(f"w_scale must be fp32 [{cout}]")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (cout,)
+                             or bias.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+        raise ValueError(f"bias must be None or a float [{cout}] tensor")
+    if quantize not in QUANT_MODES:
+        raise ValueError(f"quantize must be one of {QUANT_MODES}, got {quantize!r}")
+    if in_fp8:
+        if act_scale is None or out_dtype is None:
+            raise ValueError("e4m3 prev/x need the act_scale they were quantized with and an out_dtype")
+    if out_dtype is None:
+        out_dtype = x.dtype
+    if out_dtype not in ACT_DTYPES:
+        raise ValueError(f"out_dtype must be fp16 or bf16, got {out_dtype}")
+    check_device(_conv3d_fp8_kernel, x=x, prev=prev, w_q=w_q, w_scale=w_scale, bias=bias, act_scale=act_scale,
+                 out=out)
+    if act_scale is None:
+        act_scale = activation_scale(prev, x)
+    _check_scale("act_scale", act_scale, x.device)
+    shape = (b, cout, t, h, w)
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != out_dtype:
+            raise ValueError(f"out must be {out_dtype} {shape}, got "
+                             f"{(out.dtype, tuple(out.shape)) if isinstance(out, torch.Tensor) else type(out)}")
+        if not _is_cl3d(out):
+            raise ValueError("out must be contiguous in channels_last_3d memory")
+    y = out if out is not None else torch.empty(shape, dtype=out_dtype, device=x.device,
+                                                memory_format=torch.channels_last_3d)
+    m = b * t * h * w
+    if m >= 2**31 - 2**20:
+        raise ValueError(f"B*T*H*W = {m} output pixels: the kernel indexes pixels in int32 (split the chunk)")
+    if m == 0:
+        return y
+    if not in_fp8 and quantize == "pass":
+        prev, x = quantize_activation(prev, x, act_scale)
+        in_fp8 = True
+    n_prev = prev.shape[2] if prev is not None else 0
+    # prev's element offset from x (see the kernel), biased by 2^62 so it is always passed as an i64
+    p_off = (P_OFF_BIAS + (prev.data_ptr() - x.data_ptr()) // x.element_size()) if prev is not None else P_OFF_BIAS
+    interp = interpreting(_conv3d_fp8_kernel)
+    bk = block_k_for(cin)
+    promote = bk if precise_acc else 0
+
+    def launch(c: ConvConfig):
+        grid = (triton.cdiv(m, c.block_m) * triton.cdiv(cout, c.block_n0 + c.block_n1),)
+        _conv3d_fp8_kernel[grid](
+            x, p_off, w_q, w_scale, bias if bias is not None else w_scale, act_scale, y,
+            m, t, h, w, n_prev, cin, cout, TAPS * cin,
+            BLOCK_M=c.block_m, BLOCK_N0=c.block_n0, BLOCK_N1=c.block_n1, BLOCK_K=bk,
+            IN_FP8=x.dtype == FP8, HAS_BIAS=bias is not None, PROMOTE=promote, INTERPRET=interp,
+            num_warps=c.num_warps, num_stages=c.num_stages, **launch_options(_conv3d_fp8_kernel),
+        )
+
+    if config is None:
+        if interp:
+            config = default_config(cin, cout, m, x.dtype == FP8)
+        else:
+            key = _tune_key(cin, cout, m, x.dtype, promote, bias is not None, x.device)
+            config = _pick_config(key, cin, cout, m, launch)
+    launch(config)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Eager references
+
+
+def activation_scale_reference(prev: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """max(amax(|prev|, |x|), 1e-12) / 448 in fp32, shape [1] (NaN propagates through torch's amax)."""
+    amax = x.float().abs().amax()
+    if prev is not None:
+        amax = torch.maximum(amax, prev.float().abs().amax())  # torch.maximum propagates NaN
+    amax = amax.clamp_min(1e-12).reshape(1)
+    return amax / amax.new_full((), FP8_MAX)
+
+
+def quantize_activation_reference(v: torch.Tensor, act_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes RNE(clamp(v * RN(1 / s), +-448)) (the clamp only matters for a caller-given scale; torch's own cast
+    would give NaN at |v| >= 464), same layout as v."""
+    s = act_scale.float().reshape(1)
+    inv = torch.ones_like(s) / s  # tensor / tensor: correctly rounded on CPU and CUDA
+    return (v.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def causal_conv3d_fp8_reference(
+    prev: torch.Tensor | None,
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    act_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    return_abs_sum: bool = False,
+):
+    """Eager dequantize-quantize semantics of causal_conv3d_fp8 (see the module doc for the bound between them).
+
+    Same activation scale and codes as the kernel, dequantized to fp32, the zero / cached front frames concatenated,
+    F.conv3d in float64 (exact sum of the fp32 products up to 2^-53), rounded to fp32, + fp32 bias, rounded to x's
+    dtype, channels_last_3d. return_abs_sum=True also returns S = conv(|xd|, |wd|) in fp32 (the bound's scale)."""
+    cin = x.shape[1]
+    s = act_scale if act_scale is not None else activation_scale_reference(prev, x)
+    s = s.float().reshape(1)
+    frames = [quantize_activation_reference(v, s).float() * s for v in ((prev, x) if prev is not None else (x,))]
+    stream = torch.cat(frames, dim=2)
+    missing = CACHE_FRAMES - (prev.shape[2] if prev is not None else 0)
+    if missing > 0:
+        stream = F.pad(stream, (0, 0, 0, 0, missing, 0))
+    wd = dequantize_conv_weight(w_q, w_scale, cin)
+    y = F.conv3d(stream.double(), wd.double(), None, padding=(0, 1, 1)).float()
+    if bias is not None:
+        y = y + bias.float().view(1, -1, 1, 1, 1)
+    y = y.to(x.dtype).contiguous(memory_format=torch.channels_last_3d)
+    if out is not None:
+        out.copy_(y)
+        y = out
+    if not return_abs_sum:
+        return y
+    abs_sum = F.conv3d(stream.abs().double(), wd.abs().double(), None, padding=(0, 1, 1)).float()
+    return y, abs_sum
+
+
+def fp16_conv_reference(prev: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """What the eager VAE computes: cat + F.conv3d in x's dtype (cuDNN on the GPU), channels_last_3d."""
+    parts = [prev, x] if prev is not None else [x]
+    stream = torch.cat(parts, dim=2)
+    missing = CACHE_FRAMES - (prev.shape[2] if prev is not None else 0)
+    if missing > 0:
+        stream = F.pad(stream, (0, 0, 0, 0, missing, 0))
+    stream = stream.contiguous(memory_format=torch.channels_last_3d)
+    return F.conv3d(stream, weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None, padding=(0, 1, 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Benchmark (GPU): python -m fastremover.fast.kernels.conv3d_fp8 --bench [--out results.json]
+
+# (Cin, Cout, T, H, W): the 3x3x3 convs of the Wan VAE at W2's 480x832, 4- and 1-frame chunks
+# (in this order: if the time budget runs out, the 1-frame shapes are the ones skipped)
+BENCH_SHAPES = [
+    (96, 96, 4, 480, 832), (192, 192, 4, 240, 416), (384, 384, 4, 120, 208), (384, 384, 4, 60, 104),
+    (96, 96, 1, 480, 832), (192, 192, 1, 240, 416), (384, 384, 1, 120, 208), (384, 384, 1, 60, 104),
+]
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None = None, budget_s: float = 40.0,
+          variants: bool = True, device: str = "cuda") -> list[dict]:
+    """Time FP8 conv (activation scale + [quantize pass] + GEMM) vs cuDNN fp16 F.conv3d (channels_last_3d, on the
+    already concatenated stream) per shape; print and return rows (and write JSON to out_path).
+    variants=True also times quantize="fused" and precise_acc=False with the tuned config of the default (no extra
+    tuning) and reports their error against the reference. Stops adding shapes past budget_s seconds.
+    device="cpu" (tiny shapes, TRITON_INTERPRET=1) only exercises the code path (the tests do); its times mean
+    nothing."""
+    import triton.testing
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("conv3d_fp8 bench needs a CUDA GPU")
+
+    def timed(fn) -> float:
+        if dev.type == "cuda":
+            return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    t_start = time.time()
+    shapes = shapes or BENCH_SHAPES
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)"
+    print(f"{dev_name}  dtype={dtype}  triton {triton.__version__}  torch {torch.__version__}")
+    print("cudnn = F.conv3d fp16 channels_last_3d on the concatenated stream (default heuristics / benchmark=True);"
+          " fp8 = activation scale + quantize pass + GEMM; gemm = GEMM alone; ratio = cudnn(benchmark) / fp8")
+    print(f"{'Cin->Cout':>10s} {'T':>2s} {'HxW':>8s} {'cudnn ms':>9s} {'cudnnB ms':>9s} {'fp8 ms':>8s} {'ratio':>6s} "
+          f"{'cudnnB TF/s':>10s} {'fp8 TF/s':>9s} {'gemm ms':>8s} {'cos':>9s} {'err/S':>8s} config")
+    for cin, cout, t, h, w in shapes:
+        if time.time() - t_start > budget_s:
+            print(f"(budget of {budget_s:.0f} s reached: skipping the remaining shapes)")
+            break
+        with torch.no_grad():
+            x = (torch.randn(1, cin, t, h, w, device=dev, generator=g)).to(dtype).contiguous(
+                memory_format=torch.channels_last_3d)
+            prev = (torch.randn(1, cin, 2, h, w, device=dev, generator=g)).to(dtype).contiguous(
+                memory_format=torch.channels_last_3d)
+            weight = torch.randn(cout, cin, 3, 3, 3, device=dev, generator=g) * (1.0 / math.sqrt(27 * cin))
+            bias = torch.randn(cout, device=dev, generator=g) * 0.1
+            w_q, w_s = quantize_conv_weight(weight)
+            stream = torch.cat([prev, x], dim=2).contiguous(memory_format=torch.channels_last_3d)
+            wh, bh = weight.to(dtype).contiguous(memory_format=torch.channels_last_3d), bias.to(dtype)
+            flops = 2.0 * t * h * w * cout * TAPS * cin
+
+            def cudnn():
+                return F.conv3d(stream, wh, bh, padding=(0, 1, 1))
+
+            def fp8(**kw):
+                return causal_conv3d_fp8(prev, x, w_q, w_s, bias, **kw)
+
+            y16 = cudnn()
+            y8 = fp8()  # autotunes (first call for this key)
+            m = t * h * w
+            cfg = _TUNED.get(_tune_key(cin, cout, m, FP8, block_k_for(cin), True, x.device)) or default_config(
+                cin, cout, m)
+            t16 = timed(cudnn)
+            prev_bm = torch.backends.cudnn.benchmark
+            try:
+                torch.backends.cudnn.benchmark = True
+                cudnn()  # cuDNN's own algorithm search
+                t16b = timed(cudnn)
+            finally:
+                torch.backends.cudnn.benchmark = prev_bm
+            t8 = timed(lambda: fp8(config=cfg))
+            sa = activation_scale(prev, x)
+            pq, xq = quantize_activation(prev, x, sa)
+            t_gemm = timed(lambda: causal_conv3d_fp8(pq, xq, w_q, w_s, bias, sa, out_dtype=dtype, config=cfg))
+            # error vs the reference on output frame 0 (it reads both cached frames; the fp64 reference of all frames
+            # would cost seconds per shape), with the scale of the whole chunk
+            y_ref, s_abs = causal_conv3d_fp8_reference(prev, x[:, :, :1], w_q, w_s, bias, sa, return_abs_sum=True)
+            s_abs += bias.abs().view(1, -1, 1, 1, 1)
+
+            def err_over_s(y):
+                return float(((y[:, :, :1].float() - y_ref.float()).abs() / s_abs).max())
+
+            err = err_over_s(y8)
+            row = {"cin": cin, "cout": cout, "t": t, "h": h, "w": w, "cudnn_fp16_ms": t16,
+                   "cudnn_fp16_benchmark_ms": t16b, "fp8_ms": t8, "fp8_gemm_only_ms": t_gemm,
+                   "ratio_cudnn_over_fp8": t16 / t8, "ratio_cudnn_benchmark_over_fp8": t16b / t8,
+                   "cudnn_tflops": flops / t16 / 1e9, "cudnn_benchmark_tflops": flops / t16b / 1e9,
+                   "fp8_tflops": flops / t8 / 1e9, "cos_vs_fp16": _cos(y8, y16), "max_err_over_S_frame0": err,
+                   "config": asdict(cfg), "variants": {}}
+            if variants and time.time() - t_start < budget_s:
+                for name, kw in (("fused", {"quantize": "fused"}), ("imprecise_acc", {"precise_acc": False})):
+                    try:
+                        yv = fp8(config=cfg, **kw)
+                        tv = timed(lambda: fp8(config=cfg, **kw))
+                        row["variants"][name] = {"ms": tv, "tflops": flops / tv / 1e9,
+                                                 "max_err_over_S_frame0": err_over_s(yv), "cos_vs_fp16": _cos(yv, y16)}
+                        yv = None
+                    except Exception as e:  # report, keep benchmarking
+                        row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            y_ref = s_abs = None  # free the big tensors before the next shape
+            rows.append(row)
+            print(f"{cin:>4d}->{cout:<4d} {t:>2d} {h:>3d}x{w:<4d} {t16:9.3f} {t16b:9.3f} {t8:8.3f} {t16b / t8:6.2f} "
+                  f"{flops / t16b / 1e9:10.0f} {flops / t8 / 1e9:9.0f} {t_gemm:8.3f} {row['cos_vs_fp16']:9.6f} "
+                  f"{err:8.1e} {cfg}")
+            for name, v in row["variants"].items():
+                if "error" in v:
+                    print(f"{'':>14s} {name}: {v['error']}")
+                else:
+                    print(f"{'':>14s} {name:14s} {v['ms']:8.3f} ms {v['tflops']:6.0f} TF/s  err/S "
+                          f"{v['max_err_over_S_frame0']:.1e}  cos {v['cos_vs_fp16']:.6f}")
+            x = prev = stream = y16 = y8 = pq = xq = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    elapsed = time.time() - t_start
+    print(f"elapsed {elapsed:.1f} s (including compiles and autotuning)")
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"device": dev_name, "dtype": str(dtype), "triton": triton.__version__,
+                       "torch": torch.__version__, "elapsed_s": elapsed, "rows": rows}, f, indent=1)
+    return rows
+
+
+def codegen_check(quick: bool = False, verbose: bool = True) -> list[str]:
+    """Compile the GEMM kernel for sm_90 offline (no GPU: Triton ships ptxas) for the real channel counts and check
+    the SASS: fp8 tensor-core MMA (QGMMA) present, no register spills (STL/LDL, stack), and with precise_acc the
+    promotion adds (FADD) present. quick=True: the default config for Cin = Cout = 96 (two-block N, BLOCK_K 32) and
+    384 (BLOCK_K 128), quantize="pass", precise; else every candidate config of 96 / 192 / 384, both quantize modes.
+    Must run with TRITON_INTERPRET unset. Returns the problems."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = _conv3d_fp8_kernel
+    names = list(k.arg_names)
+    problems = []
+    classes = ((96, 96, 4 * 480 * 832), (192, 192, 4 * 240 * 416), (384, 384, 4 * 120 * 208))
+    for cin, cout, m in (classes[0], classes[2]) if quick else classes:
+        bk = block_k_for(cin)
+        for xt in (("fp8e4nv",) if quick else ("fp8e4nv", "fp16")):
+            cfgs = candidate_configs(cin, cout, m, xt == "fp8e4nv")
+            for cfg in cfgs[:1] if quick else cfgs:
+                sig = {"X": f"*{xt}", "P_OFF": "i64", "WQ": "*fp8e4nv", "WS": "*fp32", "BIAS": "*fp32", "SA": "*fp32",
+                       "Y": "*fp16", "M": "i32", "T": "i32", "H": "i32", "W": "i32", "NP": "i32", "CIN": "i32",
+                       "COUT": "i32", "KTOT": "i32"}
+                consts = dict(BLOCK_M=cfg.block_m, BLOCK_N0=cfg.block_n0, BLOCK_N1=cfg.block_n1, BLOCK_K=bk,
+                              IN_FP8=xt == "fp8e4nv", HAS_BIAS=True, PROMOTE=bk, INTERPRET=False)
+                sig.update({c: "constexpr" for c in consts})
+                # what a launch specializes: 16-byte aligned pointers, channel counts divisible by 16
+                div16 = [n for n in names if sig[n].startswith("*")] + ["P_OFF", "CIN", "COUT", "KTOT"]
+                attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+                src = ASTSource(fn=k, signature={n: sig[n] for n in names}, constexprs=consts, attrs=attrs)
+                opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(k)}
+                c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+                sass = c.asm["sass"]
+                n_q = len(re.findall(r"\bQGMMA\b", sass))
+                n_spill = len(re.findall(r"\b(?:STL|LDL)\b", sass))
+                n_fadd = len(re.findall(r"\bFADD\b", sass))
+                n_scalar = len(re.findall(r"\bLDG\.E\.(?:U8|U16)\b", sass))  # unvectorized A-tile loads
+                n_async = len(re.findall(r"\bLDGSTS\.E\.BYPASS\.128\b", sass))
+                name = f"Cin={cin} Cout={cout} {xt} {cfg}"
+                if n_q == 0:
+                    problems.append(f"{name}: no QGMMA (fp8 wgmma) in the SASS")
+                if n_spill:
+                    problems.append(f"{name}: {n_spill} spill instructions (STL/LDL)")
+                if n_scalar or not n_async:
+                    problems.append(f"{name}: the A tile is not a 16-byte cp.async load ({n_scalar} scalar loads)")
+                if n_fadd < cfg.block_m * (cfg.block_n0 + cfg.block_n1) // (32 * cfg.num_warps):
+                    problems.append(f"{name}: too few FADD for the fp32 promotion of the partial sums")
+                if verbose:
+                    print(f"{name}: QGMMA {n_q}, STL/LDL {n_spill}, FADD {n_fadd}, LDGSTS.128 {n_async}, "
+                          f"scalar LDG {n_scalar}, shared {c.metadata.shared} B", flush=True)
+    return problems
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="FP8 causal conv3d kernel: GPU benchmark vs cuDNN fp16")
+    ap.add_argument("--bench", action="store_true", help="run the benchmark (needs a CUDA GPU)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--budget", type=float, default=40.0, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--no-variants", action="store_true", help="skip the fused / imprecise-acc variants")
+    ap.add_argument("--codegen", action="store_true", help="offline sm_90 compile + SASS check (no GPU needed)")
+    ap.add_argument("--quick", action="store_true", help="with --codegen: default configs only")
+    a = ap.parse_args(argv)
+    if a.codegen:
+        if interpreting(_conv3d_fp8_kernel):
+            print("unset TRITON_INTERPRET for --codegen", file=sys.stderr)
+            return 2
+        problems = codegen_check(quick=a.quick)
+        for p in problems:
+            print("VIOLATION:", p)
+        print("codegen OK" if not problems else f"{len(problems)} violation(s)")
+        return 1 if problems else 0
+    if not a.bench:
+        ap.print_help()
+        return 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bench(dtype=torch.float16 if a.dtype == "fp16" else torch.bfloat16, out_path=a.out, budget_s=a.budget,
+              variants=not a.no_variants)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

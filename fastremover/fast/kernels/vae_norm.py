@@ -1,0 +1,279 @@
+"""The Wan VAE's channel RMS norm (+ SiLU) on channels-last video, fused: one read, one write (plus an optional tail).
+
+Replaces this eager composition of fastremover/models/vae.py (RMSNorm.forward on the GPU path, then F.silu, in
+ResidualBlock / Encoder / Decoder; norm alone in AttentionBlock):
+
+    y = F.normalize(x.float(), dim=1).to(x.dtype) * sqrt(C) * gamma        # x.float() only for fp16/bf16
+    y = F.silu(y)                                                          # silu=True
+
+Layout: x [B, C, T, H, W] "frame-dense channels-last": channel stride 1, W stride C, H stride W*C (what
+`torch.channels_last_3d` gives, and any time slice of such a tensor), B and T strides free. So a slice
+`buf[:, :, 2:]` of a channels-last causal-conv input buffer is a valid `out`. 4-D [N, C, H, W] channels-last input
+is treated as [N, C, 1, H, W]. Grid: (pixel blocks of BLOCK_M rows, B*T frames); each program holds BLOCK_M pixel
+rows of next_power_of_2(C) lanes (96 -> 128) and reduces over the channel axis.
+
+Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-ftz libdevice, see _common.py):
+    1. x widened to fp32 exactly; ss = sum over channels of x*x. For fp16/bf16 every square is exact in fp32, so
+       the only rounding is in the additions; their order is Triton's tl.sum tree, NOT ATen's (ATen's CUDA
+       vector_norm order depends on the tensor's layout and the reduction config it picks): ss can differ from
+       eager's by a few fp32 ulps. This is the one place the kernel is not bit-exact.
+    2. denom = max(sqrt_rn(ss), 1e-12) (IEEE sqrt like sqrtf; NaN propagates like clamp_min).
+    3. n = div_rn(x, denom), rounded to the dtype            (eager: x / denom in fp32, `.to(dtype)`)
+    4. n = n * float32(sqrt(C)), rounded to the dtype        (eager: dtype tensor * Python scalar, computed in fp32)
+    5. n = n * gamma, rounded to the dtype                   (fp16*fp16 / bf16*bf16 products are exact in fp32)
+    6. silu: div_rn(n, 1 + exp(-n)), rounded to the dtype    (ATen's SiluFunctor: x / (1 + ::exp(-x)) in fp32;
+       GPU: libdevice __nv_expf = CUDA's expf; interpreter: numpy's exp)
+Steps 2-6 are bit-exact to the eager ops given the same denominator: `out_norm=` returns the kernel's fp32
+denominators and `vae_rms_norm_given_denominator` is the eager composition from them; the GPU tests check
+torch.equal (the CPU interpreter: torch.equal without SiLU; with SiLU numpy's exp and torch's CPU exp may differ in
+the last fp32 bit). Against the full eager op (step 1 included), fp16/bf16 outputs differ from eager in a small
+fraction of elements (measured: well under 0.1 %), by 1 ulp, by up to 3 where a 1-ulp flip at step 3 is carried
+through the two rounded products of steps 4-5 (H200: one element in 1.5e8 at 3 ulps, fp16, C=96), or by a few
+ulps where SiLU of a negative input amplifies a 1-ulp input difference (|diff| stays below 2^-mant of the frame's
+largest output): see tests/test_vae_fast.py for the asserted bound.
+
+fp32 inputs run the same code (the dtype roundings are then no-ops; eager skips the `.float()` round trip too).
+
+`tail=` additionally stores the last k frames of the output (k = tail.shape[2]) into a second tensor: the causal
+cache of the conv that consumes `out` (see fastremover/fast/vae_fast.py), written in the same pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastremover.fast.kernels._common import (
+    check_device,
+    interpreting,
+    launch_options,
+    load_f32,
+    round_through,
+    round_to,
+)
+
+try:  # libdevice is only called on the compiled path (the interpreter cannot run extern calls)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language.extra.cuda import libdevice
+
+NORM_EPS = 1e-12  # F.normalize's default eps (the denominator is max(||x||, eps))
+MAX_CHANNELS = 4096
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _exp_f32(v, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        e = tl.exp(v)
+    else:
+        e = libdevice.exp(v)
+    return e
+
+
+@triton.jit(do_not_specialize=["HW", "T", "TAIL_T0"])  # one compile per (C, flags, dtype), not per frame count
+def _vae_norm_kernel(
+    X, GAMMA, Y, TAIL, NORM,
+    HW, T, TAIL_T0,
+    sxb, sxt, syb, syt, stb, stt,
+    scale, eps,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    SILU: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_NORM: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    frame = tl.program_id(1)
+    b = frame // T
+    t = frame - b * T
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    rmask = rows < HW
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    pix = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    b64 = b.to(tl.int64)
+    t64 = t.to(tl.int64)
+
+    x = load_f32(X + (b64 * sxb + t64 * sxt) + pix, mask, INTERPRET)
+    ss = tl.sum(x * x, axis=1)
+    denom = tl.maximum(tl.sqrt_rn(ss), eps, propagate_nan=tl.PropagateNan.ALL)
+    n = tl.math.div_rn(x, tl.broadcast_to(denom[:, None], x.shape))
+    n = round_through(n, Y.dtype.element_ty, INTERPRET)
+    n = round_through(n * scale, Y.dtype.element_ty, INTERPRET)
+    g = load_f32(GAMMA + cols, cmask, INTERPRET)
+    n = round_through(n * g[None, :], Y.dtype.element_ty, INTERPRET)
+    if SILU:
+        n = tl.math.div_rn(n, 1.0 + _exp_f32(-n, INTERPRET))
+    out = round_to(n, Y.dtype.element_ty, INTERPRET)
+    tl.store(Y + (b64 * syb + t64 * syt) + pix, out, mask=mask)
+    if HAS_TAIL:
+        if t >= TAIL_T0:
+            tl.store(TAIL + (b64 * stb + (t64 - TAIL_T0) * stt) + pix, out, mask=mask)
+    if HAS_NORM:
+        tl.store(NORM + frame.to(tl.int64) * HW + rows, denom, mask=rmask)
+
+
+def _blocks(c: int) -> tuple[int, int, int]:
+    """(BLOCK_C, BLOCK_M, num_warps): 4096 lanes per program (32 per thread at 4 warps), whole channel rows."""
+    block_c = triton.next_power_of_2(c)
+    block_m = max(1, 4096 // block_c)
+    return block_c, block_m, 4 if block_c * block_m <= 4096 else 8
+
+
+def _as_5d(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == 4:
+        return t.unsqueeze(2)
+    if t.dim() != 5:
+        raise ValueError(f"{name} must be [B, C, T, H, W] or [N, C, H, W], got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_frame_dense(name: str, t: torch.Tensor) -> None:
+    """Channel stride 1, W stride C, H stride W*C (sizes of 1 may have any stride)."""
+    _, c, _, h, w = t.shape
+    ok = (c == 1 or t.stride(1) == 1) and (w == 1 or t.stride(4) == c) and (h == 1 or t.stride(3) == w * c)
+    if not ok:
+        raise ValueError(
+            f"{name} must be channels-last (torch.channels_last_3d, or a time slice of such a tensor); got shape "
+            f"{tuple(t.shape)} strides {t.stride()}"
+        )
+
+
+def _check_args(x, gamma, out, tail, out_norm):
+    x5 = _as_5d("x", x)
+    if x5.dtype not in DTYPES:
+        raise ValueError(f"x must have dtype in {[str(d) for d in DTYPES]}, got {x5.dtype}")
+    b, c, t, h, w = x5.shape
+    if not 1 <= c <= MAX_CHANNELS:
+        raise ValueError(f"x must have 1..{MAX_CHANNELS} channels, got {c}")
+    _check_frame_dense("x", x5)
+    if not isinstance(gamma, torch.Tensor) or gamma.numel() != c or gamma.dtype != x5.dtype:
+        raise ValueError(f"gamma must be a {x5.dtype} tensor of {c} elements (any shape), got "
+                         f"{getattr(gamma, 'dtype', type(gamma).__name__)} {tuple(getattr(gamma, 'shape', ()))}")
+    out5 = _as_5d("out", out)
+    if out5 is not None:
+        if tuple(out5.shape) != tuple(x5.shape) or out5.dtype != x5.dtype:
+            raise ValueError(f"out must be {x5.dtype} {tuple(x.shape)}, got {out5.dtype} {tuple(out.shape)}")
+        _check_frame_dense("out", out5)
+    tail5 = _as_5d("tail", tail)
+    if tail5 is not None:
+        k = tail5.shape[2]
+        if (tail5.shape[:2] != x5.shape[:2] or tail5.shape[3:] != x5.shape[3:] or not 1 <= k <= t
+                or tail5.dtype != x5.dtype):
+            raise ValueError(f"tail must be {x5.dtype} [B, C, k, H, W] with 1 <= k <= {t} and x's other sizes "
+                             f"{tuple(x5.shape)}, got {tail5.dtype} {tuple(tail5.shape)}")
+        _check_frame_dense("tail", tail5)
+    if out_norm is not None:
+        if (not isinstance(out_norm, torch.Tensor) or out_norm.dtype != torch.float32
+                or tuple(out_norm.shape) != (b * t * h * w,) or not out_norm.is_contiguous()):
+            raise ValueError(f"out_norm must be a contiguous fp32 tensor of {b * t * h * w} elements (one per pixel, "
+                             "frame-major: b, t, h, w)")
+    return x5, out5, tail5
+
+
+def vae_rms_norm(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    silu: bool = True,
+    out: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+    out_norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu(F.normalize(x.float(), dim=1).to(x.dtype) * sqrt(C) * gamma) (silu=False: without the silu).
+
+    x: [B, C, T, H, W] or [N, C, H, W], fp16/bf16/fp32, frame-dense channels-last (see the module docstring).
+    gamma: C elements (the module's [C, 1, 1, 1] or [C, 1, 1] parameter is fine), x.dtype.
+    out: where to write (same shape/dtype, frame-dense channels-last; may be a slice of a bigger buffer); default a
+    new channels-last tensor. tail: [B, C, k, H, W]: also receives the last k output frames. out_norm: fp32 [B*T*H*W]
+    receives the per-pixel denominators max(||x||, 1e-12) (for tests). Returns out."""
+    x5, out5, tail5 = _check_args(x, gamma, out, tail, out_norm)
+    check_device(_vae_norm_kernel, x=x, gamma=gamma, out=out, tail=tail, out_norm=out_norm)
+    if out is None:
+        fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        out5 = _as_5d("out", out)
+    b, c, t, h, w = x5.shape
+    hw = h * w
+    if b * t * hw == 0:
+        return out
+    if b * t > 65535:
+        raise ValueError(f"at most 65535 frames (B*T) per call, got {b * t}")
+    block_c, block_m, warps = _blocks(c)
+    gamma_flat = gamma.reshape(c)
+    if not gamma_flat.is_contiguous():
+        gamma_flat = gamma_flat.contiguous()
+    tail_arg = tail5 if tail5 is not None else out5
+    tail_t0 = t - tail5.shape[2] if tail5 is not None else 0
+    grid = (triton.cdiv(hw, block_m), b * t)
+    _vae_norm_kernel[grid](
+        x5, gamma_flat, out5, tail_arg, out_norm if out_norm is not None else x5,
+        hw, t, tail_t0,
+        x5.stride(0), x5.stride(2), out5.stride(0), out5.stride(2), tail_arg.stride(0), tail_arg.stride(2),
+        float(c) ** 0.5, NORM_EPS,
+        C=c, BLOCK_C=block_c, BLOCK_M=block_m, SILU=bool(silu), HAS_TAIL=tail5 is not None,
+        HAS_NORM=out_norm is not None, INTERPRET=interpreting(_vae_norm_kernel),
+        num_warps=warps, **launch_options(_vae_norm_kernel),
+    )
+    return out
+
+
+def _gamma_like(gamma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return gamma.reshape(x.shape[1], *([1] * (x.dim() - 2)))
+
+
+def _write(y: torch.Tensor, x: torch.Tensor, out, tail) -> torch.Tensor:
+    if out is None:
+        fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    out.copy_(y)
+    if tail is not None:
+        y5, tail5 = _as_5d("y", y), _as_5d("tail", tail)
+        tail5.copy_(y5[:, :, y5.shape[2] - tail5.shape[2]:])
+    return out
+
+
+def vae_rms_norm_reference(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    silu: bool = True,
+    out: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+    out_norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eager torch, the composition of models/vae.py's RMSNorm (GPU path: F.normalize) + F.silu. Same signature as
+    `vae_rms_norm` (also the CPU fallback of the fast VAE)."""
+    _check_args(x, gamma, out, tail, out_norm)
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    xf = x.float() if low else x
+    y = F.normalize(xf, dim=1).to(x.dtype) * (x.shape[1] ** 0.5) * _gamma_like(gamma, x)
+    if silu:
+        y = F.silu(y)
+    if out_norm is not None:
+        out_norm.copy_(_denominator(xf).flatten())
+    return _write(y, x, out, tail)
+
+
+def _denominator(xf: torch.Tensor) -> torch.Tensor:
+    """F.normalize's denominator: [B, T, H, W] for 5-D input, [N, H, W] for 4-D (both frame-major when flattened)."""
+    return xf.norm(2, dim=1).clamp_min(NORM_EPS)
+
+
+def vae_rms_norm_given_denominator(
+    x: torch.Tensor, gamma: torch.Tensor, denom: torch.Tensor, *, silu: bool = True
+) -> torch.Tensor:
+    """Eager ops of steps 3-6 of the module docstring from given fp32 denominators (frame-major, as `out_norm`):
+    `(x.float() / denom).to(x.dtype) * sqrt(C) * gamma`, then F.silu. The kernel matches this bit for bit."""
+    x5 = _as_5d("x", x)
+    b, c, t, h, w = x5.shape
+    d = denom.view(b, t, h, w).unsqueeze(1)
+    xf = x5.float() if x.dtype in (torch.float16, torch.bfloat16) else x5
+    y = (xf / d).to(x.dtype) * (c ** 0.5) * gamma.reshape(c, 1, 1, 1)
+    if silu:
+        y = F.silu(y)
+    return y.squeeze(2) if x.dim() == 4 else y

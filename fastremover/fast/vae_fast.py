@@ -1,0 +1,1115 @@
+"""The fast Wan 2.1 VAE: channels-last 3D end to end, fused RMS norm + SiLU, causal caches without concatenation.
+
+`FastWanVAE(vae)` runs the same math as `fastremover.models.vae.WanVAE` (whose weights it takes, converted once to
+channels-last on the target device/dtype), chunk by chunk exactly as the eager model does (encode: frame 0, then 4
+frames; decode: one latent frame), with these changes:
+
+* Layout: every activation is channels-last ([B, C, T, H, W] with NDHWC memory; per-frame 2-D work on [B*T, C, H, W]
+  channels-last views of it), and so is every weight, so cuDNN never converts layouts around a conv. The 3-channel
+  ends (encoder conv_in, decoder conv_out) are zero-padded to 8 channels on CUDA (`pad_rgb`), a width cuDNN's NHWC
+  tensor-core kernels take; the padding adds exact zeros.
+* Norms: `fastremover.fast.kernels.vae_norm` (one pass, fp32 statistics, same rounding points as eager) on CUDA; the
+  eager reference of that module elsewhere (`kernels="torch"`).
+* Causal caches: each causal conv keeps only its last 2 input frames ([B, C, 2, H, W], zeros before the first frame,
+  the same frames the eager `CausalCache` hands out). Per chunk the conv's input is assembled in one buffer
+  [B, C, 2+n, H, W]: the 2 cached frames are copied to its front, the producer (the fused norm + SiLU kernel, or a
+  copy for conv_in / time_conv) writes the n new frames directly behind them and, in the same pass, the last 2 of them
+  into the cache (a 1-frame chunk overwrites only the older of the 2 cache slots: a ring, no cache-to-cache copy);
+  cuDNN convolves the whole buffer with spatial padding only. No torch.cat, no separate F.pad, no
+  clone of the tail. The buffers are transient (the caching allocator recycles them), so memory holds 2 frames per
+  conv, like the eager cache, not 2+n.
+* Memory: the full-resolution levels (encoder level 0; decoder's last two levels and its head) run
+  `encode_frames` (2) / `decode_frames` (1) frames at a time: every causal conv is a stream, so splitting a chunk in
+  time changes nothing but the size of the transient activations (the decoder splits inside the last upsampler
+  before those levels, between its temporal and spatial part, so the frames waiting are small ones). A conv's
+  producer input is released before the conv allocates its output; residual adds are in place; the last residual
+  block before a spatial downsample writes straight into the zero-padded input of the stride-2 conv (no F.pad copy).
+  The decoder's conv_out (3 outputs from 96 channels) keeps two small fp32 partial sums instead of caching 2 wide
+  input frames (`_decoder_head`).
+  Measured on the CPU with a live-tensor counter (base_dim 16, 240x416, 13 frames; activations only, diffusers'
+  AutoencoderKLWan in bf16 = 100 %): encode (two passes) 54 %, decode 59 % (decode_frames=1; 69 % at 2, 81 % at 4;
+  57 % with row stripes, `stripe_mib`). The 2-frame caches alone are ~43 % of diffusers' decode peak (and the
+  output video 5 %), so the decode cannot go much lower with cuDNN convs; a batch-2 encode doubles the caches
+  (108 %), which is why `pair="auto"` keeps W2-sized clips on two passes.
+* Encode of the masked video and the mask video as one batch of 2 (`encode_pair`, `encode_removal_inputs`) when
+  `pair` allows it; the mask video 2*mask-1 and masked = frames*(1-mask) are formed per chunk inside the conv_in
+  buffer (same fp16 ops as the pipeline's, so the same bits), not as two extra full videos.
+* No fp32 round trips: nearest upsampling, clamping, padding and the cache copies are exact in the model dtype.
+
+Numerics: not bit-identical to the eager module (cuDNN picks other algorithms for channels-last, and the norm's sum
+of squares is added in another order), but the same function at fp16/bf16 precision; tests/test_vae_fast.py checks
+CPU fp32 agreement with WanVAE and the GPU test PSNR >= 45 dB at the real size.
+
+FP8 (`precision="fp8"`): the 3x3x3 causal convs the kernel supports (`conv3d_fp8.supported`: channels multiples of
+16) and where it pays (`fp8_pays`: on the H200 only the 96-channel full-resolution level beats cuDNN fp16, 1.29x at 4
+frames of 480x832; 192/384 channels run 0.56-1.07x, and the 384->32 conv_out has no config that fits) go to `fastremover.fast.kernels.conv3d_fp8.causal_conv3d_fp8(prev, x, weight_q, weight_scale, bias)` (it reads the
+2 cached frames and the new ones itself: no input buffer), with weights quantized once by its
+`quantize_conv_weight`; everything else stays in the model dtype. Without that module fp8 raises a FastRemoverError.
+
+`python -m fastremover.fast.vae_fast --bench` compares this VAE with diffusers' AutoencoderKLWan (the reference) at
+the W2 size on a CUDA GPU: per-stage time and peak memory, PSNR of the decoded video, cosine of the latents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastremover.errors import FastRemoverError
+from fastremover.models.vae import (
+    CACHE_T,
+    ENCODE_CHUNK_FRAMES,
+    AttentionBlock,
+    CausalConv3d,
+    MidBlock,
+    Resample,
+    ResidualBlock,
+    UpBlock,
+    WanVAE,
+)
+
+CL3 = torch.channels_last_3d
+CL2 = torch.channels_last
+PRECISIONS = ("auto", "fp16", "fp8")
+KERNELS = ("auto", "triton", "torch")
+FP8_MODULE = "fastremover.fast.kernels.conv3d_fp8"
+RGB_PAD = 8  # conv_in / conv_out channel padding on CUDA
+
+Progress = Callable[[int, int], None]
+# write(start, stop, out): put input frames [start, stop) of the encoder's input stream(s) into out [B, 3, n, H, W]
+FrameSource = Callable[[int, int, torch.Tensor], None]
+
+
+def fp8_pays(cin: int, cout: int) -> bool:
+    """Whether the FP8 conv kernel beats cuDNN fp16 channels-last for this conv (H200 measurement,
+    bench/results/conv3d-fp8-*.json): the 64-128-channel convs of the full-resolution level, nothing wider."""
+    return 64 <= cin <= 128 and 64 <= cout <= 128
+
+
+def fp8_conv_available() -> bool:
+    """True when the FP8 implicit-GEMM conv3d module is part of this installation."""
+    try:
+        return importlib.util.find_spec(FP8_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass
+class _Conv:
+    """A conv's weights in the fast layout, and how to call it."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    stride: tuple
+    padding: tuple  # the conv's own (spatial) padding; causal time padding comes from the cache
+    front: int = 0  # cached frames in front of each chunk (2 for the 3-tap causal convs, 0 otherwise)
+    fp8: tuple | None = None  # (weight_q, weight_scale) for the FP8 conv kernel
+
+
+class _Fill:
+    """The producer of a causal conv's new input frames: `write(src, view, tail)` puts src (norm+SiLU of it, or a
+    copy) into view and, if tail is given, its last frames into tail. Called with rows=(lo, hi) it produces only
+    those rows (striped convs). `release()` drops src, so the producer's input can be freed before the conv
+    allocates its output (the caller drops its own reference first)."""
+
+    def __init__(self, src, write, rows_ok: bool = True):
+        self.src, self.write, self.rows_ok = src, write, rows_ok
+
+    def __call__(self, view, tail=None, rows: tuple | None = None) -> None:
+        src = self.src if rows is None else self.src[:, :, :, rows[0] : rows[1]]
+        self.write(src, view, tail)
+
+    def release(self) -> None:
+        self.src = None
+
+
+class _Stream:
+    """What the causal modules remember between chunks of one encode/decode call (the fast twin of CausalCache):
+    the last frames of each conv's input stream, keyed by the eager module, and which modules have run."""
+
+    def __init__(self):
+        self.cache: dict[nn.Module, torch.Tensor] = {}
+        self.older: dict[nn.Module, int] = {}  # causal convs: which cache slot holds the older frame
+        self.visited: set = set()
+
+    def first_visit(self, module: nn.Module) -> bool:
+        if module in self.visited:
+            return False
+        self.visited.add(module)
+        return True
+
+
+def _frames_2d(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, T, H, W] -> [B*T, C, H, W] channels-last (a view when x is channels_last_3d-contiguous)."""
+    b, c, t, h, w = x.shape
+    return x.permute(0, 2, 3, 4, 1).reshape(b * t, h, w, c).permute(0, 3, 1, 2)
+
+
+def _frames_5d(y: torch.Tensor, b: int) -> torch.Tensor:
+    """[B*T, C, H, W] channels-last -> [B, C, T, H, W] channels-last-3d (a view)."""
+    n, c, h, w = y.shape
+    if not y.is_contiguous(memory_format=CL2):
+        y = y.contiguous(memory_format=CL2)
+    return y.view(b, n // b, c, h, w).transpose(1, 2)
+
+
+def _empty_cl3(like: torch.Tensor, shape: tuple) -> torch.Tensor:
+    return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=CL3)
+
+
+@contextlib.contextmanager
+def _cudnn_benchmark(on: bool | None):
+    if on is None:
+        yield
+        return
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = old
+
+
+def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, precision: str = "auto", **kw):
+    """The VAE the pipeline runs for an (already resolved) engine mode: (vae, description).
+
+    eager mode, or no CUDA GPU: the eager `WanVAE` itself, moved to device/dtype ("eager"); exact/fast on CUDA: a
+    `FastWanVAE` (its description, e.g. "fast-fp16"; the eager module stays where it is, so its weights are not held
+    twice on the GPU). precision "fp8" needs the fast VAE: a clear error otherwise."""
+    if precision not in PRECISIONS:
+        raise FastRemoverError(f"--vae-precision {precision!r}: choose one of {list(PRECISIONS)}")
+    device = torch.device(device)
+    if mode == "eager" or device.type != "cuda":
+        if precision == "fp8":
+            why = "the eager mode" if mode == "eager" else "no CUDA GPU"
+            raise FastRemoverError(f"--vae-precision fp8 needs the fast VAE (a CUDA GPU and --mode exact or fast; "
+                                   f"here: {why})")
+        vae.to(device, dtype)
+        return vae, "eager"
+    fast = FastWanVAE(vae, device=device, dtype=dtype, precision=precision, **kw)
+    return fast, fast.describe()
+
+
+class FastWanVAE:
+    """Channels-last Wan VAE with fused norms and copy-free causal caches (see the module docstring).
+
+    vae: a loaded `WanVAE` (any device/dtype; its weights are copied once to `device`/`dtype`, channels-last; the
+    module itself is not changed). precision: "auto" / "fp16" (the model dtype everywhere) or "fp8" (FP8 3x3x3 causal
+    convs; needs fastremover.fast.kernels.conv3d_fp8 and an sm_89+ GPU). kernels: "auto" (Triton on CUDA, the torch
+    reference elsewhere), "triton" (also the interpreter on the CPU), "torch".
+    encode_frames / decode_frames: frames per step of the full-resolution levels (encoder level 0; decoder's last
+    two levels and head); None: whole chunks. Fewer frames: lower peak memory, a few more cache copies.
+    pair / pair_budget_gib: encode_pair / encode_removal_inputs as one batch of 2 ("auto": see `pair_fits`), True,
+    or False (two passes). pad_rgb: zero-pad the 3-channel convs to 8 channels (default: on CUDA). tap_head: the
+    decoder's conv_out as per-tap partial sums (see `_decoder_head`). stripe_mib: run 1-frame causal-conv steps and
+    2x upsamplings whose frame is larger than twice this many MiB in row stripes of about this size (None: never;
+    lower peak memory for more, smaller kernels; see `_causal_striped`). cudnn_benchmark: set
+    torch.backends.cudnn.benchmark during the calls (None: leave it as it is).
+    """
+
+    def __init__(
+        self,
+        vae: WanVAE,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        precision: str = "auto",
+        kernels: str = "auto",
+        encode_frames: int | None = 2,
+        decode_frames: int | None = 1,
+        pair: bool | str = "auto",
+        pair_budget_gib: float = 2.0,
+        pad_rgb: bool | None = None,
+        tap_head: bool = True,
+        stripe_mib: float | None = None,
+        cudnn_benchmark: bool | None = None,
+    ):
+        if precision not in PRECISIONS:
+            raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r}: choose one of {KERNELS}")
+        for name, v in (("encode_frames", encode_frames), ("decode_frames", decode_frames)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be None or a positive int, got {v!r}")
+        if pair not in ("auto", True, False):
+            raise ValueError(f"pair must be 'auto', True or False, got {pair!r}")
+        self.vae = vae
+        self.config = vae.config
+        self.device = torch.device(device) if device is not None else vae.device
+        self.dtype = dtype or vae.dtype
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.kernels = ("triton" if self.device.type == "cuda" else "torch") if kernels == "auto" else kernels
+        self.encode_frames = encode_frames
+        self.decode_frames = decode_frames
+        self.pair = pair
+        self.pair_budget_gib = float(pair_budget_gib)
+        self.pad_rgb = (self.device.type == "cuda") if pad_rgb is None else bool(pad_rgb)
+        self.tap_head = bool(tap_head)
+        if stripe_mib is not None and not stripe_mib > 0:
+            raise ValueError(f"stripe_mib must be None or > 0, got {stripe_mib!r}")
+        self.stripe_mib = stripe_mib
+        self._head_taps = None
+        self.cudnn_benchmark = cudnn_benchmark
+        self.precision = "fp16" if precision == "auto" else precision
+        self._fp8 = None
+        self.fp8_convs = 0
+        if self.precision == "fp8":
+            self._fp8 = self._load_fp8()
+        if self.kernels == "triton":
+            from fastremover.fast.kernels.vae_norm import vae_rms_norm as norm_fn
+        else:
+            from fastremover.fast.kernels.vae_norm import vae_rms_norm_reference as norm_fn
+        self._norm_fn = norm_fn
+        self._conv: dict[nn.Module, _Conv] = {}
+        self._gamma: dict[nn.Module, torch.Tensor] = {}
+        with torch.no_grad():
+            self._convert()
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Setup
+
+    def _load_fp8(self):
+        if not fp8_conv_available():
+            raise FastRemoverError(
+                "vae precision fp8: the FP8 conv3d kernel (fastremover.fast.kernels.conv3d_fp8) is not available in "
+                "this build; use --vae-precision auto (fp16)"
+            )
+        if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise FastRemoverError("vae precision fp8 needs a CUDA GPU with FP8 tensor cores (sm_89 or newer)")
+        return importlib.import_module(FP8_MODULE)
+
+    def _t(self, t: torch.Tensor | None, fmt=None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.detach().to(device=self.device, dtype=self.dtype)
+        return t.contiguous(memory_format=fmt) if fmt is not None else t.contiguous()
+
+    def _convert(self) -> None:
+        vae = self.vae
+        for m in vae.modules():
+            if isinstance(m, CausalConv3d):
+                self._conv[m] = _Conv(self._t(m.weight, CL3), self._t(m.bias), tuple(m.stride), m.space_padding,
+                                      m.front_frames)
+            elif isinstance(m, nn.Conv2d):
+                self._conv[m] = _Conv(self._t(m.weight, CL2), self._t(m.bias), tuple(m.stride), tuple(m.padding))
+            elif hasattr(m, "gamma") and hasattr(m, "scale"):  # RMSNorm
+                self._gamma[m] = self._t(m.gamma).reshape(-1)
+        if self.pad_rgb:
+            conv_in = self._conv[vae.encoder.conv_in]
+            if conv_in.weight.shape[1] < RGB_PAD:
+                w = conv_in.weight.new_zeros(conv_in.weight.shape[0], RGB_PAD, *conv_in.weight.shape[2:])
+                w[:, : conv_in.weight.shape[1]] = conv_in.weight
+                conv_in.weight = w.contiguous(memory_format=CL3)
+            conv_out = self._conv[vae.decoder.conv_out]
+            if conv_out.weight.shape[0] < RGB_PAD:
+                w = conv_out.weight.new_zeros(RGB_PAD, *conv_out.weight.shape[1:])
+                w[: conv_out.weight.shape[0]] = conv_out.weight
+                b = conv_out.bias.new_zeros(RGB_PAD)
+                b[: conv_out.bias.shape[0]] = conv_out.bias
+                conv_out.weight, conv_out.bias = w.contiguous(memory_format=CL3), b
+        if self.tap_head:
+            # decoder conv_out as one conv2d giving the three temporal taps' partial outputs (see _decoder_head)
+            conv = vae.decoder.conv_out
+            c_out = conv.out_channels
+            cp = RGB_PAD if self.pad_rgb and c_out < RGB_PAD else c_out
+            w = conv.weight.detach().new_zeros(3, cp, conv.in_channels, 3, 3)
+            w[:, :c_out] = conv.weight.detach().permute(2, 0, 1, 3, 4)  # [tap, out, in, kh, kw]
+            weight = w.reshape(3 * cp, conv.in_channels, 3, 3).to(self.device, self.dtype)
+            bias = self._t(conv.bias).float().view(1, c_out, 1, 1, 1)
+            self._head_taps = (weight.contiguous(memory_format=CL2), bias, cp)
+        # quant_conv: only mu (the first z_dim outputs) is ever used
+        q = self._conv[vae.quant_conv]
+        z = self.config.z_dim
+        q.weight, q.bias = q.weight[:z].contiguous(memory_format=CL3), q.bias[:z].contiguous()
+        if self._fp8 is not None:
+            for m, c in self._conv.items():
+                if (isinstance(m, CausalConv3d) and tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1)
+                        and m.front_frames == CACHE_T and c.weight.shape[1] == m.in_channels
+                        and self._fp8.supported(m.in_channels, m.out_channels)
+                        and fp8_pays(m.in_channels, m.out_channels)):
+                    c.fp8 = tuple(self._fp8.quantize_conv_weight(c.weight))
+            self.fp8_convs = sum(c.fp8 is not None for c in self._conv.values())
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Public API (WanVAE's)
+
+    @property
+    def latents_mean(self) -> torch.Tensor:
+        return self.vae.latents_mean
+
+    @property
+    def latents_std(self) -> torch.Tensor:
+        return self.vae.latents_std
+
+    def normalize(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.normalize(z)
+
+    def denormalize(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.denormalize(z)
+
+    def describe(self) -> str:
+        """E.g. "fast-fp16", "fast-bf16", "fast-fp8" (what the pipeline's EngineConfig.vae shows)."""
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
+        return f"fast-{'fp8' if self._fp8 is not None else name}"
+
+    def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
+        c = self.config.in_channels
+        if x.ndim != 5 or x.shape[1] != c:
+            raise ValueError(f"encode expects {what} [B, {c}, F, H, W], got {list(x.shape)}")
+        if x.shape[2] < 1:
+            raise ValueError("encode needs at least one frame")
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
+        """Video [B, in_channels, F, H, W] in [-1, 1] -> posterior mode (mu) [B, z_dim, T, H/8, W/8] (as WanVAE)."""
+        self._check_video(x)
+        x = x.to(self.device, self.dtype)
+        b, _, f, h, w = x.shape
+        return self._encode(lambda s, e, out: out.copy_(x[:, :, s:e]), b, f, h, w, progress)
+
+    @torch.no_grad()
+    def encode_pair(
+        self, a: torch.Tensor, b: torch.Tensor, progress: Progress | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """encode(a), encode(b) for two videos of the same shape; one batch of 2 when `pair` allows."""
+        self._check_video(a, "a")
+        if a.shape != b.shape:
+            raise ValueError(f"encode_pair needs two videos of one shape, got {list(a.shape)} and {list(b.shape)}")
+        a, b = a.to(self.device, self.dtype), b.to(self.device, self.dtype)
+        n = a.shape[0]
+
+        def both(s, e, out):
+            out[:n].copy_(a[:, :, s:e])
+            out[n:].copy_(b[:, :, s:e])
+
+        return self._encode_two(both, lambda s, e, o: o.copy_(a[:, :, s:e]), lambda s, e, o: o.copy_(b[:, :, s:e]),
+                                n, *a.shape[2:], progress)
+
+    @torch.no_grad()
+    def encode_removal_inputs(
+        self, frames: torch.Tensor, mask: torch.Tensor, progress: Progress | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pipeline's two encodes: (encode(frames * (1 - mask)), encode(2 * mask - 1)), unnormalized.
+
+        Both inputs are formed chunk by chunk in the conv_in buffer with the pipeline's own fp16 ops (so the same
+        values), never as two more full-length videos."""
+        self._check_video(frames, "frames")
+        if mask.shape != frames.shape:
+            raise ValueError(f"mask {list(mask.shape)} must match frames {list(frames.shape)}")
+        frames, mask = frames.to(self.device, self.dtype), mask.to(self.device, self.dtype)
+        n = frames.shape[0]
+
+        def masked(s, e, out):
+            torch.mul(frames[:, :, s:e], 1 - mask[:, :, s:e], out=out)
+
+        def mask_video(s, e, out):
+            torch.sub(2 * mask[:, :, s:e], 1.0, out=out)
+
+        def both(s, e, out):
+            masked(s, e, out[:n])
+            mask_video(s, e, out[n:])
+
+        return self._encode_two(both, masked, mask_video, n, *frames.shape[2:], progress)
+
+    def pair_fits(self, batch: int, frames: int, height: int, width: int) -> bool:
+        """Whether encode_pair / encode_removal_inputs run as one batch: always for pair=True, never for False.
+        "auto" (CUDA only): when the doubled encode working set (`encode_bytes`) is at most `pair_budget_gib` and a
+        third of the free GPU memory. The 2 GiB default batches W1-sized clips (240x432: ~1.1 GiB) but not W2
+        (480x832: ~4.4 GiB), where a batch of 2 doubles every causal cache and the encode's peak would exceed the
+        two-pass reference's instead of staying near half of it; set pair=True (or a larger budget) to trade that
+        memory for fewer, larger kernels."""
+        if self.pair != "auto":
+            return bool(self.pair)
+        if self.device.type != "cuda":
+            return False
+        need = self.encode_bytes(2 * batch, height, width)
+        if need > self.pair_budget_gib * 2**30:
+            return False
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return 3 * need <= free
+
+    def encode_bytes(self, batch: int, height: int, width: int) -> int:
+        """Rough working set of an encode: the causal caches (2 frames of every causal conv's input, all levels) plus
+        the transient activations of the largest level (about 4 times a conv input buffer at encode_frames)."""
+        elt = torch.finfo(self.dtype).bits // 8
+        enc = self.vae.encoder
+        h, w = height, width
+        cache = CACHE_T * RGB_PAD * h * w
+        biggest = 0
+        for block in [*enc.down_blocks, *enc.mid_block.resnets]:
+            if isinstance(block, ResidualBlock):
+                cache += CACHE_T * (block.conv1.in_channels + block.conv2.in_channels) * h * w
+                biggest = max(biggest, block.conv2.out_channels * h * w)
+            elif isinstance(block, Resample):
+                h, w = h // 2, w // 2
+        cache += CACHE_T * enc.conv_out.in_channels * h * w
+        step = min(self.encode_frames or ENCODE_CHUNK_FRAMES, ENCODE_CHUNK_FRAMES)
+        return batch * elt * (cache + 4 * (step + CACHE_T) * biggest)
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
+        """Latents [B, z_dim, T, h, w] -> video [B, out_channels, 1 + 4(T-1), 8h, 8w] in [-1, 1] (as WanVAE)."""
+        if z.ndim != 5 or z.shape[1] != self.config.z_dim:
+            raise ValueError(f"decode expects [B, {self.config.z_dim}, T, h, w], got {list(z.shape)}")
+        if z.shape[2] < 1:
+            raise ValueError("decode needs at least one latent frame")
+        z = z.to(self.device, self.dtype)
+        with _cudnn_benchmark(self.cudnn_benchmark):
+            return self._decode(z, progress)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Encode
+
+    def _encode_two(self, both, first, second, n, f, h, w, progress):
+        if self.pair_fits(n, f, h, w):
+            z = self._encode(both, 2 * n, f, h, w, progress)
+            return z[:n], z[n:]
+        total = 2 * self._n_chunks(f)
+
+        def half(offset):
+            return (lambda done, _t: progress(offset + done, total)) if progress else None
+
+        za = self._encode(first, n, f, h, w, half(0))
+        zb = self._encode(second, n, f, h, w, half(total // 2))
+        return za, zb
+
+    @staticmethod
+    def _n_chunks(f: int) -> int:
+        return (f - 1) // ENCODE_CHUNK_FRAMES + 1
+
+    def _encode(self, source: FrameSource, b: int, f: int, h: int, w: int, progress: Progress | None):
+        n_chunks = self._n_chunks(f)
+        bounds = [(0, 1)] + [(1 + ENCODE_CHUNK_FRAMES * i, 1 + ENCODE_CHUNK_FRAMES * (i + 1))
+                             for i in range(n_chunks - 1)]
+        st = _Stream()
+        out = None
+        with _cudnn_benchmark(self.cudnn_benchmark):
+            for i, (s, e) in enumerate(bounds):
+                mu = self._encode_chunk(source, s, e, b, h, w, st)
+                if out is None:
+                    out = mu.new_empty(b, mu.shape[1], n_chunks, *mu.shape[3:])  # NCDHW contiguous, like WanVAE
+                out[:, :, i : i + 1].copy_(mu)
+                del mu
+                if progress:
+                    progress(i + 1, n_chunks)
+        return out
+
+    def _encode_chunk(self, source, s, e, b, h, w, st):
+        enc = self.vae.encoder
+        blocks = list(enc.down_blocks)
+        # Level 0 (full resolution, up to and including its Resample) runs encode_frames at a time when that Resample
+        # is spatial only (Wan 2.1); its quarter-size outputs are gathered for level 1.
+        first = next((i for i, m in enumerate(blocks) if isinstance(m, Resample)), None)
+        step = self.encode_frames
+        split = first is not None and blocks[first].mode == "downsample2d" and step is not None
+        if split and e - s > step:
+            head, blocks = blocks[: first + 1], blocks[first + 1 :]
+            x = None
+            for s0 in range(s, e, step):
+                s1 = min(e, s0 + step)
+                y = self._blocks(head, self._conv_in(source, s0, s1, b, h, w, st), st)
+                if x is None:
+                    x = _empty_cl3(y, (b, y.shape[1], e - s, *y.shape[3:]))
+                x[:, :, s0 - s : s1 - s].copy_(y)
+                del y
+        else:
+            x = self._conv_in(source, s, e, b, h, w, st)
+        x = self._blocks(blocks, x, st)
+        x = self._mid(enc.mid_block, x, st)
+        x = self._head(enc.norm_out, enc.conv_out, x, st)
+        return self._pointwise(self.vae.quant_conv, x)
+
+    def _blocks(self, blocks: list, x: torch.Tensor, st: _Stream) -> torch.Tensor:
+        """The encoder's flat list of residual blocks and Resamples. A residual block right before a downsample
+        writes its result into the zero-padded input of the downsample's stride-2 conv."""
+        padded = False
+        for i, block in enumerate(blocks):
+            if isinstance(block, ResidualBlock):
+                nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+                padded = isinstance(nxt, Resample) and nxt.mode.startswith("down")
+                x = self._resblock(block, x, st, padded_out=padded)
+            elif isinstance(block, Resample):
+                x = self._resample(block, x, st, padded=padded)
+                padded = False
+            else:
+                raise TypeError(f"unexpected block {type(block).__name__}")
+        return x
+
+    def _conv_in(self, source: FrameSource, s: int, e: int, b: int, h: int, w: int, st: _Stream) -> torch.Tensor:
+        conv = self.vae.encoder.conv_in
+        c_in = self._conv[conv].weight.shape[1]
+        c_src = self.config.in_channels
+
+        def write(_src, view, tail):
+            if c_in > c_src:
+                view[:, c_src:].zero_()
+            source(s, e, view[:, :c_src])
+            if tail is not None:
+                tail.copy_(view[:, :, view.shape[2] - tail.shape[2] :])
+
+        return self._causal(conv, st, e - s, (b, c_in, h, w), _Fill(None, write, rows_ok=False))
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Decode
+
+    def _decode(self, z: torch.Tensor, progress: Progress | None) -> torch.Tensor:
+        dec = self.vae.decoder
+        z = self._pointwise(self.vae.post_quant_conv, z.contiguous(memory_format=CL3))
+        st = _Stream()
+        b, _, t_lat, h, w = z.shape
+        c_out = self.config.out_channels
+        total = 1 + (t_lat - 1) * self.config.temporal_compression
+        sc = self.config.spatial_compression
+        out = z.new_empty(b, c_out, total, h * sc, w * sc)  # NCDHW contiguous, like WanVAE
+        blocks = list(dec.up_blocks)
+        # The last two levels and the head run decode_frames at a time. The split is made inside the last upsampler
+        # before them, between its temporal and its spatial part, so the frames waiting are the small ones.
+        split_at = max(0, len(blocks) - 2)
+        pre = blocks[split_at - 1] if split_at else None
+        pending = pre.upsamplers[0] if pre is not None and pre.upsamplers is not None else None
+        frame = 0
+        for i in range(t_lat):
+            zi = z[:, :, i : i + 1]
+            x = self._causal(dec.conv_in, st, 1, (b, zi.shape[1], h, w), self._copy_fill(zi))
+            del zi
+            x = self._mid(dec.mid_block, x, st)
+            for block in blocks[: max(0, split_at - 1)]:
+                x = self._up_block(block, x, st)
+            if pre is not None:
+                for r in pre.resnets:
+                    x = self._resblock(r, x, st)
+                if pending is not None:
+                    x = self._resample_up_time(pending, x, st)
+            n = x.shape[2]
+            step = min(self.decode_frames or n, n)
+            pieces = [x[:, :, s0 : s0 + step] for s0 in range(0, n, step)] if step < n else [x]
+            del x
+            while pieces:
+                y = pieces.pop(0)
+                if pending is not None:
+                    y = self._resample_space(pending, y)
+                for block in blocks[split_at:]:
+                    y = self._up_block(block, y, st)
+                k = y.shape[2]
+                self._decoder_head(y, st, out[:, :, frame : frame + k])
+                frame += k
+                del y
+            if progress:
+                progress(i + 1, t_lat)
+        assert frame == total, (frame, total)
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Blocks
+
+    def _norm(self, x: torch.Tensor, norm: nn.Module, silu: bool, out=None, tail=None) -> torch.Tensor:
+        return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail)
+
+    def _norm_fill(self, x: torch.Tensor, norm: nn.Module) -> "_Fill":
+        return _Fill(x, lambda src, view, tail: self._norm(src, norm, True, out=view, tail=tail))
+
+    @staticmethod
+    def _copy_fill(src: torch.Tensor) -> "_Fill":
+        def write(x, view, tail):
+            view.copy_(x)
+            if tail is not None:
+                tail.copy_(x[:, :, x.shape[2] - tail.shape[2] :])
+
+        return _Fill(src, write)
+
+    def _conv3d(self, x: torch.Tensor, c: _Conv) -> torch.Tensor:
+        y = F.conv3d(x, c.weight, c.bias, c.stride, c.padding)
+        # cuDNN keeps channels-last; some CPU conv paths return NCDHW for tiny shapes
+        return y if y.is_contiguous(memory_format=CL3) else y.contiguous(memory_format=CL3)
+
+    def _pointwise(self, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self._conv3d(x, self._conv[conv])
+
+    def _causal(self, conv: CausalConv3d, st: _Stream, n: int, bchw: tuple, fill) -> torch.Tensor:
+        """The causal conv `conv` on the next n frames of its input stream; fill(view, tail) writes those frames
+        into `view` [B, C, n, H, W] and, when `tail` is given, the last tail.shape[2] of them into `tail` too.
+
+        The cache is 2 slots; `st.older[conv]` says which holds the older frame. A chunk of n >= 2 frames rewrites
+        both slots in order; a 1-frame chunk overwrites only the older slot (which then becomes the newer one), so
+        there is never a cache-to-cache copy."""
+        c = self._conv[conv]
+        front = c.front
+        if front != CACHE_T:
+            raise AssertionError(f"causal conv with {front} front frames")
+        b, ch, h, w = bchw
+        kw = dict(device=self.device, dtype=self.dtype, memory_format=CL3)
+        cache = st.cache.get(conv)
+        if cache is None:  # zeros before the first frame
+            cache = st.cache[conv] = torch.empty((b, ch, front, h, w), **kw).zero_()
+            st.older[conv] = 0
+        older = st.older[conv]
+        if c.fp8 is not None:
+            return self._causal_fp8(conv, c, st, cache, older, n, bchw, fill)
+        stripes = self._stripes(b * ch * h * w, h) if n == 1 and fill.rows_ok and c.padding[1] == 1 else 1
+        if stripes > 1:
+            return self._causal_striped(conv, c, st, cache, older, bchw, fill, stripes)
+        buf = torch.empty((b, ch, front + n, h, w), **kw)
+        if older == 0:
+            buf[:, :, :front].copy_(cache)
+        else:
+            buf[:, :, :1].copy_(cache[:, :, 1:])
+            buf[:, :, 1:front].copy_(cache[:, :, :1])
+        if n >= front:
+            fill(buf[:, :, front:], cache)
+            st.older[conv] = 0
+        else:
+            fill(buf[:, :, front:], cache[:, :, older : older + 1])
+            st.older[conv] = 1 - older
+        fill.release()  # the producer's input may be freed before the conv allocates its output
+        return self._conv3d(buf, c)
+
+    def _stripes(self, frame_elements: int, rows: int) -> int:
+        """How many row stripes a 1-frame conv step of this size runs in (1: none); see `stripe_mib`."""
+        if self.stripe_mib is None:
+            return 1
+        frame_bytes = frame_elements * (torch.finfo(self.dtype).bits // 8)
+        target = self.stripe_mib * 2**20
+        if frame_bytes <= 2 * target:
+            return 1
+        return max(1, min(-(-frame_bytes // int(target)), rows // 8))
+
+    def _causal_striped(self, conv, c: _Conv, st: _Stream, cache, older: int, bchw: tuple, fill: _Fill,
+                        stripes: int) -> torch.Tensor:
+        """A 1-frame step of a 3x3x3 causal conv in horizontal stripes, so the 3-frame input buffer is never whole.
+
+        Stripe [r0, r1) convolves rows [r0-1, r1+1) of (older, newer, new) frames (zero rows at the image border)
+        with no H padding and is copied into the output. The new frame replaces the older cache slot row by row;
+        row r1-1 is written by the next stripe, which still reads the old one as its top halo."""
+        b, ch, h, w = bchw
+        kw = dict(device=self.device, dtype=self.dtype, memory_format=CL3)
+        bounds = [round(k * h / stripes) for k in range(stripes + 1)]
+        y = None
+        done = 0  # rows [0, done) of the new frame are in the cache already
+        for r0, r1 in zip(bounds[:-1], bounds[1:]):
+            lo, hi = max(r0 - 1, 0), min(r1 + 1, h)
+            top, bottom = int(r0 == 0), int(r1 == h)
+            buf = torch.empty((b, ch, 3, top + hi - lo + bottom, w), **kw)
+            if top:
+                buf[:, :, :, :1].zero_()
+            if bottom:
+                buf[:, :, :, -1:].zero_()
+            body = buf[:, :, :, top : top + hi - lo]
+            body[:, :, :1].copy_(cache[:, :, older : older + 1, lo:hi])
+            body[:, :, 1:2].copy_(cache[:, :, 1 - older : 2 - older, lo:hi])
+            fill(body[:, :, 2:], None, rows=(lo, hi))
+            end = h if r1 == h else r1 - 1
+            cache[:, :, older : older + 1, done:end].copy_(body[:, :, 2:, done - lo : end - lo])
+            done = end
+            ys = F.conv3d(buf, c.weight, c.bias, c.stride, (0, 0, c.padding[2]))
+            del buf, body
+            if y is None:
+                y = torch.empty((b, ys.shape[1], 1, h, w), **kw)
+            y[:, :, :, r0:r1].copy_(ys)
+            del ys
+        fill.release()
+        st.older[conv] = 1 - older
+        return y
+
+    def _causal_fp8(self, conv, c: _Conv, st: _Stream, cache, older: int, n: int, bchw: tuple, fill):
+        """FP8 conv3d kernel: it reads the cached frames and the new ones itself (no buffer); prev must be in order."""
+        b, ch, h, w = bchw
+        if older == 1:
+            cache = st.cache[conv] = cache[:, :, [1, 0]].contiguous(memory_format=CL3)
+            st.older[conv] = 0
+        x = torch.empty((b, ch, n, h, w), device=self.device, dtype=self.dtype, memory_format=CL3)
+        fill(x, None)
+        fill.release()
+        y = self._fp8.causal_conv3d_fp8(cache, x, c.fp8[0], c.fp8[1], c.bias)  # cache: zeros before frame 0
+        if not y.is_contiguous(memory_format=CL3):
+            y = y.contiguous(memory_format=CL3)
+        if n >= CACHE_T:
+            cache.copy_(x[:, :, n - CACHE_T :])
+        else:  # [newer cached frame, x] (two disjoint slots: no overlap)
+            cache[:, :, :1].copy_(cache[:, :, 1:])
+            cache[:, :, 1:].copy_(x)
+        return y
+
+    def _resblock(self, m: ResidualBlock, x: torch.Tensor, st: _Stream, padded_out: bool = False) -> torch.Tensor:
+        """x + conv2(silu(norm2(conv1(silu(norm1(x)))))). padded_out: return a [B, C, T, H+1, W+1] tensor whose last
+        row and column are zero and whose interior holds the result (the input of a downsample's stride-2 conv)."""
+        b, c, t, h, w = x.shape
+        shortcut = x if isinstance(m.conv_shortcut, nn.Identity) else self._pointwise(m.conv_shortcut, x)
+        hid = self._causal(m.conv1, st, t, (b, c, h, w), self._norm_fill(x, m.norm1))
+        c2 = hid.shape[1]
+        fill = self._norm_fill(hid, m.norm2)
+        del hid  # freed once the norm has read it, before conv2 allocates its output
+        y = self._causal(m.conv2, st, t, (b, c2, h, w), fill)
+        if not padded_out:
+            return y.add_(shortcut)
+        out = _empty_cl3(y, (b, c2, t, h + 1, w + 1))
+        out[:, :, :, h].zero_()
+        out[:, :, :, :h, w].zero_()
+        torch.add(y, shortcut, out=out[:, :, :, :h, :w])
+        return out
+
+    def _mid(self, m: MidBlock, x: torch.Tensor, st: _Stream) -> torch.Tensor:
+        x = self._resblock(m.resnets[0], x, st)
+        x = self._attention(m.attentions[0], x)
+        return self._resblock(m.resnets[1], x, st)
+
+    def _attention(self, m: AttentionBlock, x: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        n = _frames_2d(self._norm(x, m.norm, silu=False))
+        qkv_conv = self._conv[m.to_qkv]
+        qkv = F.conv2d(n, qkv_conv.weight, qkv_conv.bias)  # [bt, 3c, h, w] channels-last = [bt, h*w, 3c] memory
+        del n
+        qkv = qkv.permute(0, 2, 3, 1).reshape(b * t, 1, h * w, 3 * c)  # the eager layout (a view here)
+        q, k, v = qkv.chunk(3, dim=-1)
+        a = F.scaled_dot_product_attention(q, k, v)  # [bt, 1, h*w, c]
+        del qkv, q, k, v
+        a = a.view(b * t, h, w, c).permute(0, 3, 1, 2)  # channels-last view, as eager's transpose+reshape
+        proj = self._conv[m.proj]
+        y = F.conv2d(a, proj.weight, proj.bias)
+        return _frames_5d(y, b).add_(x)
+
+    def _up_block(self, m: UpBlock, x: torch.Tensor, st: _Stream) -> torch.Tensor:
+        for r in m.resnets:
+            x = self._resblock(r, x, st)
+        if m.upsamplers is not None:
+            x = self._resample(m.upsamplers[0], x, st)
+        return x
+
+    def _resample(self, m: Resample, x: torch.Tensor, st: _Stream, padded: bool = False) -> torch.Tensor:
+        """padded: x is [B, C, T, H+1, W+1] with a zero last row and column (from _resblock(padded_out=True))."""
+        x = self._resample_up_time(m, x, st)
+        x = self._resample_space(m, x, padded)
+        return self._resample_down_time(m, x, st)
+
+    def _resample_up_time(self, m: Resample, x: torch.Tensor, st: _Stream) -> torch.Tensor:
+        """upsample3d's temporal part: frames x2 (not on the first chunk, as eager)."""
+        if m.mode != "upsample3d" or st.first_visit(m):
+            return x
+        b, c, t, h, w = x.shape
+        y = self._causal(m.time_conv, st, t, (b, c, h, w), self._copy_fill(x))  # [b, 2c, t, h, w]
+        del x
+        # channels [frame 2i | frame 2i+1] -> frames: memory [b, t, h, w, (2, c)] -> [b, t, 2, h, w, c]
+        x = _empty_cl3(y, (b, c, 2 * t, h, w))
+        x.permute(0, 2, 3, 4, 1).view(b, t, 2, h, w, c).copy_(
+            y.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5))
+        return x
+
+    def _resample_space(self, m: Resample, x: torch.Tensor, padded: bool = False) -> torch.Tensor:
+        """The per-frame 2-D part: nearest 2x + 3x3 conv, or zero pad right/bottom + 3x3 stride-2 conv."""
+        b = x.shape[0]
+        conv = self._conv[m.resample[1]]
+        if m.mode.startswith("up"):
+            frames = _frames_2d(x)
+            n, c, h, w = frames.shape
+            stripes = self._stripes(n * c * 4 * h * w, 2 * h)
+            if stripes == 1:
+                up = F.interpolate(frames, scale_factor=2.0, mode="nearest-exact")  # exact in the model dtype
+                del frames
+                if not up.is_contiguous(memory_format=CL2):
+                    up = up.contiguous(memory_format=CL2)
+                return _frames_5d(F.conv2d(up, conv.weight, conv.bias, conv.stride, conv.padding), b)
+            # in row stripes: upsampled rows [lo, hi) are input rows [lo // 2, (hi - 1) // 2] repeated
+            big_h = 2 * h
+            bounds = [round(k * big_h / stripes) for k in range(stripes + 1)]
+            y = None
+            for r0, r1 in zip(bounds[:-1], bounds[1:]):
+                lo, hi = max(r0 - 1, 0), min(r1 + 1, big_h)
+                i0, i1 = lo // 2, (hi - 1) // 2 + 1
+                up = F.interpolate(frames[:, :, i0:i1], scale_factor=2.0, mode="nearest-exact")
+                top, bottom = int(r0 == 0), int(r1 == big_h)
+                buf = torch.empty((n, c, top + hi - lo + bottom, 2 * w), device=x.device, dtype=x.dtype,
+                                  memory_format=CL2)
+                if top:
+                    buf[:, :, :1].zero_()
+                if bottom:
+                    buf[:, :, -1:].zero_()
+                buf[:, :, top : top + hi - lo].copy_(up[:, :, lo - 2 * i0 : hi - 2 * i0])
+                del up
+                ys = F.conv2d(buf, conv.weight, conv.bias, conv.stride, (0, conv.padding[1]))
+                del buf
+                if y is None:
+                    y = torch.empty((n, ys.shape[1], big_h, 2 * w), device=x.device, dtype=x.dtype,
+                                    memory_format=CL2)
+                y[:, :, r0:r1].copy_(ys)
+                del ys
+            return _frames_5d(y, b)
+        if not padded:  # ZeroPad2d((0, 1, 0, 1))
+            _, c, t, h, w = x.shape
+            xp = _empty_cl3(x, (b, c, t, h + 1, w + 1)).zero_()
+            xp[:, :, :, :h, :w].copy_(x)
+            x = xp
+            del xp
+        return _frames_5d(F.conv2d(_frames_2d(x), conv.weight, conv.bias, conv.stride, conv.padding), b)
+
+    def _resample_down_time(self, m: Resample, y: torch.Tensor, st: _Stream) -> torch.Tensor:
+        """downsample3d's temporal part: the first chunk passes through (frame 0 -> latent frame 0); later chunks:
+        stride-2 conv over [last frame of the previous chunk, this chunk]."""
+        if m.mode != "downsample3d":
+            return y
+        prev = st.cache.get(m)
+        if prev is None:
+            st.cache[m] = y[:, :, -1:].clone(memory_format=CL3)
+            return y
+        b, c, t, h, w = y.shape
+        buf = _empty_cl3(y, (b, c, 1 + t, h, w))
+        buf[:, :, :1].copy_(prev)
+        buf[:, :, 1:].copy_(y)
+        prev.copy_(y[:, :, -1:])
+        del y
+        return self._conv3d(buf, self._conv[m.time_conv])
+
+    def _decoder_head(self, x: torch.Tensor, st: _Stream, out: torch.Tensor) -> None:
+        """silu(norm_out(x)) -> conv_out -> clamp into `out` (the output video's frames).
+
+        conv_out has only out_channels (3) outputs, so instead of caching 2 frames of its wide input it runs as one
+        conv2d per frame giving all three temporal taps' partial outputs P_k (tap-major channels), and keeps two
+        small fp32 sums: before frame t, A = P_0(t-2) + P_1(t-1) and B = P_0(t-1) (zeros before the first frame);
+        then out(t) = A + P_2(t) + bias, A <- B + P_1(t), B <- P_0(t). The same sum as the causal conv3d, with the
+        three partials rounded to the model dtype (the final output is rounded once more, from fp32)."""
+        dec = self.vae.decoder
+        taps = self._head_taps
+        if taps is None:  # plain causal conv path
+            y = self._head(dec.norm_out, dec.conv_out, x, st)
+            torch.clamp(y[:, : out.shape[1]], -1.0, 1.0, out=out)
+            return
+        weight, bias, cp = taps
+        b, c, t, h, w = x.shape
+        xn = self._norm(x, dec.norm_out, silu=True)
+        del x
+        p = _frames_5d(F.conv2d(_frames_2d(xn), weight, None, padding=1), b)  # [b, 3*cp, t, h, w]
+        del xn
+        c_out = out.shape[1]
+        state = st.cache.get(dec.conv_out)
+        if state is None:
+            zeros = torch.zeros((b, c_out, 1, h, w), device=self.device, dtype=torch.float32)
+            state = st.cache[dec.conv_out] = [zeros, zeros.clone()]
+        for j in range(t):
+            a_sum, b_sum = state
+            pj = p[:, :, j : j + 1]
+            o = a_sum + pj[:, 2 * cp : 2 * cp + c_out]
+            o += bias
+            out[:, :, j : j + 1].copy_(o.clamp_(-1.0, 1.0))  # clamp then round = round then clamp (+-1 exact)
+            del o
+            state[0] = b_sum.add_(pj[:, cp : cp + c_out])  # A <- B + P_1(t)   (B's storage is reused)
+            state[1] = a_sum.copy_(pj[:, :c_out])  # B <- P_0(t)            (A's old storage is reused)
+
+    def _head(self, norm: nn.Module, conv: CausalConv3d, x: torch.Tensor, st: _Stream) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        return self._causal(conv, st, t, (b, c, h, w), self._norm_fill(x, norm))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU benchmark: python -m fastremover.fast.vae_fast --bench [--out PATH]
+
+
+def _stage(fn, device: torch.device) -> tuple[object, float, float, float]:
+    """Run fn() as one timed stage: (result, seconds by CUDA events, peak GiB, peak above the start GiB).
+    On the CPU (smoke runs): wall-clock seconds, peaks 0."""
+    if device.type != "cuda":
+        import time
+
+        t = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t, 0.0, 0.0
+    torch.cuda.synchronize(device)
+    start_bytes = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    out = fn()
+    t1.record()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return out, t0.elapsed_time(t1) / 1e3, peak / 2**30, (peak - start_bytes) / 2**30
+
+
+def _measure(name: str, encode_fn, decode_fn, z_dec, device, repeats: int) -> dict:
+    """Warm-up, then `repeats` runs of encode (both inputs) + decode; medians of time, max of peaks."""
+    import statistics
+
+    runs = []
+    for i in range(1 + repeats):
+        (za, zb), t_enc, pk_enc, dpk_enc = _stage(encode_fn, device)
+        video, t_dec, pk_dec, dpk_dec = _stage(lambda: decode_fn(z_dec), device)
+        if i:
+            runs.append((t_enc, t_dec, pk_enc, pk_dec, dpk_enc, dpk_dec))
+        if i < repeats:
+            del za, zb, video
+    col = list(zip(*runs))
+    r = {
+        "name": name,
+        "vae_encode_s": round(statistics.median(col[0]), 4),
+        "vae_decode_s": round(statistics.median(col[1]), 4),
+        "stage_peak_gib": {"vae_encode": round(max(col[2]), 3), "vae_decode": round(max(col[3]), 3)},
+        "stage_peak_delta_gib": {"vae_encode": round(max(col[4]), 3), "vae_decode": round(max(col[5]), 3)},
+    }
+    r["vae_total_s"] = round(r["vae_encode_s"] + r["vae_decode_s"], 4)
+    return r, (za, zb, video)
+
+
+def _ratio(a: dict, b: dict) -> dict | None:
+    return {k: round(a[k] / b[k], 4) for k in a if b.get(k)} or None
+
+
+def bench(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import math
+    import time
+
+    p = argparse.ArgumentParser(prog="python -m fastremover.fast.vae_fast --bench",
+                                description="FastWanVAE vs diffusers' AutoencoderKLWan on one GPU (random weights)")
+    p.add_argument("--bench", action="store_true")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--frames", type=int, default=81)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--width", type=int, default=832)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--precision", choices=["fp16", "bf16"], default="fp16")
+    p.add_argument("--vae-precision", choices=list(PRECISIONS), default="auto")
+    p.add_argument("--encode-frames", type=int, default=2)
+    p.add_argument("--decode-frames", type=int, default=1)
+    p.add_argument("--pair", choices=["auto", "on", "off", "both"], default="both",
+                   help="batch-2 encode of the two inputs: measure auto/on/off, or both on and off (default)")
+    p.add_argument("--cudnn-benchmark", action="store_true", help="also measure with torch.backends.cudnn.benchmark")
+    p.add_argument("--no-tap-head", action="store_true")
+    p.add_argument("--stripe-mib", type=float, default=None,
+                   help="also measure a variant with 1-frame convs/upsamplings in row stripes of about this size")
+    p.add_argument("--no-pad-rgb", action="store_true")
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run: use --preset tiny)")
+    p.add_argument("--preset", default="minimax-remover", help="VAE config: minimax-remover (real) or tiny")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("the VAE bench needs a CUDA GPU (or --device cpu --preset tiny for a smoke run)", flush=True)
+        return 2
+    from fastremover import media
+    from fastremover.bench.metrics import cosine, psnr_per_frame
+    from fastremover.models.loading import PRESETS, random_init_
+    from fastremover.models.vae import WanVAEConfig
+
+    t_start = time.time()
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.precision]
+    if device.type == "cpu":
+        dtype = torch.float32  # smoke runs: CPU half-precision conv3d is impractically slow
+    cfg = WanVAEConfig.from_dict(PRESETS[args.preset]["vae"])
+    vae = random_init_(WanVAE(cfg), 1).eval()
+
+    video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0)
+    x = torch.from_numpy(video.frames).to(device).permute(3, 0, 1, 2)[None].float().div_(127.5).sub_(1.0).to(dtype)
+    m = torch.from_numpy(mask).to(device)[None, None].expand(1, 3, -1, -1, -1).to(dtype).contiguous()
+    del video, mask
+    results = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__,
+               "shape": [1, 3, args.frames, args.height, args.width], "precision": str(dtype).replace("torch.", ""),
+               "vae_precision": args.vae_precision, "repeats": args.repeats, "runs": []}
+
+    # reference: diffusers, as the upstream pipeline calls it
+    from diffusers import AutoencoderKLWan
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()
+    ref = AutoencoderKLWan(**{k: v for k, v in cfg.to_dict().items() if not k.startswith("_")})
+    ref.load_state_dict(vae.state_dict(), strict=True)
+    ref = ref.eval().to(device, dtype)
+
+    masked = x * (1 - m)  # the upstream pipeline forms this before its encode stage (2*mask-1 inside it)
+
+    def ref_encode():
+        with torch.no_grad():
+            za = ref.encode(masked).latent_dist.mode()
+            zb = ref.encode(2 * m - 1.0).latent_dist.mode()
+        return za, zb
+
+    def ref_decode(z):
+        with torch.no_grad():
+            return ref.decode(z).sample
+
+    z_dec = ref_encode()[0]  # the decode input of both VAEs: the latents of the masked video (warms up encode)
+    r_ref, (za_ref, zb_ref, video_ref) = _measure("reference (diffusers AutoencoderKLWan)", ref_encode, ref_decode,
+                                                  z_dec, device, args.repeats)
+    video_ref = video_ref.float().cpu()
+    za_ref, zb_ref, z_dec = za_ref.float().cpu(), zb_ref.float().cpu(), z_dec.cpu()
+    results["runs"].append(r_ref)
+    ref.to("cpu")
+    ref = masked = None  # (not del: the closures above name them)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    variants = []
+    pairs = {"auto": ["auto"], "on": [True], "off": [False], "both": [True, False]}[args.pair]
+    for pair in pairs:
+        variants.append(dict(pair=pair, cudnn_benchmark=None))
+    if args.cudnn_benchmark:
+        variants.append(dict(pair=pairs[0], cudnn_benchmark=True))
+    if args.stripe_mib:
+        variants.append(dict(pair=pairs[-1], cudnn_benchmark=None, stripe_mib=args.stripe_mib))
+    z_gpu = z_dec.to(device)
+    for v in variants:
+        fast = FastWanVAE(vae, device=device, dtype=dtype, precision=args.vae_precision,
+                          encode_frames=args.encode_frames, decode_frames=args.decode_frames,
+                          pad_rgb=not args.no_pad_rgb, tap_head=not args.no_tap_head, **v)
+        name = (f"fast ({fast.describe()}, pair={v['pair']}, cudnn.benchmark={v['cudnn_benchmark']}"
+                + (f", stripes {v['stripe_mib']} MiB)" if v.get("stripe_mib") else ")"))
+        r, (za, zb, vid) = _measure(name, lambda: fast.encode_removal_inputs(x, m), fast.decode, z_gpu, device,
+                                    args.repeats)
+        psnr = psnr_per_frame(vid.float().cpu(), video_ref)
+        mse = ((vid.float().cpu() - video_ref) / 2).pow(2).mean().item()
+        r.update({
+            "pair_batch": fast.pair_fits(1, args.frames, args.height, args.width),
+            "encode_frames": args.encode_frames, "decode_frames": args.decode_frames,
+            "fp8_convs": fast.fp8_convs,
+            "psnr_db": round(10 * math.log10(1 / mse), 3) if mse > 0 else math.inf,
+            "psnr_min_frame_db": round(float(psnr.min()), 3),
+            "latent_cos_masked": round(cosine(za.float().cpu(), za_ref), 7),
+            "latent_cos_mask": round(cosine(zb.float().cpu(), zb_ref), 7),
+            "latent_max_abs_diff": round(max((za.float().cpu() - za_ref).abs().max().item(),
+                                             (zb.float().cpu() - zb_ref).abs().max().item()), 5),
+            "speedup_vs_reference": round(r_ref["vae_total_s"] / r["vae_total_s"], 3),
+            "peak_ratio_vs_reference": _ratio(r["stage_peak_gib"], r_ref["stage_peak_gib"]),
+            "working_memory_ratio_vs_reference": _ratio(r["stage_peak_delta_gib"], r_ref["stage_peak_delta_gib"]),
+        })
+        results["runs"].append(r)
+        fast = za = zb = vid = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["wall_s"] = round(time.time() - t_start, 1)
+
+    print(f"{results['gpu']}, {results['shape']}, {args.precision}, repeats {args.repeats}, wall {results['wall_s']} s")
+    print(f"{'run':<72}{'encode s':>9}{'decode s':>9}{'total s':>9}{'enc GiB':>9}{'dec GiB':>9}{'PSNR':>8}{'cos':>11}")
+    for r in results["runs"]:
+        pk = r["stage_peak_gib"]
+        extra = (f"{r['psnr_db']:>8.2f}{min(r['latent_cos_masked'], r['latent_cos_mask']):>11.7f}"
+                 if "psnr_db" in r else "")
+        print(f"{r['name']:<72}{r['vae_encode_s']:>9.3f}{r['vae_decode_s']:>9.3f}{r['vae_total_s']:>9.3f}"
+              f"{pk['vae_encode']:>9.2f}{pk['vae_decode']:>9.2f}{extra}")
+        if "peak_ratio_vs_reference" in r:
+            print(f"{'':<6}peak ratio {r['peak_ratio_vs_reference']}, working-memory ratio "
+                  f"{r['working_memory_ratio_vs_reference']}, speedup {r['speedup_vs_reference']}x, batch-2 encode "
+                  f"{r['pair_batch']}, min-frame PSNR {r['psnr_min_frame_db']} dB")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--bench" not in sys.argv[1:]:
+        print("usage: python -m fastremover.fast.vae_fast --bench [--out PATH] [options; --help]")
+        sys.exit(2)
+    sys.exit(bench(sys.argv[1:]))

@@ -1,0 +1,600 @@
+"""The fast VAE (fastremover/fast/vae_fast.py) and its norm kernel (fastremover/fast/kernels/vae_norm.py).
+
+CPU: the kernel runs in Triton's interpreter at small shapes (TRITON_INTERPRET=1 from conftest.py); FastWanVAE runs
+with the torch reference norm in fp32 against the eager WanVAE on the `tiny` config, and the causal-cache buffers are
+checked frame for frame against the eager CausalCache. GPU tests (`gpu` marker) run the compiled kernel and the
+real-size VAE.
+
+Claims and bounds (see vae_norm.py for the rounding points):
+  * given the kernel's own fp32 denominators, its output is bit-exact to the eager ops (torch.equal): on the GPU
+    with and without SiLU; in the interpreter without SiLU (with SiLU numpy's exp may differ from torch's CPU exp in
+    the last fp32 bit: at most 1 dtype ulp, on a handful of elements);
+  * against the whole eager op (its own sum of squares), fp16/bf16 outputs differ in few elements (<= 0.1 %, or 3
+    on tiny shapes), by at most 2 dtype ulps, or by at most one dtype ulp of the frame's largest |output| (a
+    1-ulp input difference that SiLU of a large negative input amplifies in relative terms but not in absolute);
+  * FastWanVAE in fp32 on the CPU: relative error <= 1e-5 against WanVAE (summation order only);
+  * the conv input buffers hold exactly the frames the eager causal conv sees (torch.equal).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fastremover.errors import FastRemoverError  # noqa: E402
+from fastremover.models.loading import random_init_  # noqa: E402
+from fastremover.models.vae import CausalCache, WanVAE, WanVAEConfig  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+MANT = {F16: 10, BF16: 7, F32: 23}
+CL3 = torch.channels_last_3d
+
+
+def vn():
+    from fastremover.fast.kernels import vae_norm
+
+    return vae_norm
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def video(g, b, c, t, h, w, dtype=F32, scale=1.0, offset=0.0, device=DEV):
+    x = torch.randn(b, c, t, h, w, generator=g) * scale + offset
+    return x.to(device=device, dtype=dtype).contiguous(memory_format=CL3)
+
+
+def gamma_of(g, c, dtype, device=DEV):
+    return (1.0 + 0.5 * torch.randn(c, generator=g)).to(device=device, dtype=dtype)
+
+
+def ordered(t):
+    bits = {2: torch.int16, 4: torch.int32}[t.element_size()]
+    i = t.contiguous().view(bits).long()
+    nbits = 8 * t.element_size()
+    return torch.where(i < 0, -(i & ((1 << (nbits - 1)) - 1)), i)
+
+
+def ulps(a, b):
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_close_to_eager(got, ref, *, what, max_frac=1e-3, min_count=3):
+    """fp16/bf16: few mismatches, each <= 3 ulps (a step-3 flip carried through two rounded products, see
+    vae_norm.py) or <= one dtype ulp of its frame's largest |ref|."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert not torch.isnan(got.float()).any(), f"{what}: NaN (unwritten output?)"
+    if got.dtype == F32:
+        err = (got - ref).abs().max().item()
+        assert err <= 1e-6 * ref.abs().max().item(), f"{what}: fp32 diff {err}"
+        return {}
+    u = ulps(got, ref)
+    diff = (got.float() - ref.float()).abs()
+    b, c, t = ref.shape[:3]
+    frame_max = ref.float().abs().amax(dim=(1, 3, 4), keepdim=True)
+    small = diff <= frame_max * 2.0 ** -MANT[got.dtype]
+    stats = {"n": u.numel(), "mismatched": int((u > 0).sum()), "max_ulp": int(u.max()),
+             "bad": int(((u > 3) & ~small).sum())}
+    assert stats["bad"] == 0, f"{what}: {stats}"
+    assert stats["mismatched"] <= max(min_count, max_frac * u.numel()), f"{what}: {stats}"
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The norm kernel
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compiled kernels on this machine")
+def test_kernel_runs_in_the_interpreter():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(vn()._vae_norm_kernel, InterpretedFunction), (
+        "vae_norm was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)")
+
+
+SHAPES = [(2, 96, 3, 5, 7), (1, 40, 2, 3, 9), (1, 8, 1, 4, 4)]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_norm_matches_eager(dtype, silu, shape):
+    g = gen(hash((str(dtype), silu, shape)) % 2**31)
+    x = video(g, *shape, dtype=dtype, scale=2.0, offset=0.3)
+    gamma = gamma_of(g, shape[1], dtype)
+    ref = vn().vae_rms_norm_reference(x, gamma, silu=silu)
+    got = vn().vae_rms_norm(x, gamma, silu=silu)
+    assert got.is_contiguous(memory_format=CL3)
+    assert_close_to_eager(got, ref, what=f"{dtype} silu={silu} {shape}")
+    # and the bound has teeth: dropping gamma changes the output far beyond it
+    if dtype != F32:
+        wrong = vn().vae_rms_norm(x, torch.ones_like(gamma), silu=silu)
+        assert (ulps(wrong, ref) > 2).float().mean() > 0.3
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_is_exact_given_its_denominator(dtype, silu):
+    """Everything after the sum of squares is the eager ops' rounding, bit for bit."""
+    g = gen(7 + (dtype == BF16) + 2 * silu)
+    b, c, t, h, w = 2, 96, 3, 6, 5
+    x = video(g, b, c, t, h, w, dtype=dtype, scale=3.0, offset=-0.2)
+    gamma = gamma_of(g, c, dtype)
+    denom = torch.full((b * t * h * w,), float("nan"), device=DEV)
+    got = vn().vae_rms_norm(x, gamma, silu=silu, out_norm=denom)
+    assert not torch.isnan(denom).any()
+    # the denominators are F.normalize's up to the sum's order
+    torch.testing.assert_close(denom.view(b, t, h, w), x.float().norm(dim=1).clamp_min(1e-12), rtol=1e-6, atol=0)
+    ref = vn().vae_rms_norm_given_denominator(x, gamma, denom, silu=silu)
+    if not (INTERPRET and silu):
+        assert torch.equal(got, ref), f"{int((got != ref).sum())} of {got.numel()} elements differ"
+    else:  # numpy's exp vs torch's CPU exp: last fp32 bit
+        u = ulps(got, ref) if dtype != F32 else None
+        if u is not None:
+            assert int(u.max()) <= 1 and int((u > 0).sum()) <= max(3, 1e-3 * u.numel())
+        else:
+            torch.testing.assert_close(got, ref, rtol=2e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_norm_writes_into_a_buffer_slice_and_the_tail(dtype):
+    g = gen(11)
+    b, c, n, h, w = 2, 48, 3, 4, 6
+    x = video(g, b, c, n, h, w, dtype=dtype)
+    gamma = gamma_of(g, c, dtype)
+    plain = vn().vae_rms_norm(x, gamma)
+    buf = torch.full((b, c, 2 + n, h, w), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+    for k in (1, 2):
+        tail = torch.full((b, c, k, h, w), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+        out = vn().vae_rms_norm(x, gamma, out=buf[:, :, 2:], tail=tail)
+        assert out.data_ptr() == buf[:, :, 2:].data_ptr()
+        assert torch.equal(buf[:, :, 2:], plain)
+        assert torch.isnan(buf[:, :, :2].float()).all(), "the cached frames in front were overwritten"
+        assert torch.equal(tail, plain[:, :, n - k :])
+    # a 4-D channels-last [N, C, H, W] input (the attention block's frames) is N frames of the same op
+    x4 = x.transpose(1, 2).reshape(b * n, c, h, w)
+    assert x4.is_contiguous(memory_format=torch.channels_last)
+    y4 = vn().vae_rms_norm(x4, gamma, silu=False)
+    assert torch.equal(y4, vn().vae_rms_norm(x, gamma, silu=False).transpose(1, 2).reshape(b * n, c, h, w))
+
+
+def test_norm_rejects_bad_arguments():
+    g = gen(3)
+    x = video(g, 1, 16, 2, 3, 3, dtype=F16)
+    gamma = gamma_of(g, 16, F16)
+    with pytest.raises(ValueError, match="channels-last"):
+        vn().vae_rms_norm(x.contiguous(), gamma)  # NCDHW
+    with pytest.raises(ValueError, match="gamma"):
+        vn().vae_rms_norm(x, gamma.float())
+    with pytest.raises(ValueError, match="tail"):
+        vn().vae_rms_norm(x, gamma, tail=torch.empty(1, 16, 3, 3, 3, dtype=F16, device=DEV))
+    with pytest.raises(ValueError, match="out must be"):
+        vn().vae_rms_norm(x, gamma, out=torch.empty(1, 16, 2, 3, 3, device=DEV))
+
+
+def test_norm_propagates_nan_and_handles_zero_rows():
+    x = torch.zeros(1, 16, 1, 2, 2, dtype=F16, device=DEV).contiguous(memory_format=CL3)
+    x[0, 3, 0, 1, 1] = float("nan")
+    gamma = torch.ones(16, dtype=F16, device=DEV)
+    got = vn().vae_rms_norm(x, gamma, silu=True)
+    ref = vn().vae_rms_norm_reference(x, gamma, silu=True)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.isnan(got[0, :, 0, 1, 1]).all() and (got[0, :, 0, 0, 0] == 0).all()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="offline codegen check runs where the kernels are interpreted (CPU CI)")
+def test_sm90_codegen_of_the_norm_kernel():
+    """Compile for sm_90 without a GPU (in a subprocess: kernels must be imported as @triton.jit there) and check
+    the rounding points the exactness rests on: IEEE div/sqrt, no approximate division, no calls left."""
+    import subprocess
+    import sys
+
+    code = r'''
+import re
+from fastremover.fast.kernels.codegen_check import _compile, _opcodes
+from fastremover.fast.kernels import vae_norm as vn
+for dt in ("fp16", "bf16"):
+    sig = {"X": "*" + dt, "GAMMA": "*" + dt, "Y": "*" + dt, "TAIL": "*" + dt, "NORM": "*fp32", "HW": "i32", "T": "i32",
+           "TAIL_T0": "i32", "sxb": "i64", "sxt": "i64", "syb": "i64", "syt": "i64", "stb": "i64", "stt": "i64",
+           "scale": "fp32", "eps": "fp32"}
+    for silu in (False, True):
+        c = _compile(vn._vae_norm_kernel, sig, {"C": 96, "BLOCK_C": 128, "BLOCK_M": 32, "SILU": silu,
+                     "HAS_TAIL": True, "HAS_NORM": False, "INTERPRET": False}, 4)
+        ptx = c.asm["ptx"]
+        ops = _opcodes(ptx)
+        assert "div.rn.f32" in ops and "sqrt.rn.f32" in ops, sorted(ops)
+        assert not any(o.startswith(("div.full", "div.approx", "sqrt.approx")) for o in ops), sorted(ops)
+        assert re.search(r"^\s*call|\.extern\s+\.func", ptx, re.M) is None
+        fmas = [o for o in ops if o.startswith("fma")]
+        assert silu or not fmas, fmas  # without SiLU nothing may be contracted; with it only libdevice's expf has FMAs
+        if dt == "bf16":
+            assert any(o.startswith("cvt.rn.bf16") for o in ops)
+print("codegen OK")
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
+        pytest.skip("no ptxas in this Triton install")
+    assert r.returncode == 0 and "codegen OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The causal cache buffers
+
+
+def test_conv_buffers_hold_the_eager_stream():
+    """Drive one causal conv through chunk sizes that take every path (first chunk, 1-frame ring updates, n >= 2
+    with the producer writing the cache tail) and compare the buffer handed to the conv with the eager stream."""
+    from fastremover.fast.vae_fast import FastWanVAE, _Stream
+
+    vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1)).eval()
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch")
+    conv = vae.decoder.up_blocks[0].resnets[0].conv1
+    norm = vae.decoder.up_blocks[0].resnets[0].norm1
+    seen = []
+    fast._conv3d = lambda buf, c: seen.append(buf.clone()) or F.conv3d(buf, c.weight, c.bias, c.stride, c.padding)
+    st, cache = _Stream(), CausalCache()
+    g = gen(5)
+    c, h, w = conv.in_channels, 3, 4
+    for i, n in enumerate((1, 1, 1, 2, 1, 4, 1, 3, 1, 1, 2)):
+        x = video(g, 2, c, n, h, w, device="cpu")
+        use_norm = i % 2 == 0  # the fused-norm producer (writes the cache tail itself) or a plain copy
+        new = fast._norm(x, norm, True) if use_norm else x
+        y = fast._causal(conv, st, n, (2, c, h, w), fast._norm_fill(x, norm) if use_norm else fast._copy_fill(x))
+        # eager: CausalConv3d.forward's stream = zero pad ++ cached frames ++ the new frames
+        prev = cache.push(conv, new)
+        stream = new if prev is None else torch.cat([prev, new], dim=2)
+        stream = F.pad(stream, (0, 0, 0, 0, 2 - (0 if prev is None else prev.shape[2]), 0))
+        assert torch.equal(seen[-1], stream), f"chunk {i} of {n} frames: conv input differs from the eager stream"
+        assert y.shape == (2, conv.out_channels, n, h, w) and y.is_contiguous(memory_format=CL3)
+
+
+def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
+    """The FP8 conv path hands the kernel (cached frames, new frames) exactly as the eager stream has them; a fake
+    fp8 module stands in for fastremover.fast.kernels.conv3d_fp8 (the real one needs a GPU)."""
+    from fastremover.fast import vae_fast
+    from fastremover.fast.vae_fast import FastWanVAE, _Stream
+
+    calls = []
+
+    class FakeFP8:
+        @staticmethod
+        def supported(cin, cout):
+            return cin % 16 == 0 and cout % 16 == 0
+
+        @staticmethod
+        def quantize_conv_weight(weight):
+            return weight.clone(), torch.ones(weight.shape[0])
+
+        @staticmethod
+        def causal_conv3d_fp8(prev, x, w_q, w_scale, bias):
+            assert prev.is_contiguous(memory_format=CL3) and x.is_contiguous(memory_format=CL3)
+            calls.append(torch.cat([prev, x], dim=2).clone())
+            return F.conv3d(torch.cat([prev, x], dim=2), w_q, bias, padding=(0, 1, 1))
+
+    monkeypatch.setattr(vae_fast, "fp8_conv_available", lambda: True)
+    monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
+    vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8")
+    assert fast.describe() == "fast-fp8" and fast.fp8_convs > 0
+    conv = vae.decoder.up_blocks[0].resnets[0].conv1
+    assert fast._conv[conv].fp8 is not None
+    st, cache = _Stream(), CausalCache()
+    g = gen(9)
+    for n in (1, 1, 2, 1, 4):
+        x = video(g, 1, conv.in_channels, n, 2, 3, device="cpu")
+        fast._causal(conv, st, n, (1, conv.in_channels, 2, 3), fast._copy_fill(x))
+        prev = cache.push(conv, x)
+        stream = x if prev is None else torch.cat([prev, x], dim=2)
+        stream = F.pad(stream, (0, 0, 0, 0, 2 - (0 if prev is None else prev.shape[2]), 0))
+        assert torch.equal(calls[-1], stream)
+    # and the whole model runs through the hook, matching the fp32 path (the fake conv is exact)
+    z = torch.randn(1, 16, 3, 2, 3)
+    ref = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch").decode(z)
+    torch.testing.assert_close(fast.decode(z), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_unavailable_is_a_clear_error(monkeypatch):
+    from fastremover.fast import vae_fast
+
+    vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1))
+    monkeypatch.setattr(vae_fast, "fp8_conv_available", lambda: False)
+    with pytest.raises(FastRemoverError, match="not available"):
+        vae_fast.FastWanVAE(vae, device="cpu", precision="fp8")
+    monkeypatch.setattr(vae_fast, "fp8_conv_available", lambda: True)
+    if not torch.cuda.is_available():
+        with pytest.raises(FastRemoverError, match="CUDA GPU"):
+            vae_fast.FastWanVAE(vae, device="cpu", precision="fp8")
+    with pytest.raises(FastRemoverError, match="vae precision"):
+        vae_fast.FastWanVAE(vae, device="cpu", precision="int4")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The whole VAE (CPU, fp32, torch norm)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from fastremover.models.loading import PRESETS
+
+    vae = random_init_(WanVAE(WanVAEConfig.from_dict(PRESETS["tiny"]["vae"])), 4).eval()
+    g = gen(21)
+    x = torch.rand(2, 3, 13, 32, 48, generator=g) * 2 - 1
+    z = vae.encode(x)
+    return vae, x, z, vae.decode(z)
+
+
+@pytest.mark.parametrize("frames", [(2, 1), (None, None), (1, 2), (3, 4)], ids=lambda f: f"enc{f[0]}-dec{f[1]}")
+@pytest.mark.parametrize("pad_rgb,tap_head", [(False, True), (True, False)])
+def test_fast_vae_matches_eager(tiny, frames, pad_rgb, tap_head):
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, x, z, d = tiny
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=frames[0], decode_frames=frames[1],
+                      pad_rgb=pad_rgb, tap_head=tap_head)
+    steps = []
+    zf = fast.encode(x, progress=lambda done, total: steps.append((done, total)))
+    assert steps == [(i, 4) for i in range(1, 5)]
+    assert zf.shape == z.shape and zf.is_contiguous() and rel_err(zf, z) <= 1e-5
+    df = fast.decode(z)
+    assert df.shape == d.shape and df.is_contiguous() and rel_err(df, d) <= 1e-5
+    assert df.abs().max() <= 1.0
+
+
+def test_fast_vae_odd_frame_counts_and_history(tiny):
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, x, z, d = tiny
+    fast = FastWanVAE(vae, device="cpu", dtype=F32)
+    x7 = x[:1, :, :7, :16, :16]  # not 4k+1: frames after the last full chunk are ignored, as in WanVAE
+    assert rel_err(fast.encode(x7), vae.encode(x7)) <= 1e-5
+    # decoding without the earlier latent frames gives different frames (the caches carry history)
+    alone = fast.decode(z[:1, :, 2:])
+    assert rel_err(alone, d[:1, :, 8:9]) > 1e-2
+
+
+@pytest.mark.parametrize("pair", [True, False])
+def test_encode_removal_inputs(tiny, pair):
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, x, _, _ = tiny
+    frames = x[:1]
+    mask = (x[1:, :1] > 0.3).float().expand(1, 3, -1, -1, -1)
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, pair=pair)
+    assert fast.pair_fits(1, 13, 32, 48) is pair
+    steps = []
+    za, zb = fast.encode_removal_inputs(frames, mask, progress=lambda d, t: steps.append((d, t)))
+    assert steps[-1] == (steps[-1][1], steps[-1][1]) and len(steps) == (4 if pair else 8)
+    assert rel_err(za, vae.encode(frames * (1 - mask))) <= 1e-5
+    assert rel_err(zb, vae.encode(2 * mask - 1.0)) <= 1e-5
+    za2, zb2 = fast.encode_pair(frames * (1 - mask), 2 * mask - 1.0)
+    assert rel_err(za2, za) <= 1e-6 and rel_err(zb2, zb) <= 1e-6
+
+
+def test_pair_auto_is_off_on_cpu_and_budgeted():
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae = WanVAE(WanVAEConfig())  # the real config: only the estimate is used
+    fast = FastWanVAE.__new__(FastWanVAE)
+    fast.vae, fast.dtype, fast.encode_frames, fast.pair, fast.device = vae, F16, 2, "auto", torch.device("cpu")
+    assert fast.pair_fits(1, 81, 480, 832) is False
+    # the estimate: W2 batch 2 is over the 2 GiB default budget, W1 under it
+    assert fast.encode_bytes(2, 480, 832) > 2 * 2**30 > fast.encode_bytes(2, 240, 432)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the GPU tests run the compiled kernels at real sizes")
+def test_fast_vae_with_the_interpreted_kernel(tiny):
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, x, z, _ = tiny
+    x5 = x[:1, :, :5, :16, :16]
+    a = FastWanVAE(vae, device="cpu", dtype=F32, kernels="triton")
+    b = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch")
+    assert rel_err(a.encode(x5), b.encode(x5)) <= 1e-5
+    assert rel_err(a.decode(z[:1, :, :2, :2, :2]), b.decode(z[:1, :, :2, :2, :2])) <= 1e-5
+
+
+def test_build_vae_and_pipeline_wiring():
+    from fastremover.fast.vae_fast import build_vae
+    from fastremover.models.loading import random_models
+    from fastremover.pipeline import RemovalPipeline
+
+    vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1))
+    got, desc = build_vae(vae, "eager", torch.device("cpu"), F32)
+    assert got is vae and desc == "eager"
+    with pytest.raises(FastRemoverError, match="fp8 needs the fast VAE"):
+        build_vae(vae, "exact", torch.device("cpu"), F32, "fp8")
+    with pytest.raises(FastRemoverError, match="--vae-precision"):
+        build_vae(vae, "exact", torch.device("cpu"), F32, "fp4")
+    pipe = RemovalPipeline(random_models("tiny", 0), device="cpu", precision="fp32")
+    assert pipe.config.vae == "eager" and pipe.config.describe()["vae_precision"] == "auto"
+    assert pipe.vae is pipe.models.vae
+    with pytest.raises(FastRemoverError, match="fp8"):
+        RemovalPipeline(random_models("tiny", 0), device="cpu", precision="fp32", vae_precision="fp8")
+
+
+def test_cli_flag_parses():
+    from fastremover.cli import build_parser
+
+    args = build_parser().parse_args(["remove", "v.mp4", "--mask", "m.mp4", "-o", "o.mp4", "--vae-precision", "fp8"])
+    assert args.vae_precision == "fp8"
+    assert build_parser().parse_args(["bench"]).vae_precision == "auto"
+
+
+def test_peak_timer_on_cpu_records_nothing():
+    from fastremover.bench.harness import PeakTimer, PipelineRun
+
+    timer = PeakTimer(torch.device("cpu"))
+    with timer.stage("vae_decode"):
+        torch.zeros(4)
+    assert timer.peaks == {} and "vae_decode" in timer.wall_s
+    run = PipelineRun("x", wall=[dict(timer.wall_s)])
+    s = run.summary()
+    assert s["stage_peak_gib"] is None and s["stage_peak_delta_gib"] is None and "peak_gib" in s
+
+
+def test_bench_entry_point_smoke(tmp_path):
+    pytest.importorskip("diffusers")
+    from fastremover.fast.vae_fast import bench
+
+    out = tmp_path / "vae.json"
+    rc = bench(["--bench", "--device", "cpu", "--preset", "tiny", "--frames", "5", "--height", "16", "--width", "16",
+                "--repeats", "1", "--pair", "both", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    ref, *ours = data["runs"]
+    assert len(ours) == 2 and {r["pair_batch"] for r in ours} == {True, False}
+    for r in ours:  # fp32 on the CPU: our VAE and diffusers' agree to fp32 rounding
+        assert r["psnr_db"] > 90 and r["latent_cos_masked"] > 0.99999 and r["latent_cos_mask"] > 0.99999
+        assert set(r["stage_peak_gib"]) == {"vae_encode", "vae_decode"}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU (real shapes)
+
+
+def _gpu_env():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("c,t,h,w", [(96, 4, 480, 832), (192, 4, 240, 416), (384, 2, 120, 208), (384, 1, 60, 104)])
+def test_gpu_norm_real_shapes(dtype, c, t, h, w):
+    _gpu_env()
+    g = gen(c + t)
+    x = video(g, 1, c, t, h, w, dtype=dtype, scale=2.0, offset=0.1, device="cuda")
+    gamma = gamma_of(g, c, dtype, device="cuda")
+    for silu in (True, False):
+        denom = torch.empty(t * h * w, device="cuda")
+        got = vn().vae_rms_norm(x, gamma, silu=silu, out_norm=denom)
+        exact = vn().vae_rms_norm_given_denominator(x, gamma, denom, silu=silu)
+        assert torch.equal(got, exact), f"{int((got != exact).sum())} elements differ given the same denominator"
+        stats = assert_close_to_eager(got, vn().vae_rms_norm_reference(x, gamma, silu=silu),
+                                      what=f"{dtype} C={c} silu={silu}")
+        print(f"vae_norm {dtype} C={c} {t}x{h}x{w} silu={silu}: {stats}")
+    # in place into a causal buffer slice, with the tail
+    buf = torch.empty(1, c, 2 + t, h, w, dtype=dtype, device="cuda").contiguous(memory_format=CL3)
+    tail = torch.empty(1, c, min(2, t), h, w, dtype=dtype, device="cuda").contiguous(memory_format=CL3)
+    vn().vae_rms_norm(x, gamma, out=buf[:, :, 2:], tail=tail)
+    plain = vn().vae_rms_norm(x, gamma)
+    assert torch.equal(buf[:, :, 2:], plain) and torch.equal(tail, plain[:, :, t - tail.shape[2]:])
+
+
+def _psnr(a, b):
+    mse = ((a.float() - b.float()) / 2).pow(2).mean().item()
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(1.0 / mse)).item()
+
+
+@pytest.mark.gpu
+def test_gpu_fast_vae_vs_eager_w2():
+    """Real config, random weights, W2 size (81 x 480 x 832) in fp16: PSNR >= 45 dB against the eager WanVAE."""
+    _gpu_env()
+    from fastremover import media
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    dev = torch.device("cuda")
+    vae = random_init_(WanVAE(WanVAEConfig()), 1).eval()
+    clip, mask = media.synthetic_clip(81, 480, 832, seed=0)
+    x = torch.from_numpy(clip.frames).to(dev).permute(3, 0, 1, 2)[None].half().div_(127.5).sub_(1.0)
+    m = torch.from_numpy(mask).to(dev)[None, None].expand(1, 3, -1, -1, -1).half().contiguous()
+    fast = FastWanVAE(vae, device=dev, dtype=F16)
+    fast.encode_removal_inputs(x[:, :, :9], m[:, :, :9])  # warm-up (kernel compiles)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    za, zb = fast.encode_removal_inputs(x, m)
+    torch.cuda.synchronize()
+    enc_peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fast.decode(za)
+    torch.cuda.synchronize()
+    dec_peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    del fast
+    torch.cuda.empty_cache()
+    vae.to(dev, F16)
+    with torch.no_grad():
+        za_e = vae.encode(x * (1 - m))
+        zb_e = vae.encode(2 * m - 1.0)
+        out_e = vae.decode(za_e)
+    cos = [F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+           for a, b in ((za, za_e), (zb, zb_e))]
+    psnr = _psnr(out, out_e)
+    print(f"fast VAE W2: working memory encode {enc_peak:.2f} GiB, decode {dec_peak:.2f} GiB; latent cos {cos}; "
+          f"decode PSNR vs eager {psnr:.2f} dB")
+    assert psnr >= 45.0
+    assert min(cos) >= 0.9999
+    vae.to("cpu", F32)
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_builds_the_fast_vae():
+    _gpu_env()
+    from fastremover.models.loading import random_models
+    from fastremover.pipeline import RemovalPipeline
+
+    fast = RemovalPipeline(random_models("tiny", 0), device="cuda", precision="fp16", mode="exact")
+    assert fast.config.vae == "fast-fp16" and fast.vae is not fast.models.vae
+    eager = RemovalPipeline(random_models("tiny", 0), device="cuda", precision="fp16", mode="eager")
+    assert eager.config.vae == "eager"
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_vae_path(monkeypatch):
+    """--vae-precision fp8: the 3x3x3 convs run the FP8 kernel (the output changes) and stay close to fp16."""
+    _gpu_env()
+    from fastremover.fast.vae_fast import FastWanVAE, fp8_conv_available
+
+    if not fp8_conv_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 conv3d kernel / FP8 tensor cores")
+    monkeypatch.setenv("FASTREMOVER_CONV3D_FP8_TUNE", "0")
+    vae = random_init_(WanVAE(WanVAEConfig()), 1).eval()
+    g = gen(3)
+    z = (torch.randn(1, 16, 5, 30, 52, generator=g)).to("cuda", F16)
+    fp16 = FastWanVAE(vae, device="cuda", dtype=F16)
+    fp8 = FastWanVAE(vae, device="cuda", dtype=F16, precision="fp8")
+    assert fp8.describe() == "fast-fp8" and fp8.fp8_convs > 0
+    a, b = fp16.decode(z), fp8.decode(z)
+    psnr = _psnr(b, a)
+    print(f"fp8 VAE decode vs fp16 fast VAE: {psnr:.2f} dB over {fp8.fp8_convs} FP8 convs")
+    assert not torch.equal(a, b) and psnr >= 30.0
+
+
+@pytest.mark.parametrize("encode_frames", [1, 2])
+def test_row_stripes_change_nothing(tiny, encode_frames, monkeypatch):
+    """stripe_mib: 1-frame conv steps and upsamplings in row stripes give the same result (the caches exactly the
+    same frames, the outputs up to fp32 summation order), and the striped paths really run."""
+    from fastremover.fast import vae_fast
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, x, z, d = tiny
+    plain = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=encode_frames)
+    striped = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=encode_frames, stripe_mib=0.004)
+    calls = {"conv": 0}
+    orig = vae_fast.FastWanVAE._causal_striped
+
+    def counting(self, *a, **k):
+        calls["conv"] += 1
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(vae_fast.FastWanVAE, "_causal_striped", counting)
+    assert rel_err(striped.decode(z), plain.decode(z)) <= 1e-6
+    n_dec = calls["conv"]
+    assert n_dec > 0
+    assert rel_err(striped.encode(x), plain.encode(x)) <= 1e-6
+    assert calls["conv"] > n_dec
+    assert rel_err(striped.decode(z), d) <= 1e-5
