@@ -598,3 +598,25 @@ def test_row_stripes_change_nothing(tiny, encode_frames, monkeypatch):
     assert rel_err(striped.encode(x), plain.encode(x)) <= 1e-6
     assert calls["conv"] > n_dec
     assert rel_err(striped.decode(z), d) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_add_frames_bit_exact_on_channels_last_views(dtype):
+    from fastremover.fast.kernels.residual import add_frames
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    mk = lambda *shape: (torch.randn(*shape, generator=g) * 3).to(dev, dtype)  # noqa: E731
+    cl = torch.channels_last_3d
+    buf = mk(2, 16, 5, 6, 7).contiguous(memory_format=cl)
+    y = buf[:, :, 2:]  # a time slice of a stream buffer
+    padded = mk(2, 16, 3, 7, 8).contiguous(memory_format=cl)
+    s = padded[:, :, :, :6, :7]  # the interior of a zero-padded frame: rows of W*C, H stride (W+1)*C
+    expect = torch.add(y, s)
+    got = add_frames(y.clone(memory_format=cl), s)
+    assert torch.equal(got, expect)
+    out = torch.empty_like(padded)
+    add_frames(y, s, out=out[:, :, :, :6, :7])
+    assert torch.equal(out[:, :, :, :6, :7], expect)
+    # not channels-last: torch's add, same values
+    assert torch.equal(add_frames(y.contiguous(), s.contiguous()), expect)

@@ -264,10 +264,13 @@ class FastWanVAE:
         if self.precision == "fp8":
             self._fp8 = self._load_fp8()
         if self.kernels == "triton":
+            from fastremover.fast.kernels.residual import add_frames as add_fn
             from fastremover.fast.kernels.vae_norm import vae_rms_norm as norm_fn
         else:
+            from fastremover.fast.kernels.residual import add_frames_reference as add_fn
             from fastremover.fast.kernels.vae_norm import vae_rms_norm_reference as norm_fn
         self._norm_fn = norm_fn
+        self._add_fn = add_fn  # y += shortcut on channels-last views (torch's add takes its slow strided path there)
         self._conv: dict[nn.Module, _Conv] = {}
         self._gamma: dict[nn.Module, torch.Tensor] = {}
         with torch.no_grad():
@@ -749,11 +752,11 @@ class FastWanVAE:
         del hid  # freed once the norm has read it, before conv2 allocates its output
         y = self._causal(m.conv2, st, t, (b, c2, h, w), fill)
         if not padded_out:
-            return y.add_(shortcut)
+            return self._add_fn(y, shortcut)
         out = _empty_cl3(y, (b, c2, t, h + 1, w + 1))
         out[:, :, :, h].zero_()
         out[:, :, :, :h, w].zero_()
-        torch.add(y, shortcut, out=out[:, :, :, :h, :w])
+        self._add_fn(y, shortcut, out=out[:, :, :, :h, :w])
         return out
 
     def _mid(self, m: MidBlock, x: torch.Tensor, st: _Stream) -> torch.Tensor:
@@ -774,7 +777,7 @@ class FastWanVAE:
         a = a.view(b * t, h, w, c).permute(0, 3, 1, 2)  # channels-last view, as eager's transpose+reshape
         proj = self._conv[m.proj]
         y = F.conv2d(a, proj.weight, proj.bias)
-        return _frames_5d(y, b).add_(x)
+        return self._add_fn(_frames_5d(y, b), x)
 
     def _up_block(self, m: UpBlock, x: torch.Tensor, st: _Stream) -> torch.Tensor:
         for r in m.resnets:
