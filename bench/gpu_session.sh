@@ -1,17 +1,41 @@
 #!/usr/bin/env bash
-# One device call (see /work/.library/device): install the carried wheels, run the GPU tests and the kernel
-# micro-benchmark, then the benchmarks given as arguments (each one `fastremover bench` argument list).
-# Results land in $OUT. Usage on the device:
-#   bash bench/gpu_session.sh "--workload w1 --modes exact,fast --repeats 2" "--workload w2 --modes exact --repeats 2"
+# One device call (see /work/.library/device): install the carried wheels, then run the phases named as arguments.
+# Results land in $OUT. Prepare on the dev machine (the device copy has no .git otherwise, and the bench JSON records
+# the commit):
+#   rm -rf .devrun && mkdir .devrun && git clone -q --depth 1 file://$PWD .devrun/src && cp -r .whl .devrun/src/
+# and run with carry [".devrun"]:  cd .devrun/src && bash bench/gpu_session.sh tests kernels "bench:--workload w1 ..."
+# Phases:
+#   tests            pytest -m gpu (the Triton FP8 attention file autotunes at real shapes: ~3 min on its own, so it
+#                    is left out here; run `tests-attention-fp8` separately)
+#   tests-attention-fp8
+#   kernels          kernel micro-benchmarks: fused elementwise, attention backends, FP8 conv3d, fast VAE, profiles
+#   bench:ARGS       one `fastremover bench ARGS` (each mode's JSON is written as soon as that mode finishes)
+# Budget: a W2 bench with two modes takes ~5 min (reference + 2 modes x (warm-up + repeats) + hash runs + the VAE
+# FLOP pass + first-call compiles); give it its own call with a 550 s timeout.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
 git log --oneline -1
-python3 -m pytest -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|error|FAILED|cos|Error" | tail -30
-python3 -m fastremover.fast.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" | tail -12
-for args in "$@"; do
-  echo "=== fastremover bench $args"
-  # shellcheck disable=SC2086
-  python3 -m fastremover.cli bench $args --out "$OUT" 2>&1 | grep -v -E '^\s*$' | tail -14
+for phase in "$@"; do
+  echo "=== $phase"
+  case "$phase" in
+    tests)
+      python3 -m pytest -m gpu -q -s -p no:cacheprovider --ignore=tests/test_attention_fp8.py 2>&1 \
+        | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error|cos |PSNR" | tail -30 ;;
+    tests-attention-fp8)
+      python3 -m pytest -q -s -p no:cacheprovider tests/test_attention_fp8.py 2>&1 \
+        | tee "$OUT/gpu-tests-attention-fp8.log" | grep -E "passed|failed|FAILED|Error|cos" | tail -20 ;;
+    kernels)
+      python3 -m fastremover.fast.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" | tail -12
+      python3 -m fastremover.fast.attention --bench --out "$OUT/attention.json" 2>&1 | grep -v "^\[attention_fp8\]" | tail -24
+      python3 -m fastremover.fast.kernels.conv3d_fp8 --bench --no-variants --out "$OUT/conv3d.json" 2>&1 | tail -12
+      python3 -m fastremover.fast.vae_fast --bench --pair off --out "$OUT/vae-w2.json" 2>&1 | tail -5
+      python3 -m fastremover.bench.profile_step --workload w2 --modes exact fast --out "$OUT/profile-w2.json" 2>&1 | tail -30
+      python3 -m fastremover.bench.profile_step --vae 2>&1 | tail -34 ;;
+    bench:*)
+      # shellcheck disable=SC2086
+      python3 -m fastremover.cli bench ${phase#bench:} --out "$OUT" 2>&1 | grep -v -E '^\s*$' | tail -16 ;;
+    *) echo "unknown phase $phase" ;;
+  esac
 done

@@ -289,7 +289,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _compare(args, inputs, repeats: int, hash_repeats: int) -> list[dict]:
+def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> list[dict]:
     from fastremover.bench.harness import compare
     from fastremover.models.loading import load_models
     from fastremover.pipeline import MODES, RunOptions
@@ -304,7 +304,7 @@ def _compare(args, inputs, repeats: int, hash_repeats: int) -> list[dict]:
     return compare(models, inputs, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
                    hash_repeats=hash_repeats, device=args.device, precision=args.precision,
                    count_flops=not args.no_flops, window=args.window, overlap=args.overlap, crop=crop,
-                   vae_precision=args.vae_precision, attention=args.attention)
+                   vae_precision=args.vae_precision, attention=args.attention, on_result=on_result)
 
 
 def cmd_bench(args) -> int:
@@ -326,11 +326,13 @@ def cmd_bench(args) -> int:
         inputs = synthetic_inputs(args.workload, object_fraction=fraction, travel=travel)
     if args.repeats < 0 or args.hash_repeats < 0:
         raise FastRemoverError("--repeats and --hash-repeats must be >= 0")
-    results = _compare(args, inputs, args.repeats, args.hash_repeats)
+    def save(result: dict) -> None:  # each mode's JSON as soon as it is complete
+        if not args.no_save:
+            for path in save_results([result], args.out):
+                print(f"wrote {path}", flush=True)
+
+    results = _compare(args, inputs, args.repeats, args.hash_repeats, on_result=save)
     print(format_table(results))
-    if not args.no_save:
-        for path in save_results(results, args.out):
-            print(f"wrote {path}")
     return 0
 
 

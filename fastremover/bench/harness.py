@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,13 +304,15 @@ def compare(
     crop: str | None = None,
     vae_precision: str = "auto",
     attention: str = "auto",
+    on_result=None,
 ) -> list[dict]:
     """Run the reference and each engine mode on `inputs`; returns one result dict per mode.
 
     Fidelity is always the reference vs the engine in one window on the whole frame. If the clip has more than
     `window` frames, the engine also runs in windows of `window` (`overlap` shared, None = the default) and the seam
     metric is reported; with `crop` ("auto" | "on" | "off") it also runs crop off vs `crop` at the native size and
-    reports both end-to-end times.
+    reports both end-to-end times. `on_result(result)` is called as soon as each mode's result is complete (the CLI
+    saves it right away, so a run cut short still leaves the finished modes' JSON), and progress goes to stderr.
     """
     RunOptions(window=window, overlap=overlap, crop=crop or "off").validate()  # bad flags fail before the long runs
     from fastremover.bench.reference import ReferencePipeline
@@ -319,9 +322,15 @@ def compare(
     precision = precision or ("fp16" if device.type == "cuda" else "fp32")
     env = environment()
     work = dit_flops_per_step(models, *inputs.frames.shape[:3])
+    started = time.perf_counter()
+
+    def log(what: str) -> None:
+        print(f"bench: {what} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory(prefix="fastremover-bench-") as workdir:
         ref = ReferencePipeline(models, device=device, dtype=PRECISIONS[precision])
         ref_run = run_reference(ref, inputs, steps, seed, repeats, workdir)
+        log(f"reference: {1 + repeats} runs done")
         ref.to("cpu")
         del ref
         gc.collect()
@@ -330,6 +339,7 @@ def compare(
             pipe = RemovalPipeline(models, device=str(device), precision=precision, mode=mode,
                                    vae_precision=vae_precision, attention=attention)
             eng = run_engine(pipe, inputs, steps, seed, repeats, workdir, hash_repeats)
+            log(f"{mode}: {1 + repeats} timed runs + {hash_repeats} hash runs done")
             flops = vae_flops(pipe, inputs) if count_flops else {}
             result = _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops)
             if inputs.frames.shape[0] > window:
@@ -337,6 +347,9 @@ def compare(
             if crop is not None:
                 result.update(_crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, workdir))
             results.append(result)
+            log(f"{mode}: done")
+            if on_result is not None:
+                on_result(result)
             models.transformer.to("cpu")
             models.vae.to("cpu")
             del pipe
