@@ -13,7 +13,11 @@ Claims and bounds (see vae_norm.py for the rounding points):
     on tiny shapes), by at most 2 dtype ulps, or by at most one dtype ulp of the frame's largest |output| (a
     1-ulp input difference that SiLU of a large negative input amplifies in relative terms but not in absolute);
   * FastWanVAE in fp32 on the CPU: relative error <= 1e-5 against WanVAE (summation order only);
-  * the conv input buffers hold exactly the frames the eager causal conv sees (torch.equal).
+  * the conv input buffers hold exactly the frames the eager causal conv sees (torch.equal);
+  * deferred conv biases (fuse_bias=True): vae_norm(x, bias=b) == vae_norm(x.add_(b)) and add_frames(y, s, bias=b)
+    == torch.add(y.add_(b), s) bit for bit, and the whole FastWanVAE gives torch.equal latents and video with and
+    without fuse_bias (CPU: with convs patched to compose like ATen's cuDNN path, conv then `add_(bias)`, since the
+    CPU convs fuse the bias with other roundings; GPU: the real thing at a W2-sized chunk).
 """
 
 import json
@@ -193,7 +197,8 @@ def test_norm_propagates_nan_and_handles_zero_rows():
 @pytest.mark.skipif(not INTERPRET, reason="offline codegen check runs where the kernels are interpreted (CPU CI)")
 def test_sm90_codegen_of_the_norm_kernel():
     """Compile for sm_90 without a GPU (in a subprocess: kernels must be imported as @triton.jit there) and check
-    the rounding points the exactness rests on: IEEE div/sqrt, no approximate division, no calls left."""
+    the rounding points the exactness rests on: IEEE div/sqrt, no approximate division, no calls left; with and
+    without a deferred bias (vae_norm's step 0, add_frames' first rounding)."""
     import subprocess
     import sys
 
@@ -201,22 +206,54 @@ def test_sm90_codegen_of_the_norm_kernel():
 import re
 from fastremover.fast.kernels.codegen_check import _compile, _opcodes
 from fastremover.fast.kernels import vae_norm as vn
+from fastremover.fast.kernels import residual
 for dt in ("fp16", "bf16"):
-    sig = {"X": "*" + dt, "GAMMA": "*" + dt, "Y": "*" + dt, "TAIL": "*" + dt, "NORM": "*fp32", "HW": "i32", "T": "i32",
-           "TAIL_T0": "i32", "sxb": "i64", "sxt": "i64", "syb": "i64", "syt": "i64", "stb": "i64", "stt": "i64",
-           "scale": "fp32", "eps": "fp32"}
+    sig = {"X": "*" + dt, "GAMMA": "*" + dt, "BIAS": "*" + dt, "Y": "*" + dt, "TAIL": "*" + dt, "NORM": "*fp32",
+           "HW": "i32", "T": "i32", "TAIL_T0": "i32", "sxb": "i64", "sxt": "i64", "syb": "i64", "syt": "i64",
+           "stb": "i64", "stt": "i64", "scale": "fp32", "eps": "fp32"}
     for silu in (False, True):
-        c = _compile(vn._vae_norm_kernel, sig, {"C": 96, "BLOCK_C": 128, "BLOCK_M": 32, "SILU": silu,
-                     "HAS_TAIL": True, "HAS_NORM": False, "INTERPRET": False}, 4)
-        ptx = c.asm["ptx"]
-        ops = _opcodes(ptx)
-        assert "div.rn.f32" in ops and "sqrt.rn.f32" in ops, sorted(ops)
-        assert not any(o.startswith(("div.full", "div.approx", "sqrt.approx")) for o in ops), sorted(ops)
-        assert re.search(r"^\s*call|\.extern\s+\.func", ptx, re.M) is None
-        fmas = [o for o in ops if o.startswith("fma")]
-        assert silu or not fmas, fmas  # without SiLU nothing may be contracted; with it only libdevice's expf has FMAs
-        if dt == "bf16":
-            assert any(o.startswith("cvt.rn.bf16") for o in ops)
+        for bias in (False, True):
+            c = _compile(vn._vae_norm_kernel, sig, {"C": 96, "BLOCK_C": 128, "BLOCK_M": 32, "SILU": silu,
+                         "HAS_TAIL": True, "HAS_NORM": False, "HAS_BIAS": bias, "INTERPRET": False}, 4)
+            ptx = c.asm["ptx"]
+            ops = _opcodes(ptx)
+            assert "div.rn.f32" in ops and "sqrt.rn.f32" in ops, sorted(ops)
+            assert not any(o.startswith(("div.full", "div.approx", "sqrt.approx")) for o in ops), sorted(ops)
+            assert re.search(r"^\s*call|\.extern\s+\.func", ptx, re.M) is None
+            fmas = [o for o in ops if o.startswith("fma")]
+            assert silu or not fmas, fmas  # without SiLU nothing may be contracted; with it only libdevice's expf
+            if dt == "bf16":
+                assert any(o.startswith("cvt.rn.bf16") for o in ops)
+            if bias:  # step 0: x + bias rounded to the dtype before the norm (a native half add, or fp32 + cvt)
+                assert ops != plain_ops and any(o.startswith(("add.rn.f16", "add.rn.bf16")) for o in ops), sorted(ops)
+            else:
+                plain_ops = ops
+    # the residual add with and without a deferred bias: each add rounded to the dtype (LLVM narrows widen + fp32 add
+    # + round to a native add.rn.f16/bf16: the same bits, fp32 has > 2p+2 bits), no FMA, no integer division, and
+    # vectorized loads with the specialization a real launch gets (16-aligned pointers, strides and row widths)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fastremover.fast.kernels._common import launch_options
+    k = residual._add_rows_kernel
+    for bdt in (dt, "fp32"):
+        sig = {"Y": "*" + dt, "S": "*" + dt, "O": "*" + dt, "BIAS": "*" + bdt, "ROW": "i32", "T": "i32", "H": "i32",
+               **{n: "i64" for n in ("syb", "syt", "syh", "ssb", "sst", "ssh", "sob", "sot", "soh")}}
+        rounded = {}
+        for bias in (False, True):
+            cons = {"C": 96 if bias else 1, "BLOCK": 2048, "HAS_BIAS": bias, "INTERPRET": False}
+            names = list(k.arg_names)
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in ("T", "H")}
+            src = ASTSource(fn=k, signature={n: sig.get(n, "constexpr") for n in names}, constexprs=cons, attrs=attrs)
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **launch_options(k)})
+            ptx = c.asm["ptx"]
+            ops = _opcodes(ptx)
+            assert not [o for o in ops if o.startswith(("fma", "rem", "div.u", "div.f"))], sorted(ops)
+            assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops, sorted(ops)
+            assert re.search(r"^\s*call|\.extern\s+\.func", ptx, re.M) is None
+            pat = r"(?<![\w.])(?:add\.rn\.(?:f16|bf16)(x2)?|cvt\.rn\.(?:f16|bf16)(x2)?\.f32)(?![\w.])"
+            rounded[bias] = sum(2 if (m.group(1) or m.group(2)) else 1 for m in re.finditer(pat, ptx))
+        assert rounded[False] > 0 and rounded[True] == 2 * rounded[False], rounded  # y+bias, then +s: 2 roundings
 print("codegen OK")
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -240,7 +277,8 @@ def test_conv_buffers_hold_the_eager_stream():
     conv = vae.decoder.up_blocks[0].resnets[0].conv1
     norm = vae.decoder.up_blocks[0].resnets[0].norm1
     seen = []
-    fast._conv3d = lambda buf, c: seen.append(buf.clone()) or F.conv3d(buf, c.weight, c.bias, c.stride, c.padding)
+    fast._conv3d = lambda buf, c, keep_bias=True: seen.append(buf.clone()) or F.conv3d(buf, c.weight, c.bias,
+                                                                                   c.stride, c.padding)
     st, cache = _Stream(), CausalCache()
     g = gen(5)
     c, h, w = conv.in_channels, 3, 4
@@ -620,3 +658,279 @@ def test_add_frames_bit_exact_on_channels_last_views(dtype):
     assert torch.equal(out[:, :, :, :6, :7], expect)
     # not channels-last: torch's add, same values
     assert torch.equal(add_frames(y.contiguous(), s.contiguous()), expect)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Deferred conv biases (FastWanVAE(fuse_bias=True)): the consumer kernels add the bias the conv left out
+
+
+def _torch_bias_add(x, bias):
+    """What ATen's cuDNN conv path does after the bias-free conv: out.add_(bias.view(1, C, 1, ...))."""
+    return x.clone(memory_format=CL3 if x.dim() == 5 else torch.channels_last).add_(
+        bias.view(1, -1, *([1] * (x.dim() - 2))))
+
+
+@pytest.mark.parametrize("dtype,bias_dtype", [(F16, F16), (BF16, BF16), (F32, F32), (F16, F32), (BF16, F32)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("silu", [True, False])
+def test_norm_bias_is_a_rounded_add_first(dtype, bias_dtype, silu):
+    """vae_norm(x, bias=b) == vae_norm(x.add_(b)) bit for bit (kernel and reference), in a buffer slice with a tail."""
+    g = gen(40 + MANT[dtype] + 2 * silu + (bias_dtype == F32))
+    b, c, n, h, w = 2, 40, 3, 4, 5
+    x = video(g, b, c, n, h, w, dtype=dtype, scale=2.0, offset=0.3)
+    gamma = gamma_of(g, c, dtype)
+    bias = (torch.randn(c, generator=g) * 1.5).to(DEV, bias_dtype)
+    pre = _torch_bias_add(x, bias)
+    assert torch.equal(vn().add_bias(x, bias), pre)
+    x_before = x.clone()
+    buf = torch.full((b, c, 2 + n, h, w), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+    tail = torch.empty(b, c, 2, h, w, dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+    got = vn().vae_rms_norm(x, gamma, silu=silu, bias=bias, out=buf[:, :, 2:], tail=tail)
+    expect = vn().vae_rms_norm(pre, gamma, silu=silu)
+    assert torch.equal(got, expect), f"{int((got != expect).sum())} of {got.numel()} elements differ"
+    assert torch.equal(tail, expect[:, :, n - 2:]) and torch.equal(x, x_before), "x must not be changed"
+    ref = vn().vae_rms_norm_reference(x, gamma, silu=silu, bias=bias)
+    assert torch.equal(ref, vn().vae_rms_norm_reference(pre, gamma, silu=silu))
+    assert_close_to_eager(got, ref, what=f"{dtype} bias {bias_dtype} silu={silu}")
+    # given its denominators the biased kernel is the eager ops on x.add_(bias), bit for bit (as without a bias)
+    denom = torch.empty(b * n * h * w, device=DEV)
+    got = vn().vae_rms_norm(x, gamma, silu=False, bias=bias, out_norm=denom)
+    assert torch.equal(got, vn().vae_rms_norm_given_denominator(pre, gamma, denom, silu=False))
+    # the test has teeth: the bias changes the output, and an unrounded x + bias (fp32) would too (fp16/bf16)
+    assert not torch.equal(got, vn().vae_rms_norm(x, gamma, silu=False))
+    if dtype != F32:
+        unrounded = (x.float() + bias.float().view(1, c, 1, 1, 1)).contiguous(memory_format=CL3)
+        u = vn().vae_rms_norm(unrounded, gamma.float(), silu=False).to(dtype)
+        assert not torch.equal(got, u)
+
+
+def test_norm_rejects_a_bad_bias():
+    g = gen(4)
+    x = video(g, 1, 16, 2, 3, 3, dtype=F16)
+    gamma = gamma_of(g, 16, F16)
+    for bad in (torch.zeros(15, dtype=F16, device=DEV), torch.zeros(16, dtype=BF16, device=DEV), [0.0] * 16):
+        with pytest.raises(ValueError, match="bias"):
+            vn().vae_rms_norm(x, gamma, bias=bad)
+        with pytest.raises(ValueError, match="bias"):
+            vn().vae_rms_norm_reference(x, gamma, bias=bad)
+
+
+@pytest.mark.parametrize("dtype,bias_dtype", [(F16, F16), (BF16, BF16), (F32, F32), (F16, F32), (BF16, F32)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_add_frames_bias_is_two_rounded_adds(dtype, bias_dtype):
+    """add_frames(y, s, bias=b) == torch.add(y.add_(b), s): the conv's own bias add, then the residual add."""
+    from fastremover.fast.kernels.residual import add_frames, add_frames_reference
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5 + MANT[dtype] + (bias_dtype == F32))
+    c = 24
+    buf = (torch.randn(2, c, 5, 6, 7, generator=g) * 3).to(dev, dtype).contiguous(memory_format=CL3)
+    y = buf[:, :, 2:]  # a time slice of a stream buffer
+    padded = (torch.randn(2, c, 3, 7, 8, generator=g) * 3).to(dev, dtype).contiguous(memory_format=CL3)
+    s = padded[:, :, :, :6, :7]  # the interior of a zero-padded frame
+    bias = (torch.randn(c, generator=g) * 2).to(dev, bias_dtype)
+    expect = torch.add(_torch_bias_add(y, bias), s)
+    y0 = y.clone()
+    out = torch.full_like(padded, float("nan"))
+    got = add_frames(y, s, out=out[:, :, :, :6, :7], bias=bias)
+    assert torch.equal(got, expect) and torch.equal(y, y0), "out=: y must not be changed"
+    assert torch.isnan(out[:, :, :, 6:].float()).all() and torch.isnan(out[:, :, :, :, 7:].float()).all()
+    yi = y.clone(memory_format=CL3)
+    assert add_frames(yi, s, bias=bias) is yi and torch.equal(yi, expect)  # in place
+    # the reference and the torch fallback (not channels-last) agree
+    yr = y.clone(memory_format=CL3)
+    assert torch.equal(add_frames_reference(yr, s, bias=bias), expect) and torch.equal(yr, expect)
+    assert torch.equal(add_frames(y.contiguous(), s.contiguous(), bias=bias), expect)
+    assert torch.equal(add_frames_reference(y, s, out=torch.empty_like(y), bias=bias), expect)
+    # teeth: one rounding for the sum of three (or no bias at all) gives other bits
+    if dtype != F32:
+        once = (y.float() + bias.float().view(1, c, 1, 1, 1) + s.float()).to(dtype)
+        assert not torch.equal(once, expect)
+    assert not torch.equal(add_frames(y.clone(memory_format=CL3), s), expect)
+    with pytest.raises(ValueError, match="bias"):
+        add_frames(y.clone(memory_format=CL3), s, bias=torch.zeros(c - 1, dtype=dtype, device=dev))
+
+
+def _cudnn_like_convs(monkeypatch):
+    """Make F.conv3d/F.conv2d compose like ATen's cuDNN path: the bias-free conv, then `out.add_(bias)` (the CPU
+    convs add the bias inside the conv, with other roundings). Returns the ids of the weights of convs run without
+    a bias, so a test can check which convs were deferred."""
+    no_bias = []
+
+    def wrap(orig):
+        def conv(x, weight, bias=None, *args, **kwargs):
+            y = orig(x, weight, None, *args, **kwargs)
+            if bias is None:
+                no_bias.append(id(weight))
+                return y
+            return y.add_(bias.view(1, -1, *([1] * (y.dim() - 2))))
+
+        return conv
+
+    monkeypatch.setattr(F, "conv3d", wrap(F.conv3d))
+    monkeypatch.setattr(F, "conv2d", wrap(F.conv2d))
+    return no_bias
+
+
+@pytest.fixture(scope="module")
+def tiny_big_bias():
+    """The tiny config with biases ~N(0, 0.5) instead of 0.02, so that the bias roundings show in fp16/bf16."""
+    from fastremover.models.loading import PRESETS
+
+    vae = random_init_(WanVAE(WanVAEConfig.from_dict(PRESETS["tiny"]["vae"])), 6).eval()
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if name.endswith("bias"):
+                p.mul_(25.0)
+    return vae
+
+
+def _deferred_names(fast, ids):
+    """The eager module names of the convs whose weights are in ids (the tap head's conv2d is not a module)."""
+    by_id = {id(c.weight): n for n, m in fast.vae.named_modules() if (c := fast._conv.get(m)) is not None}
+    return {by_id.get(i, "tap_head") for i in ids}
+
+
+def _expected_deferred(vae):
+    names = set()
+    for n, m in vae.named_modules():
+        if isinstance(m, type(vae.encoder.mid_block.resnets[0])):
+            names |= {f"{n}.conv1", f"{n}.conv2"}
+        elif n.endswith("attentions.0"):
+            names.add(f"{n}.proj")
+    return names
+
+
+@pytest.mark.parametrize("dtype,n_frames,n_latents", [(F32, 5, 2), (F16, 5, 2), (BF16, 1, 1)],
+                         ids=["fp32", "fp16", "bf16"])  # (the interpreter's cost is per launch; bf16's the highest)
+@pytest.mark.skipif(not INTERPRET, reason="the GPU test below runs the compiled kernels with cuDNN")
+def test_fuse_bias_is_bit_exact_with_the_interpreted_kernels(tiny_big_bias, dtype, n_frames, n_latents, monkeypatch):
+    """fuse_bias=True gives the same latents and video bit for bit (Triton kernels in the interpreter), and it defers
+    exactly the resblocks' conv1/conv2 and the attention proj."""
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae = tiny_big_bias
+    g = gen(60)
+    frames = (torch.rand(1, 3, n_frames, 8, 16, generator=g) * 2 - 1).to(dtype)
+    mask = (torch.rand(1, 1, n_frames, 8, 16, generator=g) > 0.6).to(dtype).expand(1, 3, -1, -1, -1)
+    z = torch.randn(1, vae.config.z_dim, n_latents, 1, 2, generator=g).to(dtype)
+    no_bias = _cudnn_like_convs(monkeypatch)
+    res = {}
+    for fuse in (False, True):
+        fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", pair=True, fuse_bias=fuse)
+        assert fast.fuse_bias is fuse and fast.describe().endswith("+fuse-bias") is fuse
+        no_bias.clear()
+        res[fuse] = (*fast.encode_removal_inputs(frames, mask), fast.decode(z))
+        res[fuse, "deferred"] = _deferred_names(fast, no_bias) - {"tap_head"}
+    assert res[False, "deferred"] == set()
+    assert res[True, "deferred"] == _expected_deferred(vae), res[True, "deferred"] ^ _expected_deferred(vae)
+    for name, a, b in zip(("masked latents", "mask latents", "video"), res[False], res[True]):
+        assert a.dtype == dtype and torch.equal(a, b), f"{name}: {int((a != b).sum())} of {a.numel()} differ"
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_fuse_bias_is_bit_exact_with_the_torch_kernels_and_stripes(tiny_big_bias, dtype, monkeypatch):
+    """The CPU fallback (kernels="torch") too, through every path: two-pass and batch-2 encode, 1-frame encode steps,
+    the padded output of a resblock before a downsample, and row stripes (decode and encode)."""
+    from fastremover.fast import vae_fast
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae = tiny_big_bias
+    g = gen(61)
+    x = (torch.rand(2, 3, 9, 32, 48, generator=g) * 2 - 1).to(dtype)
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 6, generator=g).to(dtype)
+    _cudnn_like_convs(monkeypatch)
+    striped = {"n": 0}
+    orig = vae_fast.FastWanVAE._causal_striped
+
+    def counting(self, *a, **k):
+        striped["n"] += 1
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(vae_fast.FastWanVAE, "_causal_striped", counting)
+    out = {}
+    for fuse in (False, True):
+        kw = dict(device="cpu", dtype=dtype, kernels="torch", fuse_bias=fuse)
+        a = FastWanVAE(vae, encode_frames=1, stripe_mib=0.002, pair=False, **kw)
+        b = FastWanVAE(vae, encode_frames=None, pair=True, **kw)
+        out[fuse] = (*a.encode_pair(x[:1], x[1:]), a.decode(z), *b.encode_pair(x[:1], x[1:]), b.decode(z))
+    assert striped["n"] > 0
+    for i, (p, q) in enumerate(zip(out[False], out[True])):
+        assert torch.equal(p, q), f"output {i}: {int((p != q).sum())} of {p.numel()} differ"
+    assert not torch.equal(out[False][0], out[False][1])  # (two different inputs)
+
+
+def test_fuse_bias_skips_fp8_convs(monkeypatch):
+    """An FP8 conv adds its bias in its own kernel: never deferred; the others still are."""
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    class FakeFP8:
+        supported = staticmethod(lambda cin, cout: cin % 16 == 0 and cout % 16 == 0)
+        quantize_conv_weight = staticmethod(lambda w: (w.clone(), torch.ones(w.shape[0])))
+
+        @staticmethod
+        def causal_conv3d_fp8(prev, x, w_q, w_scale, bias):
+            return F.conv3d(torch.cat([prev, x], dim=2), w_q, bias, padding=(0, 1, 1))
+
+    monkeypatch.setattr("fastremover.fast.vae_fast.fp8_conv_available", lambda: True)
+    monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
+    vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
+    _cudnn_like_convs(monkeypatch)
+    plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8")
+    fused = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fuse_bias=True)
+    convs = [r.conv1 for r in vae.decoder.up_blocks[0].resnets] + [r.conv1 for r in vae.decoder.up_blocks[-1].resnets]
+    fp8 = [m for m in convs if fused._conv[m].fp8 is not None]
+    not_fp8 = [m for m in convs if fused._conv[m].fp8 is None]
+    assert fp8 and not_fp8
+    assert all(fused._deferred(m) is None for m in fp8) and all(fused._deferred(m) is not None for m in not_fp8)
+    assert all(plain._deferred(m) is None for m in convs)
+    z = torch.randn(1, 16, 3, 2, 3, generator=gen(62))
+    assert torch.equal(plain.decode(z), fused.decode(z))
+
+
+def test_bench_fuse_bias_flag(tmp_path, monkeypatch):
+    pytest.importorskip("diffusers")
+    from fastremover.fast.vae_fast import bench
+
+    _cudnn_like_convs(monkeypatch)  # (on the CPU only this makes the fused run bit-exact, see _cudnn_like_convs)
+    out = tmp_path / "vae.json"
+    rc = bench(["--bench", "--device", "cpu", "--preset", "tiny", "--frames", "5", "--height", "16", "--width", "16",
+                "--repeats", "1", "--pair", "off", "--fuse-bias", "--out", str(out)])
+    assert rc == 0
+    _, plain, fused = json.loads(out.read_text())["runs"]
+    assert plain["fuse_bias"] is False and fused["fuse_bias"] is True and "+fuse-bias" in fused["name"]
+    assert fused["bit_exact_vs_unfused"] is True and fused["speedup_vs_unfused"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_gpu_fuse_bias_is_bit_exact_w2_chunk(dtype):
+    """Real config, random weights, a W2-sized chunk (9 frames of 480x832): fuse_bias=True gives the same latents
+    (two-pass and batch-2 encode) and the same decoded video (also in row stripes) as fuse_bias=False, bit for bit.
+    First checks that the unfused VAE is deterministic here (if not, cuDNN picked a nondeterministic algorithm and
+    bit-exactness cannot be asserted at all)."""
+    _gpu_env()
+    from fastremover import media
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    dev = torch.device("cuda")
+    vae = random_init_(WanVAE(WanVAEConfig()), 1).eval()
+    clip, mask = media.synthetic_clip(9, 480, 832, seed=0)
+    x = torch.from_numpy(clip.frames).to(dev).permute(3, 0, 1, 2)[None].to(dtype).div_(127.5).sub_(1.0)
+    m = torch.from_numpy(mask).to(dev)[None, None].expand(1, 3, -1, -1, -1).to(dtype).contiguous()
+
+    def run(fuse, pair, stripe_mib=None):
+        fast = FastWanVAE(vae, device=dev, dtype=dtype, pair=pair, stripe_mib=stripe_mib, fuse_bias=fuse)
+        za, zb = fast.encode_removal_inputs(x, m)
+        return za, zb, fast.decode(za)
+
+    plain = run(False, False)
+    again = run(False, False)
+    assert all(torch.equal(a, b) for a, b in zip(plain, again)), "the unfused fast VAE is not deterministic here"
+    for pair, stripe_mib in ((False, None), (True, None), (False, 16.0)):
+        ref = plain if (pair, stripe_mib) == (False, None) else run(False, pair, stripe_mib)
+        got = run(True, pair, stripe_mib)
+        for name, a, b in zip(("masked latents", "mask latents", "video"), ref, got):
+            n_diff = int((a != b).sum())
+            print(f"fuse_bias {dtype} pair={pair} stripes={stripe_mib}: {name} {n_diff} of {a.numel()} differ")
+            assert n_diff == 0

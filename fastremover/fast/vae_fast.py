@@ -35,6 +35,19 @@ frames; decode: one latent frame), with these changes:
   `pair` allows it; the mask video 2*mask-1 and masked = frames*(1-mask) are formed per chunk inside the conv_in
   buffer (same fp16 ops as the pipeline's, so the same bits), not as two extra full videos.
 * No fp32 round trips: nearest upsampling, clamping, padding and the cache copies are exact in the model dtype.
+* Deferred conv biases (`fuse_bias=True`; off by default until measured on the GPU): ATen's cuDNN path runs every
+  `F.conv3d/conv2d(x, w, bias)` as the bias-free conv followed by `out.add_(bias)`, a [1, C, 1, 1, 1] broadcast add
+  that takes torch's slow strided kernel on channels-last tensors (W2 on the H200: 180 ms of the encode, 101 ms of
+  the decode). Where a conv's output has exactly one consumer and that consumer is one of our kernels, the conv runs
+  without bias and the consumer adds it with the same rounding (fp32 add, RNE to the dtype) before its own math:
+  a residual block's conv1 (-> norm2 + SiLU, `vae_norm`'s `bias=`), its conv2 and the attention block's proj (->
+  the residual add, `add_frames`' `bias=`: two roundings, as the two eager adds). The result is bit-identical to
+  fuse_bias=False wherever the conv itself is deterministic (tests/test_vae_fast.py: the CPU with a conv that
+  composes like cuDNN's, and a GPU test). Not deferred: FP8 convs (their kernel adds the bias itself); conv_in, the
+  resample convs and time_conv, whose outputs feed a residual block's norm1 AND its shortcut (or a copy), so the
+  biased values would have to be written anyway; and the rest (conv_shortcut, to_qkv, conv_out / the tap head, the
+  quant convs). At W2 that defers about 75 % of the encode's and 83 % of the decode's bias-add elements (counted
+  with a shape-only run; if the add's time scales with its size, ~135 + ~85 ms of the 180 + 101 ms).
 
 Numerics: not bit-identical to the eager module (cuDNN picks other algorithms for channels-last, and the norm's sum
 of squares is added in another order), but the same function at fp16/bf16 precision; tests/test_vae_fast.py checks
@@ -211,7 +224,11 @@ class FastWanVAE:
     decoder's conv_out as per-tap partial sums (see `_decoder_head`). stripe_mib: run 1-frame causal-conv steps and
     2x upsamplings whose frame is larger than twice this many MiB in row stripes of about this size (None: never;
     lower peak memory for more, smaller kernels; see `_causal_striped`). cudnn_benchmark: set
-    torch.backends.cudnn.benchmark during the calls (None: leave it as it is).
+    torch.backends.cudnn.benchmark during the calls (None: leave it as it is). fuse_bias: run residual blocks' conv1 /
+    conv2 and the attention proj without bias and add it inside the norm / residual-add kernel that reads their output
+    (see the module docstring); bit-identical to False on the CPU tests, but OFF by default because it has not been
+    validated and timed on the GPU yet (tests/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and
+    `python -m fastremover.fast.vae_fast --bench --fuse-bias` do that).
     """
 
     def __init__(
@@ -230,6 +247,7 @@ class FastWanVAE:
         tap_head: bool = True,
         stripe_mib: float | None = None,
         cudnn_benchmark: bool | None = None,
+        fuse_bias: bool = False,
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -258,6 +276,7 @@ class FastWanVAE:
         self.stripe_mib = stripe_mib
         self._head_taps = None
         self.cudnn_benchmark = cudnn_benchmark
+        self.fuse_bias = bool(fuse_bias)
         self.precision = "fp16" if precision == "auto" else precision
         self._fp8 = None
         self.fp8_convs = 0
@@ -359,9 +378,10 @@ class FastWanVAE:
         return self.vae.denormalize(z)
 
     def describe(self) -> str:
-        """E.g. "fast-fp16", "fast-bf16", "fast-fp8" (what the pipeline's EngineConfig.vae shows)."""
+        """E.g. "fast-fp16", "fast-bf16", "fast-fp8" (what the pipeline's EngineConfig.vae shows); "+fuse-bias" is
+        appended with fuse_bias=True."""
         name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
-        return f"fast-{'fp8' if self._fp8 is not None else name}"
+        return f"fast-{'fp8' if self._fp8 is not None else name}" + ("+fuse-bias" if self.fuse_bias else "")
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
         c = self.config.in_channels
@@ -614,11 +634,28 @@ class FastWanVAE:
     # ------------------------------------------------------------------------------------------------------------------
     # Blocks
 
-    def _norm(self, x: torch.Tensor, norm: nn.Module, silu: bool, out=None, tail=None) -> torch.Tensor:
-        return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail)
+    def _norm(self, x: torch.Tensor, norm: nn.Module, silu: bool, out=None, tail=None, bias=None) -> torch.Tensor:
+        """bias: a bias deferred from the conv that produced x (`_deferred`): normalize x + bias."""
+        if bias is None:
+            return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail)
+        return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, bias=bias)
 
-    def _norm_fill(self, x: torch.Tensor, norm: nn.Module) -> "_Fill":
-        return _Fill(x, lambda src, view, tail: self._norm(src, norm, True, out=view, tail=tail))
+    def _norm_fill(self, x: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None = None) -> "_Fill":
+        return _Fill(x, lambda src, view, tail: self._norm(src, norm, True, out=view, tail=tail, bias=bias))
+
+    def _add(self, y: torch.Tensor, s: torch.Tensor, out=None, bias=None) -> torch.Tensor:
+        """y + s (in place, or into out); bias: deferred from the conv that produced y, added to y first."""
+        if bias is None:
+            return self._add_fn(y, s, out=out)
+        return self._add_fn(y, s, out=out, bias=bias)
+
+    def _deferred(self, conv: nn.Module) -> torch.Tensor | None:
+        """The bias a fuse_bias consumer adds for `conv` (which then runs without it), or None: the conv adds its own.
+        Only call sites whose consumer is a bias-aware kernel ask (`defer=True`); FP8 convs add theirs in-kernel."""
+        c = self._conv[conv]
+        if not self.fuse_bias or c.fp8 is not None:
+            return None
+        return c.bias
 
     @staticmethod
     def _copy_fill(src: torch.Tensor) -> "_Fill":
@@ -629,17 +666,18 @@ class FastWanVAE:
 
         return _Fill(src, write)
 
-    def _conv3d(self, x: torch.Tensor, c: _Conv) -> torch.Tensor:
-        y = F.conv3d(x, c.weight, c.bias, c.stride, c.padding)
+    def _conv3d(self, x: torch.Tensor, c: _Conv, keep_bias: bool = True) -> torch.Tensor:
+        y = F.conv3d(x, c.weight, c.bias if keep_bias else None, c.stride, c.padding)
         # cuDNN keeps channels-last; some CPU conv paths return NCDHW for tiny shapes
         return y if y.is_contiguous(memory_format=CL3) else y.contiguous(memory_format=CL3)
 
     def _pointwise(self, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self._conv3d(x, self._conv[conv])
 
-    def _causal(self, conv: CausalConv3d, st: _Stream, n: int, bchw: tuple, fill) -> torch.Tensor:
+    def _causal(self, conv: CausalConv3d, st: _Stream, n: int, bchw: tuple, fill, defer: bool = False) -> torch.Tensor:
         """The causal conv `conv` on the next n frames of its input stream; fill(view, tail) writes those frames
         into `view` [B, C, n, H, W] and, when `tail` is given, the last tail.shape[2] of them into `tail` too.
+        defer=True: the caller's consumer adds `self._deferred(conv)` (when not None), so the conv leaves it out.
 
         The cache is 2 slots; `st.older[conv]` says which holds the older frame. A chunk of n >= 2 frames rewrites
         both slots in order; a 1-frame chunk overwrites only the older slot (which then becomes the newer one), so
@@ -657,9 +695,10 @@ class FastWanVAE:
         older = st.older[conv]
         if c.fp8 is not None:
             return self._causal_fp8(conv, c, st, cache, older, n, bchw, fill)
+        keep_bias = not (defer and self._deferred(conv) is not None)
         stripes = self._stripes(b * ch * h * w, h) if n == 1 and fill.rows_ok and c.padding[1] == 1 else 1
         if stripes > 1:
-            return self._causal_striped(conv, c, st, cache, older, bchw, fill, stripes)
+            return self._causal_striped(conv, c, st, cache, older, bchw, fill, stripes, keep_bias)
         buf = torch.empty((b, ch, front + n, h, w), **kw)
         if older == 0:
             buf[:, :, :front].copy_(cache)
@@ -673,7 +712,7 @@ class FastWanVAE:
             fill(buf[:, :, front:], cache[:, :, older : older + 1])
             st.older[conv] = 1 - older
         fill.release()  # the producer's input may be freed before the conv allocates its output
-        return self._conv3d(buf, c)
+        return self._conv3d(buf, c, keep_bias)
 
     def _stripes(self, frame_elements: int, rows: int) -> int:
         """How many row stripes a 1-frame conv step of this size runs in (1: none); see `stripe_mib`."""
@@ -686,7 +725,7 @@ class FastWanVAE:
         return max(1, min(-(-frame_bytes // int(target)), rows // 8))
 
     def _causal_striped(self, conv, c: _Conv, st: _Stream, cache, older: int, bchw: tuple, fill: _Fill,
-                        stripes: int) -> torch.Tensor:
+                        stripes: int, keep_bias: bool = True) -> torch.Tensor:
         """A 1-frame step of a 3x3x3 causal conv in horizontal stripes, so the 3-frame input buffer is never whole.
 
         Stripe [r0, r1) convolves rows [r0-1, r1+1) of (older, newer, new) frames (zero rows at the image border)
@@ -712,7 +751,7 @@ class FastWanVAE:
             end = h if r1 == h else r1 - 1
             cache[:, :, older : older + 1, done:end].copy_(body[:, :, 2:, done - lo : end - lo])
             done = end
-            ys = F.conv3d(buf, c.weight, c.bias, c.stride, (0, 0, c.padding[2]))
+            ys = F.conv3d(buf, c.weight, c.bias if keep_bias else None, c.stride, (0, 0, c.padding[2]))
             del buf, body
             if y is None:
                 y = torch.empty((b, ys.shape[1], 1, h, w), **kw)
@@ -743,20 +782,23 @@ class FastWanVAE:
 
     def _resblock(self, m: ResidualBlock, x: torch.Tensor, st: _Stream, padded_out: bool = False) -> torch.Tensor:
         """x + conv2(silu(norm2(conv1(silu(norm1(x)))))). padded_out: return a [B, C, T, H+1, W+1] tensor whose last
-        row and column are zero and whose interior holds the result (the input of a downsample's stride-2 conv)."""
+        row and column are zero and whose interior holds the result (the input of a downsample's stride-2 conv).
+        fuse_bias: conv1's output is read by norm2 only and conv2's by the residual add only, so both biases are
+        added there (`_deferred`)."""
         b, c, t, h, w = x.shape
         shortcut = x if isinstance(m.conv_shortcut, nn.Identity) else self._pointwise(m.conv_shortcut, x)
-        hid = self._causal(m.conv1, st, t, (b, c, h, w), self._norm_fill(x, m.norm1))
+        hid = self._causal(m.conv1, st, t, (b, c, h, w), self._norm_fill(x, m.norm1), defer=True)
         c2 = hid.shape[1]
-        fill = self._norm_fill(hid, m.norm2)
+        fill = self._norm_fill(hid, m.norm2, bias=self._deferred(m.conv1))
         del hid  # freed once the norm has read it, before conv2 allocates its output
-        y = self._causal(m.conv2, st, t, (b, c2, h, w), fill)
+        y = self._causal(m.conv2, st, t, (b, c2, h, w), fill, defer=True)
+        y_bias = self._deferred(m.conv2)
         if not padded_out:
-            return self._add_fn(y, shortcut)
+            return self._add(y, shortcut, bias=y_bias)
         out = _empty_cl3(y, (b, c2, t, h + 1, w + 1))
         out[:, :, :, h].zero_()
         out[:, :, :, :h, w].zero_()
-        self._add_fn(y, shortcut, out=out[:, :, :, :h, :w])
+        self._add(y, shortcut, out=out[:, :, :, :h, :w], bias=y_bias)
         return out
 
     def _mid(self, m: MidBlock, x: torch.Tensor, st: _Stream) -> torch.Tensor:
@@ -776,8 +818,9 @@ class FastWanVAE:
         del qkv, q, k, v
         a = a.view(b * t, h, w, c).permute(0, 3, 1, 2)  # channels-last view, as eager's transpose+reshape
         proj = self._conv[m.proj]
-        y = F.conv2d(a, proj.weight, proj.bias)
-        return self._add_fn(_frames_5d(y, b), x)
+        proj_bias = self._deferred(m.proj)  # fuse_bias: the residual add adds it (y has no other reader)
+        y = F.conv2d(a, proj.weight, proj.bias if proj_bias is None else None)
+        return self._add(_frames_5d(y, b), x, bias=proj_bias)
 
     def _up_block(self, m: UpBlock, x: torch.Tensor, st: _Stream) -> torch.Tensor:
         for r in m.resnets:
@@ -987,6 +1030,9 @@ def bench(argv: list[str] | None = None) -> int:
     p.add_argument("--stripe-mib", type=float, default=None,
                    help="also measure a variant with 1-frame convs/upsamplings in row stripes of about this size")
     p.add_argument("--no-pad-rgb", action="store_true")
+    p.add_argument("--fuse-bias", action="store_true",
+                   help="also measure every variant with fuse_bias=True (deferred conv biases) and check that its "
+                        "latents and video are bit-identical (torch.equal) to the variant without")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run: use --preset tiny)")
     p.add_argument("--preset", default="minimax-remover", help="VAE config: minimax-remover (real) or tiny")
     args = p.parse_args(argv)
@@ -1059,7 +1105,10 @@ def bench(argv: list[str] | None = None) -> int:
         variants.append(dict(pair=pairs[0], cudnn_benchmark=True))
     if args.stripe_mib:
         variants.append(dict(pair=pairs[-1], cudnn_benchmark=None, stripe_mib=args.stripe_mib))
+    if args.fuse_bias:  # each variant, then its fuse_bias twin (compared with it bit for bit)
+        variants = [w for v in variants for w in (v, {**v, "fuse_bias": True})]
     z_gpu = z_dec.to(device)
+    unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:
         fast = FastWanVAE(vae, device=device, dtype=dtype, precision=args.vae_precision,
                           encode_frames=args.encode_frames, decode_frames=args.decode_frames,
@@ -1083,7 +1132,16 @@ def bench(argv: list[str] | None = None) -> int:
             "speedup_vs_reference": round(r_ref["vae_total_s"] / r["vae_total_s"], 3),
             "peak_ratio_vs_reference": _ratio(r["stage_peak_gib"], r_ref["stage_peak_gib"]),
             "working_memory_ratio_vs_reference": _ratio(r["stage_peak_delta_gib"], r_ref["stage_peak_delta_gib"]),
+            "fuse_bias": fast.fuse_bias,
         })
+        if args.fuse_bias:
+            outs = tuple(t.cpu() for t in (za, zb, vid))
+            if v.get("fuse_bias"):
+                r["bit_exact_vs_unfused"] = all(torch.equal(a, b) for a, b in zip(outs, unfused))
+                r["speedup_vs_unfused"] = round(runs_unfused["vae_total_s"] / r["vae_total_s"], 4)
+            else:
+                unfused, runs_unfused = outs, r
+            outs = None
         results["runs"].append(r)
         fast = za = zb = vid = None
         if device.type == "cuda":
@@ -1098,6 +1156,9 @@ def bench(argv: list[str] | None = None) -> int:
                  if "psnr_db" in r else "")
         print(f"{r['name']:<72}{r['vae_encode_s']:>9.3f}{r['vae_decode_s']:>9.3f}{r['vae_total_s']:>9.3f}"
               f"{pk['vae_encode']:>9.2f}{pk['vae_decode']:>9.2f}{extra}")
+        if "bit_exact_vs_unfused" in r:
+            print(f"{'':<6}fuse_bias: bit-exact vs the run above: {r['bit_exact_vs_unfused']}, speedup "
+                  f"{r['speedup_vs_unfused']}x")
         if "peak_ratio_vs_reference" in r:
             print(f"{'':<6}peak ratio {r['peak_ratio_vs_reference']}, working-memory ratio "
                   f"{r['working_memory_ratio_vs_reference']}, speedup {r['speedup_vs_reference']}x, batch-2 encode "

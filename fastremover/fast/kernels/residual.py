@@ -34,6 +34,7 @@ from fastremover.fast.kernels._common import (
     launch_options,
     load_f32,
     mul_rn,
+    round_through,
     round_to,
 )
 
@@ -125,13 +126,20 @@ def gate_residual_reference(
 # loads: 180 ms of a W2 encode on the H200). Here a program adds one (b, t, h) row of W*C contiguous values, so any
 # B/T/H strides work and the loads are vectorized. Rounding: both operands widened to fp32 exactly, one fp32 add,
 # RNE to the dtype - torch's half add (fp32 opmath) bit for bit.
+#
+# With `bias` (a conv bias the fast VAE deferred from the conv that produced y, `FastWanVAE(fuse_bias=True)`) the
+# kernel computes what the conv's own bias add and then the residual add would have: yb = RNE_dtype(y + bias[c])
+# (fp32 add of the exactly widened operands, as torch's `conv_out.add_(bias)`), then RNE_dtype(yb + s) - two
+# roundings to the dtype, like the two eager adds, in one pass. (For fp16/bf16 operands the compiler may emit
+# widen-add-round as a native `add.rn.f16`/`add.rn.bf16` (x2): the same bits, since fp32's 24-bit significand is
+# more than 2p+2 bits for both, so rounding through fp32 first never changes the result.)
 
 
 @triton.jit
 def _add_rows_kernel(
-    Y, S, O, ROW, T, H,
+    Y, S, O, BIAS, ROW, T, H,
     syb, syt, syh, ssb, sst, ssh, sob, sot, soh,
-    BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+    C: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = (r % H).to(tl.int64)
@@ -141,6 +149,10 @@ def _add_rows_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < ROW
     y = load_f32(Y + b * syb + t * syt + h * syh + cols, mask, INTERPRET)
+    if HAS_BIAS:  # the deferred conv bias first, rounded to the dtype (a row is W pixels of C channels; C is a
+        # constexpr so `% C` is a multiply-shift, not an integer division)
+        bias = load_f32(BIAS + cols % C, mask, INTERPRET)
+        y = round_through(y + bias, O.dtype.element_ty, INTERPRET)
     s = load_f32(S + b * ssb + t * sst + h * ssh + cols, mask, INTERPRET)
     tl.store(O + b * sob + t * sot + h * soh + cols, round_to(y + s, O.dtype.element_ty, INTERPRET), mask=mask)
 
@@ -150,33 +162,67 @@ def _row_dense(t: torch.Tensor) -> bool:
     return (c == 1 or t.stride(1) == 1) and (w == 1 or t.stride(4) == c)
 
 
-def add_frames(y: torch.Tensor, s: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def _check_bias(bias, y: torch.Tensor) -> None:
+    c = y.shape[1]
+    if (not isinstance(bias, torch.Tensor) or bias.numel() != c or bias.dtype not in (torch.float32, y.dtype)
+            or bias.device != y.device):
+        raise ValueError(f"bias must be a float32 or {y.dtype} tensor of {c} elements (any shape) on {y.device}, got "
+                         f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+
+
+def add_frames(
+    y: torch.Tensor, s: torch.Tensor, *, out: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """y + s for channels-last [B, C, T, H, W] tensors of one dtype (views with any B/T/H strides are fine), written
     into `out` (default: y, in place). Bit-exact to torch's add. Operands that are not channels-last with contiguous
-    (W, C) rows go to torch's add (the same values, just its slower strided kernel)."""
+    (W, C) rows go to torch's add (the same values, just its slower strided kernel).
+
+    bias: C elements, fp32 or y.dtype: (y + bias, rounded to the dtype) + s, rounded again - bit-exact to
+    `y.add_(bias.view(1, C, 1, 1, 1))` followed by `torch.add(y, s)` (a conv bias deferred into the residual add).
+    y itself is only written when out is None (in place)."""
     for name, t in (("y", y), ("s", s), ("out", out)):
         if t is not None:
             if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.dtype not in FLOAT_DTYPES:
                 raise ValueError(f"{name} must be a 5-D fp16/bf16/fp32 tensor")
             if t.shape != y.shape or t.dtype != y.dtype:
                 raise ValueError(f"{name} must match y ({y.dtype} {tuple(y.shape)}), got {t.dtype} {tuple(t.shape)}")
+    if bias is not None:
+        _check_bias(bias, y)
     if not all(_row_dense(t) for t in (y, s, out) if t is not None):
-        return add_frames_reference(y, s, out=out)
-    check_device(_add_rows_kernel, y=y, s=s, out=out)
+        return add_frames_reference(y, s, out=out, bias=bias)
+    check_device(_add_rows_kernel, y=y, s=s, out=out, bias=bias)
     o = y if out is None else out
     b, c, t_, h, w = y.shape
     row = w * c
     if y.numel():
         block = min(2048, triton.next_power_of_2(row))
         grid = (b * t_ * h, triton.cdiv(row, block))
+        bias_arg = y
+        if bias is not None:
+            bias_arg = bias.reshape(c)
+            if not bias_arg.is_contiguous():
+                bias_arg = bias_arg.contiguous()
         _add_rows_kernel[grid](
-            y, s, o, row, t_, h,
+            y, s, o, bias_arg, row, t_, h,
             y.stride(0), y.stride(2), y.stride(3), s.stride(0), s.stride(2), s.stride(3),
             o.stride(0), o.stride(2), o.stride(3),
-            BLOCK=block, INTERPRET=interpreting(_add_rows_kernel), num_warps=4, **launch_options(_add_rows_kernel),
+            C=c if bias is not None else 1,  # (C=1 without a bias: that variant compiles once, as before)
+            BLOCK=block, HAS_BIAS=bias is not None, INTERPRET=interpreting(_add_rows_kernel), num_warps=4,
+            **launch_options(_add_rows_kernel),
         )
     return o
 
 
-def add_frames_reference(y: torch.Tensor, s: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def add_frames_reference(
+    y: torch.Tensor, s: torch.Tensor, *, out: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Eager torch, same signature as `add_frames`: [y + bias, rounded to the dtype, then] torch.add(y, s)."""
+    if bias is not None:
+        _check_bias(bias, y)
+        shape = (1, y.shape[1]) + (1,) * (y.dim() - 2)
+        yb = (y.float() + bias.float().view(shape)).to(y.dtype)  # torch's fp32-opmath add_, also for an fp32 bias
+        if out is None:  # in place, like the kernel
+            y.copy_(yb)
+            yb = y
+        return torch.add(yb, s, out=y if out is None else out)
     return torch.add(y, s, out=y if out is None else out)

@@ -13,6 +13,11 @@ is treated as [N, C, 1, H, W]. Grid: (pixel blocks of BLOCK_M rows, B*T frames);
 rows of next_power_of_2(C) lanes (96 -> 128) and reduces over the channel axis.
 
 Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-ftz libdevice, see _common.py):
+    0. `bias=` only (a conv bias deferred into the norm, see below): x = round_to_dtype(x + bias), both widened to
+       fp32 exactly, one fp32 add, RNE to x.dtype - what torch's `conv_out.add_(bias)` after a cuDNN conv computes
+       (its half/bf16 add: fp32 opmath, one rounding to the dtype), bit for bit. Everything below runs on that x.
+       (The compiler emits it as a native `add.rn.f16x2`/`add.rn.bf16x2` for a bias of x's dtype: the same bits,
+       fp32 having more than 2p+2 significand bits for both formats.)
     1. x widened to fp32 exactly; ss = sum over channels of x*x. For fp16/bf16 every square is exact in fp32, so
        the only rounding is in the additions; their order is Triton's tl.sum tree, NOT ATen's (ATen's CUDA
        vector_norm order depends on the tensor's layout and the reduction config it picks): ss can differ from
@@ -33,6 +38,12 @@ ulps where SiLU of a negative input amplifies a 1-ulp input difference (|diff| s
 largest output): see tests/test_vae_fast.py for the asserted bound.
 
 fp32 inputs run the same code (the dtype roundings are then no-ops; eager skips the `.float()` round trip too).
+
+`bias=` (C elements, fp32 or x.dtype): x is a conv output whose bias the conv did not add (fastremover/fast/vae_fast.py
+`fuse_bias`); the kernel adds it first (step 0), so `vae_rms_norm(x, gamma, bias=b)` is bit-identical to
+`vae_rms_norm(add_bias(x, b), gamma)`, i.e. to the norm of x after torch's `x.add_(b.view(1, C, 1, 1, 1))` - it only
+saves that add's pass over x. The biased x itself is not written anywhere: only defer a bias this way when the norm
+is the conv output's one consumer.
 
 `tail=` additionally stores the last k frames of the output (k = tail.shape[2]) into a second tensor: the causal
 cache of the conv that consumes `out` (see fastremover/fast/vae_fast.py), written in the same pass.
@@ -75,12 +86,13 @@ def _exp_f32(v, INTERPRET: tl.constexpr):
 
 @triton.jit(do_not_specialize=["HW", "T", "TAIL_T0"])  # one compile per (C, flags, dtype), not per frame count
 def _vae_norm_kernel(
-    X, GAMMA, Y, TAIL, NORM,
+    X, GAMMA, BIAS, Y, TAIL, NORM,
     HW, T, TAIL_T0,
     sxb, sxt, syb, syt, stb, stt,
     scale, eps,
     C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
-    SILU: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_NORM: tl.constexpr, INTERPRET: tl.constexpr,
+    SILU: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     frame = tl.program_id(1)
     b = frame // T
@@ -95,6 +107,9 @@ def _vae_norm_kernel(
     t64 = t.to(tl.int64)
 
     x = load_f32(X + (b64 * sxb + t64 * sxt) + pix, mask, INTERPRET)
+    if HAS_BIAS:  # step 0: the deferred conv bias, one fp32 add rounded to the dtype (masked lanes stay 0)
+        bias = load_f32(BIAS + cols, cmask, INTERPRET)
+        x = round_through(x + bias[None, :], Y.dtype.element_ty, INTERPRET)
     ss = tl.sum(x * x, axis=1)
     denom = tl.maximum(tl.sqrt_rn(ss), eps, propagate_nan=tl.PropagateNan.ALL)
     n = tl.math.div_rn(x, tl.broadcast_to(denom[:, None], x.shape))
@@ -143,7 +158,17 @@ def _check_frame_dense(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_args(x, gamma, out, tail, out_norm):
+def _check_bias(bias, x5: torch.Tensor) -> None:
+    c = x5.shape[1]
+    if bias is None:
+        return
+    if (not isinstance(bias, torch.Tensor) or bias.numel() != c or bias.dtype not in (torch.float32, x5.dtype)
+            or bias.device != x5.device):
+        raise ValueError(f"bias must be a float32 or {x5.dtype} tensor of {c} elements (any shape) on {x5.device}, "
+                         f"got {getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+
+
+def _check_args(x, gamma, out, tail, out_norm, bias=None):
     x5 = _as_5d("x", x)
     if x5.dtype not in DTYPES:
         raise ValueError(f"x must have dtype in {[str(d) for d in DTYPES]}, got {x5.dtype}")
@@ -172,6 +197,7 @@ def _check_args(x, gamma, out, tail, out_norm):
                 or tuple(out_norm.shape) != (b * t * h * w,) or not out_norm.is_contiguous()):
             raise ValueError(f"out_norm must be a contiguous fp32 tensor of {b * t * h * w} elements (one per pixel, "
                              "frame-major: b, t, h, w)")
+    _check_bias(bias, x5)
     return x5, out5, tail5
 
 
@@ -183,6 +209,7 @@ def vae_rms_norm(
     out: torch.Tensor | None = None,
     tail: torch.Tensor | None = None,
     out_norm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(F.normalize(x.float(), dim=1).to(x.dtype) * sqrt(C) * gamma) (silu=False: without the silu).
 
@@ -190,9 +217,11 @@ def vae_rms_norm(
     gamma: C elements (the module's [C, 1, 1, 1] or [C, 1, 1] parameter is fine), x.dtype.
     out: where to write (same shape/dtype, frame-dense channels-last; may be a slice of a bigger buffer); default a
     new channels-last tensor. tail: [B, C, k, H, W]: also receives the last k output frames. out_norm: fp32 [B*T*H*W]
-    receives the per-pixel denominators max(||x||, 1e-12) (for tests). Returns out."""
-    x5, out5, tail5 = _check_args(x, gamma, out, tail, out_norm)
-    check_device(_vae_norm_kernel, x=x, gamma=gamma, out=out, tail=tail, out_norm=out_norm)
+    receives the per-pixel denominators max(||x||, 1e-12) (for tests). bias: C elements, fp32 or x.dtype: normalize
+    round_to_dtype(x + bias) instead of x (a deferred conv bias, rounding point 0; x itself is not changed). Returns
+    out."""
+    x5, out5, tail5 = _check_args(x, gamma, out, tail, out_norm, bias)
+    check_device(_vae_norm_kernel, x=x, gamma=gamma, out=out, tail=tail, out_norm=out_norm, bias=bias)
     if out is None:
         fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
@@ -207,16 +236,19 @@ def vae_rms_norm(
     gamma_flat = gamma.reshape(c)
     if not gamma_flat.is_contiguous():
         gamma_flat = gamma_flat.contiguous()
+    bias_flat = gamma_flat if bias is None else bias.reshape(c)
+    if not bias_flat.is_contiguous():
+        bias_flat = bias_flat.contiguous()
     tail_arg = tail5 if tail5 is not None else out5
     tail_t0 = t - tail5.shape[2] if tail5 is not None else 0
     grid = (triton.cdiv(hw, block_m), b * t)
     _vae_norm_kernel[grid](
-        x5, gamma_flat, out5, tail_arg, out_norm if out_norm is not None else x5,
+        x5, gamma_flat, bias_flat, out5, tail_arg, out_norm if out_norm is not None else x5,
         hw, t, tail_t0,
         x5.stride(0), x5.stride(2), out5.stride(0), out5.stride(2), tail_arg.stride(0), tail_arg.stride(2),
         float(c) ** 0.5, NORM_EPS,
         C=c, BLOCK_C=block_c, BLOCK_M=block_m, SILU=bool(silu), HAS_TAIL=tail5 is not None,
-        HAS_NORM=out_norm is not None, INTERPRET=interpreting(_vae_norm_kernel),
+        HAS_NORM=out_norm is not None, HAS_BIAS=bias is not None, INTERPRET=interpreting(_vae_norm_kernel),
         num_warps=warps, **launch_options(_vae_norm_kernel),
     )
     return out
@@ -245,10 +277,14 @@ def vae_rms_norm_reference(
     out: torch.Tensor | None = None,
     tail: torch.Tensor | None = None,
     out_norm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager torch, the composition of models/vae.py's RMSNorm (GPU path: F.normalize) + F.silu. Same signature as
-    `vae_rms_norm` (also the CPU fallback of the fast VAE)."""
-    _check_args(x, gamma, out, tail, out_norm)
+    `vae_rms_norm` (also the CPU fallback of the fast VAE); bias: first x = add_bias(x, bias), as the conv's own
+    bias add would have left it."""
+    _check_args(x, gamma, out, tail, out_norm, bias)
+    if bias is not None:
+        x = add_bias(x, bias)
     low = x.dtype in (torch.float16, torch.bfloat16)
     xf = x.float() if low else x
     y = F.normalize(xf, dim=1).to(x.dtype) * (x.shape[1] ** 0.5) * _gamma_like(gamma, x)
@@ -257,6 +293,16 @@ def vae_rms_norm_reference(
     if out_norm is not None:
         out_norm.copy_(_denominator(xf).flatten())
     return _write(y, x, out, tail)
+
+
+def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x + bias over the channel axis (dim 1) as a new tensor of x's dtype and memory format: both widened to fp32,
+    one fp32 add, rounded to x.dtype once - the bits of torch's `conv_out.add_(bias)` (fp32 opmath for fp16/bf16) for
+    an fp32 or x.dtype bias (a plain `x + bias` would promote an fp16 x to fp32 with an fp32 bias)."""
+    shape = (x.shape[1],) + (1,) * (x.dim() - 2)
+    if x.dtype == torch.float32:
+        return x + bias.float().reshape(shape)
+    return (x.float() + bias.float().reshape(shape)).to(x.dtype)
 
 
 def _denominator(xf: torch.Tensor) -> torch.Tensor:
