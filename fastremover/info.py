@@ -58,7 +58,7 @@ def _vae_paths(device: torch.device) -> dict[str, str]:
 
 def _modes(device: torch.device) -> dict[str, str]:
     """What each engine mode would run on this device (resolve_mode is what the pipeline uses)."""
-    from fastremover.fast.attention import available_backends
+    from fastremover.fast.attention import auto_backend, available_backends
     from fastremover.fast.engine import MODES, resolve_mode
 
     out = {}
@@ -67,7 +67,10 @@ def _modes(device: torch.device) -> dict[str, str]:
         if active == "eager":
             desc = "eager module (reference order), torch SDPA"
         else:
-            desc = "fused Triton kernels, CUDA-graph denoise loop, attention: " + "/".join(available_backends(device))
+            backend, attention_notes = auto_backend(active, device)
+            notes = notes + attention_notes
+            desc = (f"fused Triton kernels, CUDA-graph denoise loop, attention {backend} "
+                    f"(--attention choices here: {'/'.join(available_backends(device))})")
             if active == "fast":
                 desc += ", FP8 e4m3 linears"
         out[mode] = desc + (f"  [{notes[0]}]" if notes else "")
