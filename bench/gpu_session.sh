@@ -33,7 +33,7 @@ for phase in "$@"; do
       python3 -m fastremover.fast.kernels.conv3d_fp8 --bench --no-variants --out "$OUT/conv3d.json" 2>&1 | tail -12
       python3 -m fastremover.fast.vae_fast --bench --pair off --out "$OUT/vae-w2.json" 2>&1 | tail -5
       python3 -m fastremover.bench.profile_step --workload w2 --modes exact fast --out "$OUT/profile-w2.json" 2>&1 | tail -30
-      python3 -m fastremover.bench.profile_step --vae 2>&1 | tail -34 ;;
+      python3 -m fastremover.bench.profile_step --vae --out "$OUT/profile-vae-w2.json" 2>&1 | tail -34 ;;
     bench:*)
       # shellcheck disable=SC2086
       python3 -m fastremover.cli bench ${phase#bench:} --out "$OUT" 2>&1 | grep -v -E '^\s*$' | tail -16 ;;

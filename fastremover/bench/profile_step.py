@@ -159,6 +159,9 @@ if __name__ == "__main__" and "--vae" in sys.argv:
         print(f"\nfast VAE {stage}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms_by_group"].items()))
         for k in r["top"]:
             print(f"   {k['ms']:8.2f} ms x{k['count']:<5} {k['name']}")
+    if "--out" in sys.argv:
+        with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "vae": res}, f, indent=1)
     sys.exit(0)
 
 
