@@ -122,9 +122,10 @@ def gate_residual_reference(
 # Plain residual add on channels-last video tensors (the VAE's `x + shortcut`)
 #
 # The fast VAE's block outputs and shortcuts are channels-last 5-D tensors, often views (a time slice of a stream
-# buffer, the interior of a zero-padded frame), which torch's add sends to its generic strided kernel (no vector
-# loads: 180 ms of a W2 encode on the H200). Here a program adds one (b, t, h) row of W*C contiguous values, so any
-# B/T/H strides work and the loads are vectorized. Rounding: both operands widened to fp32 exactly, one fp32 add,
+# buffer, the interior of a zero-padded frame). Here a program adds one (b, t, h) row of W*C contiguous values, so any
+# B/T/H strides work and the loads are vectorized. (Measured on the H200: the same W2 VAE time as torch's add, whose
+# residual adds were already vectorized; the 180 ms of slow strided adds in the W2 encode profile are the convs' own
+# bias adds, which `bias=` below can take over.) Rounding: both operands widened to fp32 exactly, one fp32 add,
 # RNE to the dtype - torch's half add (fp32 opmath) bit for bit.
 #
 # With `bias` (a conv bias the fast VAE deferred from the conv that produced y, `FastWanVAE(fuse_bias=True)`) the
