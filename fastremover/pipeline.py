@@ -312,26 +312,28 @@ class RemovalPipeline:
 
         The fast VAE forms both inputs chunk by chunk and encodes them as one batch of 2 when memory allows."""
         vae = self.vae
-        plan = self._vae_tiles(prep.frames.shape, "encode")
-        if plan is not None:  # frames too large for the memory budget: spatial tiles, blended (fast/vae_tiling.py)
-            from fastremover.fast.vae_tiling import encode_tiled
-
-            def tiled(x, offset):
-                report = (lambda done, total: progress("vae_encode", offset * total + done, 2 * total)) if progress else None
-                return vae.normalize(encode_tiled(vae.encode, x, plan.tile, plan.overlap, report))
-
-            return tiled(prep.frames * (1 - prep.mask), 0), tiled(2 * prep.mask - 1.0, 1)
-        if hasattr(vae, "encode_removal_inputs"):
-            report = (lambda done, total: progress("vae_encode", done, total)) if progress else None
-            masked_latents, mask_latents = vae.encode_removal_inputs(prep.frames, prep.mask, progress=report)
-            return vae.normalize(masked_latents), vae.normalize(mask_latents)
-        masked = prep.frames * (1 - prep.mask)
 
         def chunks(offset):  # one "vae_encode" bar over both encodes
             return (lambda done, total: progress("vae_encode", offset * total + done, 2 * total)) if progress else None
 
-        masked_latents = vae.normalize(vae.encode(masked, progress=chunks(0)))
-        mask_latents = vae.normalize(vae.encode(2 * prep.mask - 1.0, progress=chunks(1)))
+        plan = None
+        if self.device.type == "cuda":  # frames too large for the free GPU memory: spatial tiles (fast/vae_tiling.py)
+            from fastremover.fast.vae_tiling import choose_tiling, encode_tiled
+
+            _, _, frames, height, width = prep.frames.shape
+            plan = choose_tiling(frames, height, width, self.dtype, None, self.models.vae.config, op="encode")
+        if plan is not None:
+            def encode(x, report):
+                return encode_tiled(vae.encode, x, plan.tile, plan.overlap, report)
+        elif hasattr(vae, "encode_removal_inputs"):
+            report = (lambda done, total: progress("vae_encode", done, total)) if progress else None
+            masked_latents, mask_latents = vae.encode_removal_inputs(prep.frames, prep.mask, progress=report)
+            return vae.normalize(masked_latents), vae.normalize(mask_latents)
+        else:
+            def encode(x, report):
+                return vae.encode(x, progress=report)
+        masked_latents = vae.normalize(encode(prep.frames * (1 - prep.mask), chunks(0)))
+        mask_latents = vae.normalize(encode(2 * prep.mask - 1.0, chunks(1)))
         return masked_latents, mask_latents
 
     @torch.no_grad()
@@ -352,26 +354,12 @@ class RemovalPipeline:
         vae = self.vae
         report = (lambda done, total: progress("vae_decode", done, total)) if progress else None
         z = vae.denormalize(latents.to(self.dtype))
-        cfg = self.models.vae.config
-        frames = 1 + (z.shape[2] - 1) * cfg.temporal_compression
-        plan = self._vae_tiles((1, 3, frames, z.shape[3] * cfg.spatial_compression,
-                                z.shape[4] * cfg.spatial_compression), "decode")
-        if plan is not None:
-            from fastremover.fast.vae_tiling import decode_tiled
+        if self.device.type == "cuda":  # tiled when the free GPU memory is short (the eager VAE's memory model: the
+            # fast VAE needs about half of that, so the choice errs on the safe side)
+            from fastremover.fast.vae_tiling import decode_auto
 
-            return decode_tiled(vae.decode, z, plan.tile_latent, plan.overlap_latent, report)
+            return decode_auto(vae.decode, z, self.models.vae.config, progress=report)
         return vae.decode(z, progress=report)
-
-    def _vae_tiles(self, shape, op: str):
-        """Spatial tiles for a VAE call whose untiled working set would not fit the GPU's free memory (None: it fits,
-        or not on a GPU). The estimate is the eager VAE's (fast/vae_tiling.py's memory model); the fast VAE needs
-        about half of that, so the choice errs on the safe side."""
-        if self.device.type != "cuda":
-            return None
-        from fastremover.fast.vae_tiling import choose_tiling
-
-        _, _, frames, height, width = shape
-        return choose_tiling(frames, height, width, self.dtype, None, self.models.vae.config, op=op)
 
     def finish(self, pixels: torch.Tensor, prep: Prepared) -> np.ndarray:
         """Decoded [1,3,F',H',W'] -> uint8 [F,H,W,3] at the source size (drop frame padding, crop or resize back)."""

@@ -1,7 +1,9 @@
-"""Where one denoise step's GPU time goes: the real-config DiT (random weights) at a workload's token count, one
-`FastTransformer.forward_step` under torch.profiler, kernels grouped by name.
+"""Where the GPU time goes, kernels grouped by name under torch.profiler (real configs, random weights):
+one `FastTransformer.forward_step` at a workload's token count, or (--vae) one encode of both inputs and one decode
+of the fast VAE at the workload's size.
 
     python -m fastremover.bench.profile_step --workload w2 --modes exact fast [--attention fp8] [--out FILE]
+    python -m fastremover.bench.profile_step --vae [--workload w2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -28,12 +30,43 @@ GROUPS = (  # kernel-name patterns -> a readable group (first match wins)
     ("quant/gelu", r"quant|gelu|amax"),
 )
 
+VAE_GROUPS = (
+    ("conv (cuDNN)", r"conv|cudnn|xmma|implicit|sm90|sm80|gemm|nhwc|fprop|cutlass|nvjet"),
+    ("norm+silu (Triton)", r"vae_rms|_rms_norm|_norm_kernel"),
+    ("conv fp8 (Triton)", r"conv3d_fp8|_conv3d"),
+    ("copy / cat / pad", r"copy|cat|pad|fill|Memset|Memcpy"),
+    ("elementwise", r"elementwise|vectorized|add|mul|clamp|silu"),
+    ("attention", r"fmha|flash|attention"),
+)
 
-def group_of(name: str) -> str:
-    for group, pattern in GROUPS:
+
+def group_of(name: str, groups=GROUPS) -> str:
+    for group, pattern in groups:
         if re.search(pattern, name, re.IGNORECASE):
             return group
     return "other"
+
+
+def kernel_times(fn: Callable[[], object], groups, top: int, digits: int = 3) -> tuple[dict, list]:
+    """Run fn once under the profiler: (ms per group, largest first; the `top` kernels as name/ms/count)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_kernel: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us and ev.key:
+            by_kernel[ev.key] += us
+            counts[ev.key] += ev.count
+    by_group: dict[str, float] = defaultdict(float)
+    for name, us in by_kernel.items():
+        by_group[group_of(name, groups)] += us / 1000.0
+    largest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
+    return (
+        {k: round(v, digits) for k, v in sorted(by_group.items(), key=lambda kv: -kv[1])},
+        [{"name": n[:120], "ms": round(us / 1000.0, digits), "count": counts[n]} for n, us in largest],
+    )
 
 
 def real_model():
@@ -59,63 +92,11 @@ def profile(model, workload: str, mode: str, attention: str, steps: int = 12) ->
     end.record()
     torch.cuda.synchronize()
     step_ms = start.elapsed_time(end) / 3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fast.forward_step(x, cond, 0)
-        torch.cuda.synchronize()
-    by_kernel: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if us and ev.key:
-            by_kernel[ev.key] += us
-            counts[ev.key] += ev.count
-    groups: dict[str, float] = defaultdict(float)
-    for name, us in by_kernel.items():
-        groups[group_of(name)] += us / 1000.0
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    by_group, top = kernel_times(lambda: fast.forward_step(x, cond, 0), GROUPS, top=12)
     del fast
     torch.cuda.empty_cache()
-    return {
-        "workload": workload, "mode": mode, "attention": backend, "notes": notes, "step_ms_eager_launch": step_ms,
-        "profiled_ms_by_group": {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": n[:120], "ms": round(us / 1000.0, 3), "count": counts[n]} for n, us in top],
-    }
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="w2", choices=sorted(WORKLOADS))
-    parser.add_argument("--modes", nargs="+", default=["exact", "fast"])
-    parser.add_argument("--attention", default="auto")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    model = real_model()
-    results = [profile(model, args.workload, mode, args.attention) for mode in args.modes]
-    for r in results:
-        print(f"\n{r['workload']} {r['mode']} attention={r['attention']}: {r['step_ms_eager_launch']:.1f} ms/step "
-              f"(no graph) {r['notes']}")
-        for group, ms in r["profiled_ms_by_group"].items():
-            print(f"   {group:<14} {ms:8.2f} ms")
-        for k in r["top_kernels"][:8]:
-            print(f"      {k['ms']:8.2f} ms x{k['count']:<4} {k['name']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
-
-
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The fast VAE: python -m fastremover.bench.profile_step --vae [--workload w2]
-
-VAE_GROUPS = (
-    ("conv (cuDNN)", r"conv|cudnn|xmma|implicit|sm90|sm80|gemm|nhwc|fprop|cutlass|nvjet"),
-    ("norm+silu (Triton)", r"vae_rms|_rms_norm|_norm_kernel"),
-    ("conv fp8 (Triton)", r"conv3d_fp8|_conv3d"),
-    ("copy / cat / pad", r"copy|cat|pad|fill|Memset|Memcpy"),
-    ("elementwise", r"elementwise|vectorized|add|mul|clamp|silu"),
-    ("attention", r"fmha|flash|attention"),
-)
+    return {"workload": workload, "mode": mode, "attention": backend, "notes": notes, "step_ms_eager_launch": step_ms,
+            "profiled_ms_by_group": by_group, "top_kernels": top}
 
 
 def profile_vae(workload: str = "w2", precision: str = "auto") -> dict:
@@ -127,42 +108,45 @@ def profile_vae(workload: str = "w2", precision: str = "auto") -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     video = torch.rand(1, 3, frames, height, width, device="cuda", generator=g, dtype=torch.float16) * 2 - 1
     mask = (torch.rand(1, 1, frames, height, width, device="cuda", generator=g) > 0.9).half().expand(1, 3, -1, -1, -1)
+    latents = torch.randn(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8, device="cuda", dtype=torch.float16)
     out = {}
-    for name, fn in (("encode", lambda: fast.encode_removal_inputs(video, mask)),
-                     ("decode", lambda: fast.decode(torch.randn(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8,
-                                                                 device="cuda", dtype=torch.float16)))):
-        fn()
+    for name, fn in (("encode", lambda: fast.encode_removal_inputs(video, mask)), ("decode", lambda: fast.decode(latents))):
+        fn()  # compile / warm up
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        by_kernel: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        for ev in prof.key_averages():
-            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-            if us and ev.key:
-                by_kernel[ev.key] += us
-                counts[ev.key] += ev.count
-        groups: dict[str, float] = defaultdict(float)
-        for kname, us in by_kernel.items():
-            group = next((gname for gname, pat in VAE_GROUPS if re.search(pat, kname, re.IGNORECASE)), "other")
-            groups[group] += us / 1000.0
-        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:14]
-        out[name] = {"ms_by_group": {k: round(v, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-                     "top": [{"name": n[:110], "ms": round(us / 1000.0, 2), "count": counts[n]} for n, us in top]}
+        by_group, top = kernel_times(fn, VAE_GROUPS, top=14, digits=2)
+        out[name] = {"ms_by_group": by_group, "top": top}
     return out
 
 
-if __name__ == "__main__" and "--vae" in sys.argv:
-    res = profile_vae(sys.argv[sys.argv.index("--workload") + 1] if "--workload" in sys.argv else "w2")
-    for stage, r in res.items():
-        print(f"\nfast VAE {stage}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms_by_group"].items()))
-        for k in r["top"]:
-            print(f"   {k['ms']:8.2f} ms x{k['count']:<5} {k['name']}")
-    if "--out" in sys.argv:
-        with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "vae": res}, f, indent=1)
-    sys.exit(0)
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="w2", choices=sorted(WORKLOADS))
+    parser.add_argument("--modes", nargs="+", default=["exact", "fast"])
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--vae", action="store_true", help="profile the fast VAE instead of a denoise step")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.vae:
+        results = profile_vae(args.workload)
+        for stage, r in results.items():
+            print(f"\nfast VAE {stage}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms_by_group"].items()))
+            for k in r["top"]:
+                print(f"   {k['ms']:8.2f} ms x{k['count']:<5} {k['name']}")
+        payload = {"gpu": torch.cuda.get_device_name(), "vae": results}
+    else:
+        model = real_model()
+        results = [profile(model, args.workload, mode, args.attention) for mode in args.modes]
+        for r in results:
+            print(f"\n{r['workload']} {r['mode']} attention={r['attention']}: {r['step_ms_eager_launch']:.1f} ms/step "
+                  f"(no graph) {r['notes']}")
+            for group, ms in r["profiled_ms_by_group"].items():
+                print(f"   {group:<14} {ms:8.2f} ms")
+            for k in r["top_kernels"][:8]:
+                print(f"      {k['ms']:8.2f} ms x{k['count']:<4} {k['name']}")
+        payload = {"gpu": torch.cuda.get_device_name(), "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
 
 
 if __name__ == "__main__":

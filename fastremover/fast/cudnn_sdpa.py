@@ -77,6 +77,23 @@ def _dtype(cudnn, dtype: torch.dtype):
     }[dtype]
 
 
+def _build(g, device: torch.device, all_plans: bool = False):
+    """Validate and build a graph whose inputs/outputs are declared: (graph, workspace, number of built plans).
+
+    Only the heuristics' first choice is built for real runs: picking the fastest of several plans by timing could
+    pick differently in another process and change the output bits (runs must be reproducible). all_plans=True is
+    for the benchmark's plan survey."""
+    cudnn = _cudnn()
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans(cudnn.build_plan_policy.ALL if all_plans else cudnn.build_plan_policy.HEURISTICS_CHOICE)
+    plans = g.get_execution_plan_count() if all_plans else 1
+    size = max([g.get_workspace_size()] + [g.get_workspace_size_plan_at_index(i) for i in range(plans)])
+    return g, torch.empty(max(1, size), dtype=torch.uint8, device=device), plans
+
+
 class _Fp8Graph:
     """One built cuDNN graph for fixed shapes/strides/dtypes."""
 
@@ -113,18 +130,7 @@ class _Fp8Graph:
         amax_s.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
         amax_o.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
         self.o, self.amax_s, self.amax_o = o, amax_s, amax_o
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        # Only the heuristics' first choice is built for real runs: picking the fastest of several plans by timing
-        # could pick differently in another process and change the output bits (runs must be reproducible).
-        # all_plans=True is for the benchmark's plan survey.
-        g.build_plans(cudnn.build_plan_policy.ALL if all_plans else cudnn.build_plan_policy.HEURISTICS_CHOICE)
-        self.graph = g
-        self.plans = g.get_execution_plan_count() if all_plans else 1
-        size = max([g.get_workspace_size()] + [g.get_workspace_size_plan_at_index(i) for i in range(self.plans)])
-        self.workspace = torch.empty(max(1, size), dtype=torch.uint8, device=device)
+        self.graph, self.workspace, self.plans = _build(g, device, all_plans)
         self.amax_buf = torch.empty(2, dtype=torch.float32, device=device)
         self.p_scale = torch.full((1,), P_SCALE, dtype=torch.float32, device=device)
         self.p_descale = torch.full((1,), 1.0 / P_SCALE, dtype=torch.float32, device=device)
@@ -181,13 +187,7 @@ class _HalfGraph:
         dim, stride = _bhsd(out)
         o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(io)
         self.o = o
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        self.graph = g
-        self.workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=device)
+        self.graph, self.workspace, _ = _build(g, device)
 
     def run(self, q, k, v, out):
         cudnn = _cudnn()

@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastremover.fast.attention import get_backend
+from fastremover.fast.attention import get_backend, quantize_qkv
+from fastremover.fast.cudnn_sdpa import sdpa_fp8
 from fastremover.fast.fp8 import Fp8Linear
 from fastremover.models.transformer import RemoverTransformer
 
@@ -143,9 +144,6 @@ class FastTransformer(nn.Module):
         q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
         k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
         if self.fp8_attention_codes:
-            from fastremover.fast.attention import quantize_qkv
-            from fastremover.fast.cudnn_sdpa import sdpa_fp8
-
             q8, k8, v8, sq, sk, sv = quantize_qkv(*(t.unflatten(1, (heads, -1)).view(b, s, heads, -1) for t in (q, k, v)))
             o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of o / sv
             o = self.fp8_blocks[index]["o"](o8.view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())

@@ -1051,36 +1051,20 @@ def codegen_summary(compiled) -> dict:
     conversions), local-memory spills (LDL/STL), TMA loads (UTMALDG), and the register / shared-memory use."""
     import re
 
+    from fastremover.fast.kernels.codegen_check import resource_usage
+
     try:
         sass = compiled.asm["sass"]
     except Exception as e:  # cuobjdump unavailable
         return {"error": f"no SASS: {e}"}
     count = lambda pat: len(re.findall(pat, sass))  # noqa: E731
-    return {"resources": _resource_usage(compiled), "shared": getattr(compiled.metadata, "shared", None),
+    return {"resources": resource_usage(compiled), "shared": getattr(compiled.metadata, "shared", None),
             "QGMMA": count(r"\bQGMMA\b"), "HGMMA": count(r"\bHGMMA\b"),
             "HMMA": count(r"\bHMMA\b"), "MUFU.EX2": count(r"MUFU\.EX2"), "F2FP.E4M3": count(r"F2FP\.[A-Z.]*E4M3"),
             "LDS": count(r"\bLDS(\.\w+)*\b"), "STS": count(r"\bSTS(\.\w+)*\b"), "LDSM": count(r"\bLDSM\b"),
             "STSM": count(r"\bSTSM\b"), "UTMALDG": count(r"UTMALDG"), "LDGSTS": count(r"LDGSTS"),
             "LDL/STL": count(r"\b(LDL|STL)\b"), "SHFL": count(r"\bSHFL\b"), "PRMT": count(r"\bPRMT\b"),
             "instructions": sass.count("\n")}
-
-
-def _resource_usage(compiled) -> str:
-    """'REG:.. SHARED:.. LOCAL:..' from the bundled cuobjdump (empty if unavailable)."""
-    import subprocess
-    import tempfile
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(compiled.asm["cubin"])
-            out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, timeout=60)
-        line = next((ln.strip() for ln in out.stdout.splitlines() if "REG:" in ln), "")
-        return " ".join(w for w in line.split() if w.split(":")[0] in ("REG", "SHARED", "LOCAL", "STACK"))
-    except Exception:
-        return ""
 
 
 def codegen_report(configs=None, head_dim: int = 128) -> list[dict]:

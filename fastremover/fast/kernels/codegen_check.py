@@ -55,7 +55,7 @@ def _sass(compiled) -> str | None:
         return None
 
 
-def _resources(compiled) -> str:
+def resource_usage(compiled) -> str:
     """'REG:40 ... LOCAL:0' line of `cuobjdump --dump-resource-usage` (empty if the tool is unavailable)."""
     import os
     import subprocess
@@ -159,7 +159,7 @@ def check(verbose: bool = True) -> list[str]:
         if verbose:
             flt = sorted(o for o in ops if re.search(r"\.(f32|bf16|f16|e4m3x2)|^cvt|^div|^rsqrt|^fma|^mul\.rn", o))
             mem = sorted({o for o in ops if o.startswith(("ld.global", "st.global"))})
-            res = _resources(c)
+            res = resource_usage(c)
             need("LOCAL:0" in res or not res, f"uses local memory: {res}")
             print(f"{name:30s} warps={warps} {res}\n{'':30s} {' '.join(flt)}\n{'':30s} memory: {' '.join(mem)}")
     return problems
