@@ -232,21 +232,75 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
     return rows
 
 
+def _bhsd_memory(t: torch.Tensor) -> torch.Tensor:
+    """The same [B, S, H, D] values stored head-major ([B, H, S, D] contiguous), viewed back as [B, S, H, D]."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def bench_layouts(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128) -> list[dict]:
+    """Does the memory layout of q/k/v/o change the attention kernels' speed? Same values, three layouts: the fused
+    QKV projection's strided views ([B, S, 3, H, D] unbound), token-major contiguous [B, S, H, D], head-major
+    contiguous [B, H, S, D]; for torch SDPA (fp16) and cuDNN's FP8 kernel (codes in, codes out; the output stays
+    token-major where the O projection needs it, or head-major)."""
+    from fastremover.fast.cudnn_sdpa import sdpa_fp8
+
+    rows = []
+    dev = torch.device("cuda")
+    for s in seq_lens:
+        g = torch.Generator(device=dev).manual_seed(s)
+        qkv = torch.randn(1, s, 3, heads, head_dim, device=dev, generator=g, dtype=torch.float16)
+        flop = 4.0 * s * s * heads * head_dim
+        strided = qkv.unbind(2)
+        layouts = {"qkv-strided": strided, "bshd": tuple(t.contiguous() for t in strided),
+                   "bhsd": tuple(_bhsd_memory(t) for t in strided)}
+        ref = sdpa(*strided)
+        for name, (q, k, v) in layouts.items():
+            out = sdpa(q, k, v)
+            ms = _time_ms(lambda: sdpa(q, k, v))
+            rows.append({"seq": s, "backend": f"sdpa-fp16 in={name}", "ms": ms, "tflops": flop / ms / 1e9,
+                         "equal_to_strided": bool(torch.equal(out, ref))})
+            try:  # cuDNN through the frontend, output written token-major (what the O projection reads)
+                from fastremover.fast.cudnn_sdpa import sdpa_half
+
+                o = torch.empty(q.shape, dtype=q.dtype, device=dev)
+                sdpa_half(q, k, v, out=o)
+                ms = _time_ms(lambda: sdpa_half(q, k, v, out=o))
+                rows.append({"seq": s, "backend": f"cudnn-fe-fp16 in={name} out=bshd", "ms": ms,
+                             "tflops": flop / ms / 1e9, "cos": _cos(o, ref)})
+            except Exception as exc:
+                rows.append({"seq": s, "backend": f"cudnn-fe-fp16 in={name}", "error": repr(exc)[:300]})
+        if unavailable_reason("fp8", dev) is None:
+            q8, k8, v8, sq, sk, sv = quantize_qkv(*strided)
+            inv = torch.reciprocal(sv)
+            codes = {"bshd": (q8, k8, v8), "bhsd": tuple(_bhsd_memory(t) for t in (q8, k8, v8))}
+            for name, (a, b, c) in codes.items():
+                for out_layout in ("bshd", "bhsd"):
+                    o = torch.empty(q8.shape, dtype=q8.dtype, device=dev)
+                    if out_layout == "bhsd":
+                        o = _bhsd_memory(o)
+                    sdpa_fp8(a, b, c, sq, sk, sv, scale_o=inv, out=o)
+                    ms = _time_ms(lambda: sdpa_fp8(a, b, c, sq, sk, sv, scale_o=inv, out=o))
+                    rows.append({"seq": s, "backend": f"fp8 kernel in={name} out={out_layout}", "ms": ms,
+                                 "tflops": flop / ms / 1e9, "cos": _cos(o.float() * sv, ref)})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", action="store_true")
+    parser.add_argument("--layouts", action="store_true", help="only the q/k/v/o memory-layout survey")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not args.bench:
         parser.error("nothing to do (use --bench)")
-    rows = bench()
+    rows = bench_layouts() if args.layouts else bench()
     for r in rows:
         if "error" in r:
             print(f"S={r['seq']:>6} {r['backend']:<28} smooth={r.get('smooth_k', '-')!s:<5} ERROR {r['error']}")
         else:
             print(f"S={r['seq']:>6} {r['backend']:<28} smooth={r.get('smooth_k', '-')!s:<5} {r['ms']:8.3f} ms "
                   f"{r.get('tflops', math.nan):7.1f} TFLOP/s  x{r.get('speedup', math.nan):5.2f}  "
-                  f"cos {r.get('cos', math.nan):.5f}")
+                  f"cos {r.get('cos', math.nan):.5f}" + (f"  equal {r['equal_to_strided']}" if 'equal_to_strided' in r else ''))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
