@@ -106,7 +106,8 @@ def test_configs():
     A = mod()
     names = [c.name for c in A.AUTOTUNE_CONFIGS]
     assert 1 <= len(names) <= 6 and len(set(names)) == len(names)
-    for c in (*A.AUTOTUNE_CONFIGS, A.POINTER_CONFIG, A.INTERPRET_CONFIG):
+    assert not any(c.warp_spec for c in A.AUTOTUNE_CONFIGS)  # out of tuning until the S=130 crash is understood
+    for c in (*A.AUTOTUNE_CONFIGS, *A.WARP_SPEC_CONFIGS, A.POINTER_CONFIG, A.INTERPRET_CONFIG):
         assert A.AttnConfig.parse(c.name) == c
         assert c.block_m in (64, 128) or c is A.INTERPRET_CONFIG
         if c.warp_spec:  # Triton's Hopper warp specialization needs TMA loads and 4 warps

@@ -818,7 +818,7 @@ def test_fuse_bias_is_bit_exact_with_the_interpreted_kernels(tiny_big_bias, dtyp
     res = {}
     for fuse in (False, True):
         fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", pair=True, fuse_bias=fuse)
-        assert fast.fuse_bias is fuse and fast.describe().endswith("+fuse-bias") is fuse
+        assert fast.fuse_bias is fuse and fast.describe().endswith("+unfused-bias") is (not fuse)
         no_bias.clear()
         res[fuse] = (*fast.encode_removal_inputs(frames, mask), fast.decode(z))
         res[fuse, "deferred"] = _deferred_names(fast, no_bias) - {"tap_head"}
@@ -898,7 +898,7 @@ def test_bench_fuse_bias_flag(tmp_path, monkeypatch):
                 "--repeats", "1", "--pair", "off", "--fuse-bias", "--out", str(out)])
     assert rc == 0
     _, plain, fused = json.loads(out.read_text())["runs"]
-    assert plain["fuse_bias"] is False and fused["fuse_bias"] is True and "+fuse-bias" in fused["name"]
+    assert plain["fuse_bias"] is False and fused["fuse_bias"] is True and "+unfused-bias" in plain["name"]
     assert fused["bit_exact_vs_unfused"] is True and fused["speedup_vs_unfused"] > 0
 
 

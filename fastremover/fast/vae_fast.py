@@ -35,7 +35,7 @@ frames; decode: one latent frame), with these changes:
   `pair` allows it; the mask video 2*mask-1 and masked = frames*(1-mask) are formed per chunk inside the conv_in
   buffer (same fp16 ops as the pipeline's, so the same bits), not as two extra full videos.
 * No fp32 round trips: nearest upsampling, clamping, padding and the cache copies are exact in the model dtype.
-* Deferred conv biases (`fuse_bias=True`; off by default until measured on the GPU): ATen's cuDNN path runs every
+* Deferred conv biases (`fuse_bias=True`, the default): ATen's cuDNN path runs every
   `F.conv3d/conv2d(x, w, bias)` as the bias-free conv followed by `out.add_(bias)`, a [1, C, 1, 1, 1] broadcast add
   that takes torch's slow strided kernel on channels-last tensors (W2 on the H200: 180 ms of the encode, 101 ms of
   the decode). Where a conv's output has exactly one consumer and that consumer is one of our kernels, the conv runs
@@ -43,7 +43,8 @@ frames; decode: one latent frame), with these changes:
   a residual block's conv1 (-> norm2 + SiLU, `vae_norm`'s `bias=`), its conv2 and the attention block's proj (->
   the residual add, `add_frames`' `bias=`: two roundings, as the two eager adds). The result is bit-identical to
   fuse_bias=False wherever the conv itself is deterministic (tests/test_vae_fast.py: the CPU with a conv that
-  composes like cuDNN's, and a GPU test). Not deferred: FP8 convs (their kernel adds the bias itself); conv_in, the
+  composes like cuDNN's, and a GPU test at a W2 chunk). H200, W2: bit-identical, 2.549 -> 2.381 s (1.07x) for both
+  encodes + the decode (bench/results/vae-w2-fusebias-*.json). Not deferred: FP8 convs (their kernel adds the bias itself); conv_in, the
   resample convs and time_conv, whose outputs feed a residual block's norm1 AND its shortcut (or a copy), so the
   biased values would have to be written anyway; and the rest (conv_shortcut, to_qkv, conv_out / the tap head, the
   quant convs). At W2 that defers about 75 % of the encode's and 83 % of the decode's bias-add elements (counted
@@ -226,9 +227,9 @@ class FastWanVAE:
     lower peak memory for more, smaller kernels; see `_causal_striped`). cudnn_benchmark: set
     torch.backends.cudnn.benchmark during the calls (None: leave it as it is). fuse_bias: run residual blocks' conv1 /
     conv2 and the attention proj without bias and add it inside the norm / residual-add kernel that reads their output
-    (see the module docstring); bit-identical to False on the CPU tests, but OFF by default because it has not been
-    validated and timed on the GPU yet (tests/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and
-    `python -m fastremover.fast.vae_fast --bench --fuse-bias` do that).
+    (see the module docstring); bit-identical to False (CPU tests, and on the H200
+    tests/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and `python -m fastremover.fast.vae_fast --bench
+    --fuse-bias`), and 7 % faster there at W2, so on by default.
     """
 
     def __init__(
@@ -247,7 +248,7 @@ class FastWanVAE:
         tap_head: bool = True,
         stripe_mib: float | None = None,
         cudnn_benchmark: bool | None = None,
-        fuse_bias: bool = False,
+        fuse_bias: bool = True,
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -378,10 +379,10 @@ class FastWanVAE:
         return self.vae.denormalize(z)
 
     def describe(self) -> str:
-        """E.g. "fast-fp16", "fast-bf16", "fast-fp8" (what the pipeline's EngineConfig.vae shows); "+fuse-bias" is
-        appended with fuse_bias=True."""
+        """E.g. "fast-fp16", "fast-bf16", "fast-fp8" (what the pipeline's EngineConfig.vae shows); "+unfused-bias" is
+        appended with fuse_bias=False (not the default)."""
         name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
-        return f"fast-{'fp8' if self._fp8 is not None else name}" + ("+fuse-bias" if self.fuse_bias else "")
+        return f"fast-{'fp8' if self._fp8 is not None else name}" + ("" if self.fuse_bias else "+unfused-bias")
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
         c = self.config.in_channels
@@ -1106,7 +1107,7 @@ def bench(argv: list[str] | None = None) -> int:
     if args.stripe_mib:
         variants.append(dict(pair=pairs[-1], cudnn_benchmark=None, stripe_mib=args.stripe_mib))
     if args.fuse_bias:  # each variant, then its fuse_bias twin (compared with it bit for bit)
-        variants = [w for v in variants for w in (v, {**v, "fuse_bias": True})]
+        variants = [w for v in variants for w in ({**v, "fuse_bias": False}, {**v, "fuse_bias": True})]
     z_gpu = z_dec.to(device)
     unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:

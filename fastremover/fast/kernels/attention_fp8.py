@@ -87,7 +87,7 @@ of this package): this kernel is held to a tolerance, not bit-exactness, and ext
 cost throughput.
 
 Autotuning (compiled path): the first call for a (B, S, H, D, layout) key compiles and runs each of AUTOTUNE_CONFIGS
-(six) on the real inputs, checks each result on sampled rows against the emulating reference (rel. L2 error <=
+(three; the warp-specialized ones are out, see AUTOTUNE_CONFIGS) on the real inputs, checks each result on sampled rows against the emulating reference (rel. L2 error <=
 VALIDATE_REL_L2 = 5 %, a sanity bound that rejects broken builds; precision is judged by the tests and the bench),
 times it (median of a few runs) and keeps the fastest valid one. A config that fails to compile is skipped and
 reported (Triton prints the failing pass's IR to stderr; that is noise, not an error of the run). Tuning cannot run
@@ -187,13 +187,20 @@ class AttnConfig:
 # (it adds a TMA producer warp and splits the 128 rows over two consumer warpgroups, registers rebalanced with
 # setmaxnreg; the consumers then synchronize through mbarriers only, not a CTA barrier per key block, so one can
 # run its softmax while the other's MMAs run); 64-row tiles with 4 warps (two programs per SM, independent).
+# The warp-specialized configs are NOT tuned by default: on the H200 (Triton 3.6, 2026-11-30) the first of them hit
+# an illegal memory access at S = 130 (one full key block + a 2-key tail, tests/test_attention_fp8.py; the sticky
+# CUDA error then failed every later test of the process), while at S = 32760 / 7290 they had run and validated.
+# Not root-caused (Triton's WS pass or our tail loop under it); until it is, they are reachable only by name
+# (FASTREMOVER_FP8_ATTN_CONFIG / _CONFIGS), and WARP_SPEC_CONFIGS lists them. The engine pins AUTOTUNE_CONFIGS[0].
 AUTOTUNE_CONFIGS: tuple[AttnConfig, ...] = (
     AttnConfig(128, 128, 8, 2, tma=1, warp_spec=False, pv_acc=1),
     AttnConfig(128, 128, 8, 3, tma=1, warp_spec=False, pv_acc=1),
+    AttnConfig(64, 128, 4, 2, tma=1, warp_spec=False, pv_acc=1),
+)
+WARP_SPEC_CONFIGS: tuple[AttnConfig, ...] = (
     AttnConfig(128, 128, 4, 2, tma=1, warp_spec=True, pv_acc=1),
     AttnConfig(128, 128, 4, 3, tma=1, warp_spec=True, pv_acc=1),
     AttnConfig(128, 64, 4, 3, tma=1, warp_spec=True, pv_acc=1),
-    AttnConfig(64, 128, 4, 2, tma=1, warp_spec=False, pv_acc=1),
 )
 # For inputs no TMA descriptor can describe (unaligned strides): pointer loads (cp.async). The 128 x 128 pointer
 # variants spill registers on sm_90; this one does not.

@@ -1,0 +1,120 @@
+"""Can cuDNN run the VAE's 3x3x3 convs in FP8 on Hopper, and how fast vs its fp16 conv? (GPU experiment.)
+
+For the fast VAE's per-call shapes (channels-last, the causal 2-frame cache + new frames as one input, spatial
+padding 1): torch's fp16 conv3d (cuDNN, what the fast VAE runs) vs a cudnn-frontend graph with e4m3 image and
+weight (fp32 accumulate) and fp16 output, with and without a fused per-tensor scale multiply. Every plan cuDNN
+builds is timed; prints ms, TFLOP/s and the error vs fp16 (cosine). --out writes JSON.
+
+    python bench/experiments/cudnn_fp8_conv.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+import cudnn
+
+FP8 = torch.float8_e4m3fn
+
+
+def time_ms(fn, iters=10):
+    for _ in range(3):
+        fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(iters):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / iters
+
+
+def build(handle, x8, w8, out, with_scale: bool):
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    X = g.tensor(name="X", dim=list(x8.shape), stride=list(x8.stride()), data_type=cudnn.data_type.FP8_E4M3)
+    W = g.tensor(name="W", dim=list(w8.shape), stride=list(w8.stride()), data_type=cudnn.data_type.FP8_E4M3)
+    Y = g.conv_fprop(image=X, weight=W, pre_padding=[0, 1, 1], post_padding=[0, 1, 1], stride=[1, 1, 1],
+                     dilation=[1, 1, 1], compute_data_type=cudnn.data_type.FLOAT, name="conv")
+    S = None
+    if with_scale:
+        Y.set_data_type(cudnn.data_type.FLOAT)
+        S = g.tensor(name="S", dim=[1, 1, 1, 1, 1], stride=[1, 1, 1, 1, 1], data_type=cudnn.data_type.FLOAT)
+        Y = g.mul(a=Y, b=S, compute_data_type=cudnn.data_type.FLOAT, name="scale")
+    Y.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride())).set_data_type(cudnn.data_type.HALF)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans(cudnn.build_plan_policy.ALL)
+    n = g.get_execution_plan_count()
+    ws = max([g.get_workspace_size()] + [g.get_workspace_size_plan_at_index(i) for i in range(n)])
+    return g, X, W, Y, S, n, torch.empty(max(ws, 1), dtype=torch.uint8, device=x8.device)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    rows = []
+    # (C_in, C_out, T_in (2 cache + new), H, W): encoder level 0/1/2, decoder levels
+    shapes = [(96, 96, 4, 480, 832), (192, 192, 4, 240, 416), (384, 384, 6, 120, 208), (384, 384, 6, 60, 104),
+              (192, 192, 3, 480, 832), (96, 96, 3, 480, 832)]
+    for cin, cout, t, h, w in shapes:
+        g_ = torch.Generator(device=dev).manual_seed(cin + t)
+        x = torch.randn(1, cin, t, h, w, device=dev, generator=g_).half().to(memory_format=torch.channels_last_3d)
+        wt = (torch.randn(cout, cin, 3, 3, 3, device=dev, generator=g_) / (27 * cin) ** 0.5).half()
+        wt = wt.to(memory_format=torch.channels_last_3d)
+        flop = 2.0 * cout * cin * 27 * (t - 2) * h * w
+        ref = F.conv3d(x, wt, padding=(0, 1, 1))
+        ms = time_ms(lambda: F.conv3d(x, wt, padding=(0, 1, 1)))
+        rows.append({"shape": [cin, cout, t, h, w], "variant": "torch fp16 conv3d (cuDNN)", "ms": ms,
+                     "tflops": flop / ms / 1e9})
+        sx = x.abs().amax().float() / 448
+        sw = wt.abs().amax().float() / 448
+        x8 = (x.float() / sx).to(FP8).to(memory_format=torch.channels_last_3d)
+        w8 = (wt.float() / sw).to(FP8).to(memory_format=torch.channels_last_3d)
+        out = torch.empty(ref.shape, dtype=torch.float16, device=dev).to(memory_format=torch.channels_last_3d)
+        scale = (sx * sw).reshape(1, 1, 1, 1, 1).contiguous()
+        for with_scale in (False, True):
+            try:
+                g, X, W, Y, S, n, ws = build(handle, x8, w8, out, with_scale)
+            except Exception as exc:
+                rows.append({"shape": [cin, cout, t, h, w], "variant": f"cudnn fp8 scale={with_scale}",
+                             "error": repr(exc)[:300]})
+                continue
+            pack = {X: x8, W: w8, Y: out}
+            if S is not None:
+                pack[S] = scale
+            for i in range(n):
+                name = g.get_plan_name_at_index(i)
+                try:
+                    ms = time_ms(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle))
+                    got = out.float() * (1.0 if with_scale else float(sx * sw))
+                    cos = float(torch.nn.functional.cosine_similarity(got.flatten(), ref.float().flatten(), dim=0))
+                    rows.append({"shape": [cin, cout, t, h, w], "variant": f"cudnn fp8 scale={with_scale} plan {i}",
+                                 "plan": name, "ms": ms, "tflops": flop / ms / 1e9, "cos": cos})
+                except Exception as exc:
+                    rows.append({"shape": [cin, cout, t, h, w], "variant": f"cudnn fp8 scale={with_scale} plan {i}",
+                                 "plan": name, "error": repr(exc)[:200]})
+    for r in rows:
+        if "error" in r:
+            print(f"{str(r['shape']):<26} {r['variant']:<34} ERROR {r['error'][:150]}")
+        else:
+            print(f"{str(r['shape']):<26} {r['variant']:<34} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s"
+                  f"  cos {r.get('cos', float('nan')):.5f}  {r.get('plan', '')[:50]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
