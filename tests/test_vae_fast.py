@@ -5,13 +5,16 @@ with the torch reference norm in fp32 against the eager WanVAE on the `tiny` con
 checked frame for frame against the eager CausalCache. GPU tests (`gpu` marker) run the compiled kernel and the
 real-size VAE.
 
-Claims and bounds (see vae_norm.py for the rounding points):
-  * given the kernel's own fp32 denominators, its output is bit-exact to the eager ops (torch.equal): on the GPU
-    with and without SiLU; in the interpreter without SiLU (with SiLU numpy's exp may differ from torch's CPU exp in
-    the last fp32 bit: at most 1 dtype ulp, on a handful of elements);
-  * against the whole eager op (its own sum of squares), fp16/bf16 outputs differ in few elements (<= 0.1 %, or 3
-    on tiny shapes), by at most 2 dtype ulps, or by at most one dtype ulp of the frame's largest |output| (a
-    1-ulp input difference that SiLU of a large negative input amplifies in relative terms but not in absolute);
+Claims and bounds (see vae_norm.py for the rounding points and the two modes):
+  * precise=True: given the kernel's own fp32 denominators, its output is bit-exact to the eager ops (torch.equal): on
+    the GPU with and without SiLU; in the interpreter without SiLU (with SiLU numpy's exp may differ from torch's CPU
+    exp in the last fp32 bit: at most 1 dtype ulp, on a handful of elements);
+  * both modes (precise=False, the default, computes step 3 as x * (1/denom) and SiLU with tl.sigmoid): against the
+    whole eager op (its own sum of squares), fp16/bf16 outputs differ in few elements (<= 0.1 %, or 3 on tiny shapes),
+    by at most 3 dtype ulps, or by at most one dtype ulp of the frame's largest |output| (a 1-ulp input difference that
+    SiLU of a large negative input amplifies in relative terms but not in absolute); the fast mode also within that
+    bound of the precise kernel, and deterministic (two calls torch.equal). The interpreter runs tl.sigmoid with
+    numpy's exp and an IEEE division, so only the GPU tests see ex2.approx / div.full;
   * FastWanVAE in fp32 on the CPU: relative error <= 1e-5 against WanVAE (summation order only);
   * the conv input buffers hold exactly the frames the eager causal conv sees (torch.equal);
   * deferred conv biases (fuse_bias=True): vae_norm(x, bias=b) == vae_norm(x.add_(b)) and add_frames(y, s, bias=b)
@@ -73,7 +76,8 @@ def ulps(a, b):
 
 def assert_close_to_eager(got, ref, *, what, max_frac=1e-3, min_count=3):
     """fp16/bf16: few mismatches, each <= 3 ulps (a step-3 flip carried through two rounded products, see
-    vae_norm.py) or <= one dtype ulp of its frame's largest |ref|."""
+    vae_norm.py) or <= one dtype ulp of its frame's largest |ref|. The bound of both kernel modes (the fast mode's
+    reciprocal and sigmoid only add step-3 flips of the same kind and last-rounding flips)."""
     assert got.shape == ref.shape and got.dtype == ref.dtype
     assert not torch.isnan(got.float()).any(), f"{what}: NaN (unwritten output?)"
     if got.dtype == F32:
@@ -107,33 +111,34 @@ def test_kernel_runs_in_the_interpreter():
 SHAPES = [(2, 96, 3, 5, 7), (1, 40, 2, 3, 9), (1, 8, 1, 4, 4)]
 
 
+@pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
 @pytest.mark.parametrize("dtype", [F16, BF16, F32])
 @pytest.mark.parametrize("silu", [True, False])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_norm_matches_eager(dtype, silu, shape):
+def test_norm_matches_eager(dtype, silu, shape, precise):
     g = gen(hash((str(dtype), silu, shape)) % 2**31)
     x = video(g, *shape, dtype=dtype, scale=2.0, offset=0.3)
     gamma = gamma_of(g, shape[1], dtype)
     ref = vn().vae_rms_norm_reference(x, gamma, silu=silu)
-    got = vn().vae_rms_norm(x, gamma, silu=silu)
+    got = vn().vae_rms_norm(x, gamma, silu=silu, precise=precise)
     assert got.is_contiguous(memory_format=CL3)
-    assert_close_to_eager(got, ref, what=f"{dtype} silu={silu} {shape}")
+    assert_close_to_eager(got, ref, what=f"{dtype} silu={silu} {shape} precise={precise}")
     # and the bound has teeth: dropping gamma changes the output far beyond it
     if dtype != F32:
-        wrong = vn().vae_rms_norm(x, torch.ones_like(gamma), silu=silu)
+        wrong = vn().vae_rms_norm(x, torch.ones_like(gamma), silu=silu, precise=precise)
         assert (ulps(wrong, ref) > 2).float().mean() > 0.3
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32])
 @pytest.mark.parametrize("silu", [False, True])
 def test_norm_is_exact_given_its_denominator(dtype, silu):
-    """Everything after the sum of squares is the eager ops' rounding, bit for bit."""
+    """precise=True: everything after the sum of squares is the eager ops' rounding, bit for bit."""
     g = gen(7 + (dtype == BF16) + 2 * silu)
     b, c, t, h, w = 2, 96, 3, 6, 5
     x = video(g, b, c, t, h, w, dtype=dtype, scale=3.0, offset=-0.2)
     gamma = gamma_of(g, c, dtype)
     denom = torch.full((b * t * h * w,), float("nan"), device=DEV)
-    got = vn().vae_rms_norm(x, gamma, silu=silu, out_norm=denom)
+    got = vn().vae_rms_norm(x, gamma, silu=silu, out_norm=denom, precise=True)
     assert not torch.isnan(denom).any()
     # the denominators are F.normalize's up to the sum's order
     torch.testing.assert_close(denom.view(b, t, h, w), x.float().norm(dim=1).clamp_min(1e-12), rtol=1e-6, atol=0)
@@ -148,17 +153,18 @@ def test_norm_is_exact_given_its_denominator(dtype, silu):
             torch.testing.assert_close(got, ref, rtol=2e-7, atol=1e-7)
 
 
+@pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_norm_writes_into_a_buffer_slice_and_the_tail(dtype):
+def test_norm_writes_into_a_buffer_slice_and_the_tail(dtype, precise):
     g = gen(11)
     b, c, n, h, w = 2, 48, 3, 4, 6
     x = video(g, b, c, n, h, w, dtype=dtype)
     gamma = gamma_of(g, c, dtype)
-    plain = vn().vae_rms_norm(x, gamma)
+    plain = vn().vae_rms_norm(x, gamma, precise=precise)
     buf = torch.full((b, c, 2 + n, h, w), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
     for k in (1, 2):
         tail = torch.full((b, c, k, h, w), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
-        out = vn().vae_rms_norm(x, gamma, out=buf[:, :, 2:], tail=tail)
+        out = vn().vae_rms_norm(x, gamma, out=buf[:, :, 2:], tail=tail, precise=precise)
         assert out.data_ptr() == buf[:, :, 2:].data_ptr()
         assert torch.equal(buf[:, :, 2:], plain)
         assert torch.isnan(buf[:, :, :2].float()).all(), "the cached frames in front were overwritten"
@@ -166,8 +172,9 @@ def test_norm_writes_into_a_buffer_slice_and_the_tail(dtype):
     # a 4-D channels-last [N, C, H, W] input (the attention block's frames) is N frames of the same op
     x4 = x.transpose(1, 2).reshape(b * n, c, h, w)
     assert x4.is_contiguous(memory_format=torch.channels_last)
-    y4 = vn().vae_rms_norm(x4, gamma, silu=False)
-    assert torch.equal(y4, vn().vae_rms_norm(x, gamma, silu=False).transpose(1, 2).reshape(b * n, c, h, w))
+    y4 = vn().vae_rms_norm(x4, gamma, silu=False, precise=precise)
+    y5 = vn().vae_rms_norm(x, gamma, silu=False, precise=precise)
+    assert torch.equal(y4, y5.transpose(1, 2).reshape(b * n, c, h, w))
 
 
 def test_norm_rejects_bad_arguments():
@@ -184,25 +191,106 @@ def test_norm_rejects_bad_arguments():
         vn().vae_rms_norm(x, gamma, out=torch.empty(1, 16, 2, 3, 3, device=DEV))
 
 
-def test_norm_propagates_nan_and_handles_zero_rows():
+@pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
+def test_norm_propagates_nan_and_handles_zero_rows(precise):
     x = torch.zeros(1, 16, 1, 2, 2, dtype=F16, device=DEV).contiguous(memory_format=CL3)
     x[0, 3, 0, 1, 1] = float("nan")
     gamma = torch.ones(16, dtype=F16, device=DEV)
-    got = vn().vae_rms_norm(x, gamma, silu=True)
+    got = vn().vae_rms_norm(x, gamma, silu=True, precise=precise)
     ref = vn().vae_rms_norm_reference(x, gamma, silu=True)
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
     assert torch.isnan(got[0, :, 0, 1, 1]).all() and (got[0, :, 0, 0, 0] == 0).all()
 
 
+def _fast_case(case, g, dtype):
+    """(x, gamma, kwargs, label) for test_norm_fast_mode_within_bound_of_eager: the fast VAE's call variants."""
+    if case == "plain":  # C=96: a masked 128-lane row, as the full-resolution level
+        x = video(g, 1, 96, 2, 12, 16, dtype=dtype, scale=2.0, offset=0.1)
+        return x, gamma_of(g, 96, dtype), {}
+    if case == "bias":  # a deferred conv bias (step 0), C=40
+        x = video(g, 2, 40, 3, 5, 7, dtype=dtype, scale=2.0, offset=0.3)
+        return x, gamma_of(g, 40, dtype), {"bias": (torch.randn(40, generator=g) * 1.5).to(DEV, dtype)}
+    if case == "tail":  # into a causal buffer slice, with the cache tail
+        x = video(g, 1, 96, 3, 6, 8, dtype=dtype, scale=2.0, offset=-0.2)
+        buf = torch.full((1, 96, 5, 6, 8), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+        tail = torch.full((1, 96, 2, 6, 8), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+        return x, gamma_of(g, 96, dtype), {"out": buf[:, :, 2:], "tail": tail}
+    # 4-D [N, C, H, W] channels-last (the attention block's frames), C=192
+    x = (torch.randn(3, 192, 6, 8, generator=g) * 2.0).to(DEV, dtype).contiguous(memory_format=torch.channels_last)
+    return x, gamma_of(g, 192, dtype), {}
+
+
+@pytest.mark.parametrize("case", ["plain", "bias", "tail", "4d"])
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_norm_fast_mode_within_bound_of_eager(dtype, silu, case):
+    """precise=False (the default): within assert_close_to_eager's bound of the eager op, and of the precise kernel
+    (the fast math's own error, same sum of squares in the interpreter), in every call variant the fast VAE uses."""
+    g = gen(100 + MANT[dtype] + 2 * silu + 4 * ["plain", "bias", "tail", "4d"].index(case))
+    x, gamma, kw = _fast_case(case, g, dtype)
+    ref = vn().vae_rms_norm_reference(x, gamma, silu=silu, bias=kw.get("bias"))
+    got = vn().vae_rms_norm(x, gamma, silu=silu, **kw)  # the default is the fast mode
+    prec = vn().vae_rms_norm(x, gamma, silu=silu, precise=True, bias=kw.get("bias"))
+    as5 = (lambda t: t.unsqueeze(2)) if x.dim() == 4 else (lambda t: t)
+    what = f"{dtype} silu={silu} {case}"
+    stats = assert_close_to_eager(as5(got), as5(ref), what=what + " vs eager")
+    assert_close_to_eager(as5(got), as5(prec), what=what + " vs precise")
+    print(f"fast vae_norm {what}: vs eager {stats}")
+    if case == "tail":  # (the frames in front of the slice: test_norm_writes_into_a_buffer_slice_and_the_tail)
+        assert got.data_ptr() == kw["out"].data_ptr() and torch.equal(kw["tail"], got[:, :, 1:])
+    if case == "bias":  # step 0 is the same in both modes: bias=b is the norm of x.add_(b), bit for bit
+        assert torch.equal(got, vn().vae_rms_norm(vn().add_bias(x, kw["bias"]), gamma, silu=silu))
+    # teeth: the bound is far from what a wrong gamma gives
+    wrong = vn().vae_rms_norm(x, torch.ones_like(gamma), silu=silu, bias=kw.get("bias"))
+    assert (ulps(wrong, ref) > 2).float().mean() > 0.3
+
+
+def test_norm_fast_mode_is_deterministic():
+    """Same inputs, same bits: two calls (new outputs and a reused out=) are torch.equal (no atomics, no split
+    reductions; on the GPU ex2.approx / div.full are deterministic instructions)."""
+    g = gen(120)
+    x = video(g, 2, 96, 3, 6, 5, dtype=F16, scale=2.0, offset=0.1)
+    gamma = gamma_of(g, 96, F16)
+    bias = (torch.randn(96, generator=g)).to(DEV, F16)
+    for kw in ({}, {"bias": bias}):
+        a = vn().vae_rms_norm(x, gamma, **kw)
+        b = vn().vae_rms_norm(x, gamma, **kw)
+        out = torch.full_like(a, float("nan"))
+        for _ in range(2):
+            vn().vae_rms_norm(x, gamma, out=out, **kw)
+            assert torch.equal(a, b) and torch.equal(out, a)
+
+
+def test_norm_precise_flag_selects_the_math():
+    """fp32 shows every fp32 rounding: precise=True is the eager ops given its denominators, bit for bit; the fast
+    mode's x * (1/denom) is not (on a quarter of the elements in the interpreter), but within 1e-6 of the largest
+    output. The reference accepts precise= (drop-in signature) and ignores it."""
+    g = gen(121)
+    b, c, t, h, w = 2, 96, 3, 6, 5
+    x = video(g, b, c, t, h, w, dtype=F32, scale=3.0, offset=-0.2)
+    gamma = gamma_of(g, c, F32)
+    for precise in (True, False):
+        denom = torch.empty(b * t * h * w, device=DEV)
+        got = vn().vae_rms_norm(x, gamma, silu=False, out_norm=denom, precise=precise)
+        exact = vn().vae_rms_norm_given_denominator(x, gamma, denom, silu=False)
+        assert torch.equal(got, exact) is precise, f"precise={precise}: {int((got != exact).sum())} differ"
+        assert (got - exact).abs().max() <= 1e-6 * exact.abs().max()
+    ref = vn().vae_rms_norm_reference(x, gamma)
+    assert torch.equal(ref, vn().vae_rms_norm_reference(x, gamma, precise=True))
+    assert torch.equal(ref, vn().vae_rms_norm_reference(x, gamma, precise=False))
+
+
 @pytest.mark.skipif(not INTERPRET, reason="offline codegen check runs where the kernels are interpreted (CPU CI)")
 def test_sm90_codegen_of_the_norm_kernel():
     """Compile for sm_90 without a GPU (in a subprocess: kernels must be imported as @triton.jit there) and check
-    the rounding points the exactness rests on: IEEE div/sqrt, no approximate division, no calls left; with and
-    without a deferred bias (vae_norm's step 0, add_frames' first rounding)."""
+    the rounding points the exactness rests on: precise mode: IEEE div/sqrt, no approximate division, no calls left;
+    fast mode: IEEE sqrt and row reciprocal, no FMA, and with SiLU exactly tl.sigmoid's ex2.approx.f32 + div.full.f32;
+    both with and without a deferred bias (vae_norm's step 0, add_frames' first rounding), at the launch's warps."""
     import subprocess
     import sys
 
     code = r'''
+import itertools
 import re
 from fastremover.fast.kernels.codegen_check import _compile, _opcodes
 from fastremover.fast.kernels import vae_norm as vn
@@ -211,23 +299,30 @@ for dt in ("fp16", "bf16"):
     sig = {"X": "*" + dt, "GAMMA": "*" + dt, "BIAS": "*" + dt, "Y": "*" + dt, "TAIL": "*" + dt, "NORM": "*fp32",
            "HW": "i32", "T": "i32", "TAIL_T0": "i32", "sxb": "i64", "sxt": "i64", "syb": "i64", "syt": "i64",
            "stb": "i64", "stt": "i64", "scale": "fp32", "eps": "fp32"}
-    for silu in (False, True):
-        for bias in (False, True):
-            c = _compile(vn._vae_norm_kernel, sig, {"C": 96, "BLOCK_C": 128, "BLOCK_M": 32, "SILU": silu,
-                         "HAS_TAIL": True, "HAS_NORM": False, "HAS_BIAS": bias, "INTERPRET": False}, 4)
-            ptx = c.asm["ptx"]
-            ops = _opcodes(ptx)
-            assert "div.rn.f32" in ops and "sqrt.rn.f32" in ops, sorted(ops)
+    for precise, silu, bias in itertools.product((True, False), (False, True), (False, True)):  # bias fastest
+        block_c, block_m, warps = vn._blocks(96, precise)  # what the wrapper launches
+        c = _compile(vn._vae_norm_kernel, sig, {"C": 96, "BLOCK_C": block_c, "BLOCK_M": block_m, "SILU": silu,
+                     "HAS_TAIL": True, "HAS_NORM": False, "HAS_BIAS": bias, "PRECISE": precise,
+                     "INTERPRET": False}, warps)
+        ptx = c.asm["ptx"]
+        ops = _opcodes(ptx)
+        assert "div.rn.f32" in ops and "sqrt.rn.f32" in ops, sorted(ops)  # (fast: the row reciprocal)
+        assert re.search(r"^\s*call|\.extern\s+\.func", ptx, re.M) is None
+        fmas = [o for o in ops if o.startswith("fma")]
+        approx = sorted(o for o in ops if o.startswith(("div.full", "div.approx", "sqrt.approx", "rcp.approx",
+                                                        "ex2", "lg2")))
+        if precise:
             assert not any(o.startswith(("div.full", "div.approx", "sqrt.approx")) for o in ops), sorted(ops)
-            assert re.search(r"^\s*call|\.extern\s+\.func", ptx, re.M) is None
-            fmas = [o for o in ops if o.startswith("fma")]
             assert silu or not fmas, fmas  # without SiLU nothing may be contracted; with it only libdevice's expf
-            if dt == "bf16":
-                assert any(o.startswith("cvt.rn.bf16") for o in ops)
-            if bias:  # step 0: x + bias rounded to the dtype before the norm (a native half add, or fp32 + cvt)
-                assert ops != plain_ops and any(o.startswith(("add.rn.f16", "add.rn.bf16")) for o in ops), sorted(ops)
-            else:
-                plain_ops = ops
+        else:  # no libdevice: nothing contracted at all; tl.sigmoid = 1 / (1 + exp(-v)) with Triton's fast ops
+            assert not fmas, fmas
+            assert approx == (["div.full.f32", "ex2.approx.f32"] if silu else []), approx
+        if dt == "bf16":
+            assert any(o.startswith("cvt.rn.bf16") for o in ops)
+        if bias:  # step 0: x + bias rounded to the dtype before the norm (a native half add, or fp32 + cvt)
+            assert ops != plain_ops and any(o.startswith(("add.rn.f16", "add.rn.bf16")) for o in ops), sorted(ops)
+        else:
+            plain_ops = ops
     # the residual add with and without a deferred bias: each add rounded to the dtype (LLVM narrows widen + fp32 add
     # + round to a native add.rn.f16/bf16: the same bits, fp32 has > 2p+2 bits), no FMA, no integer division, and
     # vectorized loads with the specialization a real launch gets (16-aligned pointers, strides and row widths)
@@ -444,6 +539,31 @@ def test_fast_vae_with_the_interpreted_kernel(tiny):
     assert rel_err(a.decode(z[:1, :, :2, :2, :2]), b.decode(z[:1, :, :2, :2, :2])) <= 1e-5
 
 
+def test_precise_norm_option(tiny):
+    """precise_norm=True reaches the norm as precise=True (the default passes nothing: the kernel's fast mode) and
+    shows in describe(); the torch reference ignores it (same bits)."""
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, _, z, _ = tiny
+    out = {}
+    for precise_norm in (False, True):
+        fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precise_norm=precise_norm)
+        assert fast.precise_norm is precise_norm
+        assert fast.describe() == "fast-fp32" + ("+precise-norm" if precise_norm else "")
+        seen, norm_fn = [], fast._norm_fn
+
+        def recording(*a, **k):
+            seen.append(k.get("precise", "default"))
+            return norm_fn(*a, **k)
+
+        fast._norm_fn = recording
+        out[precise_norm] = fast.decode(z[:1, :, :2, :2, :2])
+        assert seen and set(seen) == {True if precise_norm else "default"}, set(seen)
+    assert torch.equal(out[False], out[True])
+    assert FastWanVAE(vae, device="cpu", dtype=F32, fuse_bias=False, precise_norm=True).describe() == (
+        "fast-fp32+unfused-bias+precise-norm")
+
+
 def test_build_vae_and_pipeline_wiring():
     from fastremover.fast.vae_fast import build_vae
     from fastremover.models.loading import random_models
@@ -518,18 +638,52 @@ def test_gpu_norm_real_shapes(dtype, c, t, h, w):
     gamma = gamma_of(g, c, dtype, device="cuda")
     for silu in (True, False):
         denom = torch.empty(t * h * w, device="cuda")
-        got = vn().vae_rms_norm(x, gamma, silu=silu, out_norm=denom)
+        got = vn().vae_rms_norm(x, gamma, silu=silu, out_norm=denom, precise=True)
         exact = vn().vae_rms_norm_given_denominator(x, gamma, denom, silu=silu)
         assert torch.equal(got, exact), f"{int((got != exact).sum())} elements differ given the same denominator"
-        stats = assert_close_to_eager(got, vn().vae_rms_norm_reference(x, gamma, silu=silu),
-                                      what=f"{dtype} C={c} silu={silu}")
-        print(f"vae_norm {dtype} C={c} {t}x{h}x{w} silu={silu}: {stats}")
+        ref = vn().vae_rms_norm_reference(x, gamma, silu=silu)
+        stats = assert_close_to_eager(got, ref, what=f"{dtype} C={c} silu={silu} precise")
+        print(f"vae_norm {dtype} C={c} {t}x{h}x{w} silu={silu} precise: {stats}")
+        fast = vn().vae_rms_norm(x, gamma, silu=silu)
+        stats = assert_close_to_eager(fast, ref, what=f"{dtype} C={c} silu={silu} fast")
+        print(f"vae_norm {dtype} C={c} {t}x{h}x{w} silu={silu} fast: {stats}")
     # in place into a causal buffer slice, with the tail
     buf = torch.empty(1, c, 2 + t, h, w, dtype=dtype, device="cuda").contiguous(memory_format=CL3)
     tail = torch.empty(1, c, min(2, t), h, w, dtype=dtype, device="cuda").contiguous(memory_format=CL3)
     vn().vae_rms_norm(x, gamma, out=buf[:, :, 2:], tail=tail)
     plain = vn().vae_rms_norm(x, gamma)
     assert torch.equal(buf[:, :, 2:], plain) and torch.equal(tail, plain[:, :, t - tail.shape[2]:])
+
+
+@pytest.mark.gpu
+def test_gpu_norm_fast_mode_w2_shape():
+    """[1, 96, 2, 480, 832] fp16, the fast VAE's full-resolution norm call: the fast mode (the compiled ex2.approx /
+    div.full sigmoid the interpreter cannot show) within assert_close_to_eager's bound of eager and of the precise
+    kernel, deterministic, differing from the precise kernel somewhere (the flag reaches the kernel); precise=True
+    still bit-exact given its denominator. Also with a deferred bias, as the VAE calls it."""
+    _gpu_env()
+    c, t, h, w = 96, 2, 480, 832
+    g = gen(96)
+    x = video(g, 1, c, t, h, w, dtype=F16, scale=2.0, offset=0.1, device="cuda")
+    gamma = gamma_of(g, c, F16, device="cuda")
+    for silu in (True, False):
+        ref = vn().vae_rms_norm_reference(x, gamma, silu=silu)
+        fast = vn().vae_rms_norm(x, gamma, silu=silu)
+        assert torch.equal(fast, vn().vae_rms_norm(x, gamma, silu=silu)), "the fast mode is not deterministic"
+        denom = torch.empty(t * h * w, device="cuda")
+        precise = vn().vae_rms_norm(x, gamma, silu=silu, out_norm=denom, precise=True)
+        exact = vn().vae_rms_norm_given_denominator(x, gamma, denom, silu=silu)
+        assert torch.equal(precise, exact), f"precise: {int((precise != exact).sum())} differ given the denominator"
+        vs_eager = assert_close_to_eager(fast, ref, what=f"fast silu={silu} vs eager")
+        vs_precise = assert_close_to_eager(fast, precise, what=f"fast silu={silu} vs precise")
+        max_abs = (fast.float() - precise.float()).abs().max().item()
+        print(f"vae_norm fast fp16 W2 silu={silu}: vs eager {vs_eager}; vs precise {vs_precise}, max |diff| {max_abs}")
+        if silu:  # (H200, the experiment's variant kernel: 4e-5 of the elements differ)
+            assert vs_precise["mismatched"] > 0, "fast and precise gave the same bits: is `precise` ignored?"
+    bias = (torch.randn(c, generator=g) * 0.5).to("cuda", F16)
+    fb = vn().vae_rms_norm(x, gamma, bias=bias)
+    assert torch.equal(fb, vn().vae_rms_norm(vn().add_bias(x, bias), gamma))
+    assert_close_to_eager(fb, vn().vae_rms_norm_reference(x, gamma, bias=bias), what="fast with bias vs eager")
 
 
 def _psnr(a, b):
@@ -674,7 +828,8 @@ def _torch_bias_add(x, bias):
                          ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("silu", [True, False])
 def test_norm_bias_is_a_rounded_add_first(dtype, bias_dtype, silu):
-    """vae_norm(x, bias=b) == vae_norm(x.add_(b)) bit for bit (kernel and reference), in a buffer slice with a tail."""
+    """vae_norm(x, bias=b) == vae_norm(x.add_(b)) bit for bit (kernel in both modes, and reference), in a buffer slice
+    with a tail."""
     g = gen(40 + MANT[dtype] + 2 * silu + (bias_dtype == F32))
     b, c, n, h, w = 2, 40, 3, 4, 5
     x = video(g, b, c, n, h, w, dtype=dtype, scale=2.0, offset=0.3)
@@ -683,24 +838,25 @@ def test_norm_bias_is_a_rounded_add_first(dtype, bias_dtype, silu):
     pre = _torch_bias_add(x, bias)
     assert torch.equal(vn().add_bias(x, bias), pre)
     x_before = x.clone()
-    buf = torch.full((b, c, 2 + n, h, w), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
-    tail = torch.empty(b, c, 2, h, w, dtype=dtype, device=DEV).contiguous(memory_format=CL3)
-    got = vn().vae_rms_norm(x, gamma, silu=silu, bias=bias, out=buf[:, :, 2:], tail=tail)
-    expect = vn().vae_rms_norm(pre, gamma, silu=silu)
-    assert torch.equal(got, expect), f"{int((got != expect).sum())} of {got.numel()} elements differ"
-    assert torch.equal(tail, expect[:, :, n - 2:]) and torch.equal(x, x_before), "x must not be changed"
     ref = vn().vae_rms_norm_reference(x, gamma, silu=silu, bias=bias)
     assert torch.equal(ref, vn().vae_rms_norm_reference(pre, gamma, silu=silu))
-    assert_close_to_eager(got, ref, what=f"{dtype} bias {bias_dtype} silu={silu}")
+    for precise in (False, True):
+        buf = torch.full((b, c, 2 + n, h, w), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+        tail = torch.empty(b, c, 2, h, w, dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+        got = vn().vae_rms_norm(x, gamma, silu=silu, bias=bias, out=buf[:, :, 2:], tail=tail, precise=precise)
+        expect = vn().vae_rms_norm(pre, gamma, silu=silu, precise=precise)
+        assert torch.equal(got, expect), f"precise={precise}: {int((got != expect).sum())} of {got.numel()} differ"
+        assert torch.equal(tail, expect[:, :, n - 2:]) and torch.equal(x, x_before), "x must not be changed"
+        assert_close_to_eager(got, ref, what=f"{dtype} bias {bias_dtype} silu={silu} precise={precise}")
     # given its denominators the biased kernel is the eager ops on x.add_(bias), bit for bit (as without a bias)
     denom = torch.empty(b * n * h * w, device=DEV)
-    got = vn().vae_rms_norm(x, gamma, silu=False, bias=bias, out_norm=denom)
+    got = vn().vae_rms_norm(x, gamma, silu=False, bias=bias, out_norm=denom, precise=True)
     assert torch.equal(got, vn().vae_rms_norm_given_denominator(pre, gamma, denom, silu=False))
     # the test has teeth: the bias changes the output, and an unrounded x + bias (fp32) would too (fp16/bf16)
-    assert not torch.equal(got, vn().vae_rms_norm(x, gamma, silu=False))
+    assert not torch.equal(got, vn().vae_rms_norm(x, gamma, silu=False, precise=True))
     if dtype != F32:
         unrounded = (x.float() + bias.float().view(1, c, 1, 1, 1)).contiguous(memory_format=CL3)
-        u = vn().vae_rms_norm(unrounded, gamma.float(), silu=False).to(dtype)
+        u = vn().vae_rms_norm(unrounded, gamma.float(), silu=False, precise=True).to(dtype)
         assert not torch.equal(got, u)
 
 
@@ -876,7 +1032,7 @@ def test_fuse_bias_skips_fp8_convs(monkeypatch):
     monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
     _cudnn_like_convs(monkeypatch)
-    plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8")
+    plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fuse_bias=False)
     fused = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fuse_bias=True)
     convs = [r.conv1 for r in vae.decoder.up_blocks[0].resnets] + [r.conv1 for r in vae.decoder.up_blocks[-1].resnets]
     fp8 = [m for m in convs if fused._conv[m].fp8 is not None]

@@ -57,9 +57,49 @@ def build(handle, x8, w8, out, with_scale: bool):
     return g, X, W, Y, S, n, torch.empty(max(ws, 1), dtype=torch.uint8, device=x8.device)
 
 
+def build_half(handle, x, w, out):
+    """The same conv in fp16 through the frontend (fp32 accumulate), every plan built: is there a faster cuDNN
+    engine than the one torch's heuristics pick?"""
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    X = g.tensor(name="X", dim=list(x.shape), stride=list(x.stride()), data_type=cudnn.data_type.HALF)
+    W = g.tensor(name="W", dim=list(w.shape), stride=list(w.stride()), data_type=cudnn.data_type.HALF)
+    Y = g.conv_fprop(image=X, weight=W, pre_padding=[0, 1, 1], post_padding=[0, 1, 1], stride=[1, 1, 1],
+                     dilation=[1, 1, 1], compute_data_type=cudnn.data_type.FLOAT, name="conv")
+    Y.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride())).set_data_type(cudnn.data_type.HALF)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans(cudnn.build_plan_policy.ALL)
+    n = g.get_execution_plan_count()
+    ws = max([g.get_workspace_size()] + [g.get_workspace_size_plan_at_index(i) for i in range(n)])
+    return g, X, W, Y, n, torch.empty(max(ws, 1), dtype=torch.uint8, device=x.device)
+
+
+def survey_half(handle, rows, shape_key, x, wt, ref, flop):
+    out = torch.empty(ref.shape, dtype=torch.float16, device=x.device).to(memory_format=torch.channels_last_3d)
+    try:
+        g, X, W, Y, n, ws = build_half(handle, x, wt, out)
+    except Exception as exc:
+        rows.append({"shape": shape_key, "variant": "cudnn-fe fp16", "error": repr(exc)[:300]})
+        return
+    for i in range(n):
+        name = g.get_plan_name_at_index(i)
+        try:
+            ms = time_ms(lambda: g.execute_plan_at_index({X: x, W: wt, Y: out}, ws, i, handle=handle))
+            rows.append({"shape": shape_key, "variant": f"cudnn-fe fp16 plan {i}", "plan": name, "ms": ms,
+                         "tflops": flop / ms / 1e9, "equal_to_torch": bool(torch.equal(out, ref)),
+                         "cos": float(F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0))})
+        except Exception as exc:
+            rows.append({"shape": shape_key, "variant": f"cudnn-fe fp16 plan {i}", "plan": name,
+                         "error": repr(exc)[:200]})
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out")
+    p.add_argument("--half-only", action="store_true", help="only the fp16 plan survey")
     args = p.parse_args()
     dev = torch.device("cuda")
     handle = cudnn.create_handle()
@@ -78,6 +118,9 @@ def main():
         ms = time_ms(lambda: F.conv3d(x, wt, padding=(0, 1, 1)))
         rows.append({"shape": [cin, cout, t, h, w], "variant": "torch fp16 conv3d (cuDNN)", "ms": ms,
                      "tflops": flop / ms / 1e9})
+        survey_half(handle, rows, [cin, cout, t, h, w], x, wt, ref, flop)
+        if args.half_only:
+            continue
         sx = x.abs().amax().float() / 448
         sw = wt.abs().amax().float() / 448
         x8 = (x.float() / sx).to(FP8).to(memory_format=torch.channels_last_3d)
@@ -110,7 +153,8 @@ def main():
             print(f"{str(r['shape']):<26} {r['variant']:<34} ERROR {r['error'][:150]}")
         else:
             print(f"{str(r['shape']):<26} {r['variant']:<34} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s"
-                  f"  cos {r.get('cos', float('nan')):.5f}  {r.get('plan', '')[:50]}")
+                  f"  cos {r.get('cos', float('nan')):.5f}  {r.get('plan', '')[:50]}"
+                  + (f"  equal {r['equal_to_torch']}" if "equal_to_torch" in r else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -270,6 +270,15 @@ def bench_layouts(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128) 
             except Exception as exc:
                 rows.append({"seq": s, "backend": f"cudnn-fe-fp16 in={name}", "error": repr(exc)[:300]})
         if unavailable_reason("fp8", dev) is None:
+            from fastremover.fast.cudnn_sdpa import survey_plans_half
+
+            try:  # is there a faster fp16 engine than the heuristics' choice?
+                for plan in survey_plans_half(*layouts["bshd"], _time_ms):
+                    if "ms" in plan:
+                        plan["tflops"] = flop / plan["ms"] / 1e9
+                    rows.append({"seq": s, "backend": f"fp16 plan {plan['plan']}: {plan['name'][:50]}", **plan})
+            except Exception as exc:
+                rows.append({"seq": s, "backend": "fp16 plan survey", "error": repr(exc)[:300]})
             q8, k8, v8, sq, sk, sv = quantize_qkv(*strided)
             inv = torch.reciprocal(sv)
             codes = {"bshd": (q8, k8, v8), "bhsd": tuple(_bhsd_memory(t) for t in (q8, k8, v8))}

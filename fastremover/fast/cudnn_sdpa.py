@@ -170,7 +170,7 @@ def survey_plans(q, k, v, dq, dk, dv, time_ms) -> list[dict]:
 class _HalfGraph:
     """cuDNN's fp16/bf16 SDPA through the frontend (the same library torch's SDPA calls, with its own heuristics)."""
 
-    def __init__(self, q, k, v, out, attn_scale: float, device: torch.device):
+    def __init__(self, q, k, v, out, attn_scale: float, device: torch.device, all_plans: bool = False):
         cudnn = _cudnn()
         self.handle = _handle(device)
         io = _dtype(cudnn, q.dtype)
@@ -187,13 +187,34 @@ class _HalfGraph:
         dim, stride = _bhsd(out)
         o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(io)
         self.o = o
-        self.graph, self.workspace, _ = _build(g, device)
+        self.graph, self.workspace, self.plans = _build(g, device, all_plans)
 
-    def run(self, q, k, v, out):
+    def run(self, q, k, v, out, plan: int | None = None):
         cudnn = _cudnn()
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
-        self.graph.execute({self.q: q, self.k: k, self.v: v, self.o: out}, self.workspace, handle=self.handle)
+        pack = {self.q: q, self.k: k, self.v: v, self.o: out}
+        if plan is None:
+            self.graph.execute(pack, self.workspace, handle=self.handle)
+        else:
+            self.graph.execute_plan_at_index(pack, self.workspace, plan, handle=self.handle)
         return out
+
+
+def survey_plans_half(q, k, v, time_ms) -> list[dict]:
+    """Every fp16/bf16 SDPA plan cuDNN can build for these inputs, timed, with each one's output compared to the
+    heuristics' choice (benchmark use only)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ref = sdpa_half(q, k, v)
+    graph = _HalfGraph(q, k, v, out, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
+    rows = []
+    for i in range(graph.plans):
+        name = graph.graph.get_plan_name_at_index(i)
+        try:
+            ms = time_ms(lambda: graph.run(q, k, v, out, plan=i))
+            rows.append({"plan": i, "name": name, "ms": ms, "equal_to_default": bool(torch.equal(out, ref))})
+        except Exception as exc:
+            rows.append({"plan": i, "name": name, "error": repr(exc)[:200]})
+    return rows
 
 
 def sdpa_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,8 +8,10 @@ frames; decode: one latent frame), with these changes:
   channels-last views of it), and so is every weight, so cuDNN never converts layouts around a conv. The 3-channel
   ends (encoder conv_in, decoder conv_out) are zero-padded to 8 channels on CUDA (`pad_rgb`), a width cuDNN's NHWC
   tensor-core kernels take; the padding adds exact zeros.
-* Norms: `fastremover.fast.kernels.vae_norm` (one pass, fp32 statistics, same rounding points as eager) on CUDA; the
-  eager reference of that module elsewhere (`kernels="torch"`).
+* Norms: `fastremover.fast.kernels.vae_norm` (one pass, fp32 statistics, same rounding points as eager) on CUDA, in
+  its fast-math mode (a reciprocal per pixel and tl.sigmoid: 5x faster on the H200, within a few ulps of eager on
+  rare elements; `precise_norm=True` for the bit-exact-given-the-denominator mode); the eager reference of that
+  module elsewhere (`kernels="torch"`).
 * Causal caches: each causal conv keeps only its last 2 input frames ([B, C, 2, H, W], zeros before the first frame,
   the same frames the eager `CausalCache` hands out). Per chunk the conv's input is assembled in one buffer
   [B, C, 2+n, H, W]: the 2 cached frames are copied to its front, the producer (the fused norm + SiLU kernel, or a
@@ -50,9 +52,10 @@ frames; decode: one latent frame), with these changes:
   quant convs). At W2 that defers about 75 % of the encode's and 83 % of the decode's bias-add elements (counted
   with a shape-only run; if the add's time scales with its size, ~135 + ~85 ms of the 180 + 101 ms).
 
-Numerics: not bit-identical to the eager module (cuDNN picks other algorithms for channels-last, and the norm's sum
-of squares is added in another order), but the same function at fp16/bf16 precision; tests/test_vae_fast.py checks
-CPU fp32 agreement with WanVAE and the GPU test PSNR >= 45 dB at the real size.
+Numerics: not bit-identical to the eager module (cuDNN picks other algorithms for channels-last, the norm's sum
+of squares is added in another order, and its default fast mode rounds step 3 and the SiLU differently), but the same
+function at fp16/bf16 precision; tests/test_vae_fast.py checks CPU fp32 agreement with WanVAE and the GPU test
+PSNR >= 45 dB at the real size.
 
 FP8 (`precision="fp8"`): the 3x3x3 causal convs the kernel supports (`conv3d_fp8.supported`: channels multiples of
 16) and where it pays (`fp8_pays`: on the H200 only the 96-channel full-resolution level beats cuDNN fp16, 1.29x at 4
@@ -229,7 +232,10 @@ class FastWanVAE:
     conv2 and the attention proj without bias and add it inside the norm / residual-add kernel that reads their output
     (see the module docstring); bit-identical to False (CPU tests, and on the H200
     tests/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and `python -m fastremover.fast.vae_fast --bench
-    --fuse-bias`), and 7 % faster there at W2, so on by default.
+    --fuse-bias`), and 7 % faster there at W2, so on by default. precise_norm: run the norm kernel with precise=True
+    (per-element IEEE divisions, bit-exact to the eager ops given its denominators; H200: 0.42 vs 0.11 ms per
+    full-resolution call) instead of its fast-math default (within a few ulps of eager on ~1e-4 of the elements, see
+    fastremover/fast/kernels/vae_norm.py); no effect with kernels="torch" (the eager reference either way).
     """
 
     def __init__(
@@ -249,6 +255,7 @@ class FastWanVAE:
         stripe_mib: float | None = None,
         cudnn_benchmark: bool | None = None,
         fuse_bias: bool = True,
+        precise_norm: bool = False,
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -278,6 +285,7 @@ class FastWanVAE:
         self._head_taps = None
         self.cudnn_benchmark = cudnn_benchmark
         self.fuse_bias = bool(fuse_bias)
+        self.precise_norm = bool(precise_norm)
         self.precision = "fp16" if precision == "auto" else precision
         self._fp8 = None
         self.fp8_convs = 0
@@ -380,9 +388,10 @@ class FastWanVAE:
 
     def describe(self) -> str:
         """E.g. "fast-fp16", "fast-bf16", "fast-fp8" (what the pipeline's EngineConfig.vae shows); "+unfused-bias" is
-        appended with fuse_bias=False (not the default)."""
+        appended with fuse_bias=False, "+precise-norm" with precise_norm=True (neither the default)."""
         name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
-        return f"fast-{'fp8' if self._fp8 is not None else name}" + ("" if self.fuse_bias else "+unfused-bias")
+        return (f"fast-{'fp8' if self._fp8 is not None else name}" + ("" if self.fuse_bias else "+unfused-bias")
+                + ("+precise-norm" if self.precise_norm else ""))
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
         c = self.config.in_channels
@@ -636,10 +645,12 @@ class FastWanVAE:
     # Blocks
 
     def _norm(self, x: torch.Tensor, norm: nn.Module, silu: bool, out=None, tail=None, bias=None) -> torch.Tensor:
-        """bias: a bias deferred from the conv that produced x (`_deferred`): normalize x + bias."""
+        """bias: a bias deferred from the conv that produced x (`_deferred`): normalize x + bias. The norm runs in its
+        default fast-math mode unless precise_norm (the keyword is only passed then, like bias)."""
+        kw = {"precise": True} if self.precise_norm else {}
         if bias is None:
-            return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail)
-        return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, bias=bias)
+            return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, **kw)
+        return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, bias=bias, **kw)
 
     def _norm_fill(self, x: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None = None) -> "_Fill":
         return _Fill(x, lambda src, view, tail: self._norm(src, norm, True, out=view, tail=tail, bias=bias))

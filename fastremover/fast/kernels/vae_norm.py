@@ -12,6 +12,13 @@ Layout: x [B, C, T, H, W] "frame-dense channels-last": channel stride 1, W strid
 is treated as [N, C, 1, H, W]. Grid: (pixel blocks of BLOCK_M rows, B*T frames); each program holds BLOCK_M pixel
 rows of next_power_of_2(C) lanes (96 -> 128) and reduces over the channel axis.
 
+Two modes (`precise=`): one kernel, the same rounding points; they differ in how steps 3 and 6 are computed.
+precise=False (the default, and the fast VAE's) replaces the two per-element IEEE divisions - the kernel's cost: it is
+ALU-bound, not memory-bound - by a reciprocal per pixel row and Triton's fast sigmoid (H200, [1, 96, 2, 480, 832] fp16:
+0.113 ms per call vs 0.565 ms for the 4-warp precise kernel shipped before, 0.420 ms for precise=True at 8 warps, a
+copy 0.079 ms; measured with the experiment's copy of the kernel: bench/experiments/vae_norm_variants.py,
+bench/results/vae-norm-variants-*.json).
+
 Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-ftz libdevice, see _common.py):
     0. `bias=` only (a conv bias deferred into the norm, see below): x = round_to_dtype(x + bias), both widened to
        fp32 exactly, one fp32 add, RNE to x.dtype - what torch's `conv_out.add_(bias)` after a cuDNN conv computes
@@ -21,21 +28,53 @@ Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-f
     1. x widened to fp32 exactly; ss = sum over channels of x*x. For fp16/bf16 every square is exact in fp32, so
        the only rounding is in the additions; their order is Triton's tl.sum tree, NOT ATen's (ATen's CUDA
        vector_norm order depends on the tensor's layout and the reduction config it picks): ss can differ from
-       eager's by a few fp32 ulps. This is the one place the kernel is not bit-exact.
+       eager's by a few fp32 ulps. The tree depends on the block layout, so on C and the warp count (4 warps in
+       fast mode, 8 in precise mode: for C >= 192 the two modes may sum in different orders).
     2. denom = max(sqrt_rn(ss), 1e-12) (IEEE sqrt like sqrtf; NaN propagates like clamp_min).
-    3. n = div_rn(x, denom), rounded to the dtype            (eager: x / denom in fp32, `.to(dtype)`)
+    3. precise: n = div_rn(x, denom), rounded to the dtype   (eager: x / denom in fp32, `.to(dtype)`)
+       fast:    r = div_rn(1, denom) per pixel row, n = x * r (one rounded fp32 product), rounded to the dtype
     4. n = n * float32(sqrt(C)), rounded to the dtype        (eager: dtype tensor * Python scalar, computed in fp32)
     5. n = n * gamma, rounded to the dtype                   (fp16*fp16 / bf16*bf16 products are exact in fp32)
-    6. silu: div_rn(n, 1 + exp(-n)), rounded to the dtype    (ATen's SiluFunctor: x / (1 + ::exp(-x)) in fp32;
-       GPU: libdevice __nv_expf = CUDA's expf; interpreter: numpy's exp)
-Steps 2-6 are bit-exact to the eager ops given the same denominator: `out_norm=` returns the kernel's fp32
-denominators and `vae_rms_norm_given_denominator` is the eager composition from them; the GPU tests check
+    6. silu, rounded to the dtype:
+       precise: div_rn(n, 1 + exp(-n))                      (ATen's SiluFunctor: x / (1 + ::exp(-x)) in fp32;
+                GPU: libdevice __nv_expf = CUDA's expf; interpreter: numpy's exp)
+       fast:    n * tl.sigmoid(n), where tl.sigmoid(v) is `1 / (1 + exp(-v))` written with Triton's own exp and `/`
+                (triton/language/standard.py). Compiled for sm_90: a rounded multiply by -log2(e), `ex2.approx.f32`,
+                an add, `div.full.f32` (approximate division, max 2 fp32 ulps), then the rounded product with n; no
+                libdevice call, no FMA (test_sm90_codegen_of_the_norm_kernel checks the opcodes). Interpreted: numpy's
+                fp32 exp and an IEEE division (np.divide), i.e. the precise formula's ingredients: the CPU tests
+                cannot see the GPU's approximation error, only the GPU tests do.
+
+Precise mode: steps 2-6 are bit-exact to the eager ops given the same denominator: `out_norm=` returns the kernel's
+fp32 denominators and `vae_rms_norm_given_denominator` is the eager composition from them; the GPU tests check
 torch.equal (the CPU interpreter: torch.equal without SiLU; with SiLU numpy's exp and torch's CPU exp may differ in
-the last fp32 bit). Against the full eager op (step 1 included), fp16/bf16 outputs differ from eager in a small
-fraction of elements (measured: well under 0.1 %), by 1 ulp, by up to 3 where a 1-ulp flip at step 3 is carried
-through the two rounded products of steps 4-5 (H200: one element in 1.5e8 at 3 ulps, fp16, C=96), or by a few
-ulps where SiLU of a negative input amplifies a 1-ulp input difference (|diff| stays below 2^-mant of the frame's
-largest output): see tests/test_vae_fast.py for the asserted bound.
+the last fp32 bit). Step 1 is the one place it is not bit-exact. Against the full eager op (step 1 included), fp16/bf16
+outputs differ from eager in a small fraction of elements (measured: well under 0.1 %), by 1 ulp, by up to 3 where a
+1-ulp flip at step 3 is carried through the two rounded products of steps 4-5 (H200: one element in 1.5e8 at 3 ulps,
+fp16, C=96), or by a few ulps where SiLU of a negative input amplifies a 1-ulp input difference (|diff| stays below
+2^-mant of the frame's largest output).
+
+Fast mode: x * RN(1/denom), rounded once more, has a relative error of at most ~2^-23 (two fp32 roundings) against
+the correctly rounded x / denom, far below the fp16 (2^-11) / bf16 (2^-8) spacing, so step 3 yields eager's value
+or, when x / denom lies that close to a rounding midpoint, its neighbour: the same kind of 1-ulp step-3 flip the sum
+order of step 1 causes in precise mode (both fp32 errors together are still far below the dtype spacing, so never 2
+ulps at step 3), carried through steps 4-5 the same way. The fast sigmoid's relative error (ex2.approx ~2^-22, the
+rounding of v*log2(e) ~|v|*2^-24, div.full 2 ulps: below ~2^-19 for |n| < 16, nearly every element of a unit-RMS row
+times gamma) again only moves the last rounding, by 1 ulp, near a midpoint. So the asserted bound vs the eager op is
+the precise mode's: each element within 3 dtype ulps of eager's or within one dtype ulp of its frame's largest
+|output| (tiny values, SiLU of negative inputs), at most 0.1 % of the elements differing (tests/test_vae_fast.py: CPU
+interpreter at small shapes, the GPU at [1, 96, 2, 480, 832] fp16 and the other real shapes). Measured: H200, fp16,
+C = 96/192/384 at the fast VAE's call shapes: 3.7-4.5e-5 of the elements differ from the precise kernel, max |diff|
+3.9e-3 (5.9e-3 at C=192); CPU interpreter (the tests' shapes, and runs of 1.5-3e5 elements): at most 1.1e-4 of the
+elements differ from eager, and every difference of more than 1 ulp was below the frame floor. Edge cases: for
+n < -87.3 the sigmoid is an fp32 subnormal and loses relative precision (SiLU is then below 1e-36, under the floor;
+below -88.7 both modes give -0, exp overflowing); a row norm above 2^126 (fp32/bf16 inputs only) makes r subnormal
+and the row loses precision. NaN rows stay NaN (1/NaN), zero rows stay 0, as in precise mode.
+
+Both modes are deterministic: every output element is computed by the same instruction sequence on every launch (the
+grid and the block layout depend only on the shape, C, dtype and mode; the channel sum is tl.sum's fixed tree inside
+one program; no atomics, no split reductions), and ex2.approx / div.full are deterministic instructions, so equal
+inputs give equal bits run after run (tested: two calls, torch.equal).
 
 fp32 inputs run the same code (the dtype roundings are then no-ops; eager skips the `.float()` round trip too).
 
@@ -92,7 +131,7 @@ def _vae_norm_kernel(
     scale, eps,
     C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     SILU: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    PRECISE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     frame = tl.program_id(1)
     b = frame // T
@@ -112,13 +151,20 @@ def _vae_norm_kernel(
         x = round_through(x + bias[None, :], Y.dtype.element_ty, INTERPRET)
     ss = tl.sum(x * x, axis=1)
     denom = tl.maximum(tl.sqrt_rn(ss), eps, propagate_nan=tl.PropagateNan.ALL)
-    n = tl.math.div_rn(x, tl.broadcast_to(denom[:, None], x.shape))
+    if PRECISE:  # step 3: one IEEE division per element (~10 instructions each: the kernel's main cost)
+        n = tl.math.div_rn(x, tl.broadcast_to(denom[:, None], x.shape))
+    else:  # step 3 fast: an IEEE reciprocal per pixel row a thread holds (sm_90, C=96, 16-divisible strides: 8
+        # channels x 4 rows per thread, so 4 reciprocals for 32 elements), then a rounded fp32 product per element
+        n = x * tl.math.div_rn(1.0, denom)[:, None]
     n = round_through(n, Y.dtype.element_ty, INTERPRET)
     n = round_through(n * scale, Y.dtype.element_ty, INTERPRET)
     g = load_f32(GAMMA + cols, cmask, INTERPRET)
     n = round_through(n * g[None, :], Y.dtype.element_ty, INTERPRET)
     if SILU:
-        n = tl.math.div_rn(n, 1.0 + _exp_f32(-n, INTERPRET))
+        if PRECISE:  # step 6: ATen's x / (1 + expf(-x))
+            n = tl.math.div_rn(n, 1.0 + _exp_f32(-n, INTERPRET))
+        else:  # step 6 fast: tl.sigmoid = 1 / (1 + exp(-x)), compiled: ex2.approx and div.full (approximate)
+            n = n * tl.sigmoid(n)
     out = round_to(n, Y.dtype.element_ty, INTERPRET)
     tl.store(Y + (b64 * syb + t64 * syt) + pix, out, mask=mask)
     if HAS_TAIL:
@@ -128,11 +174,18 @@ def _vae_norm_kernel(
         tl.store(NORM + frame.to(tl.int64) * HW + rows, denom, mask=rmask)
 
 
-def _blocks(c: int) -> tuple[int, int, int]:
-    """(BLOCK_C, BLOCK_M, num_warps): 4096 lanes per program (32 per thread at 4 warps), whole channel rows."""
+def _blocks(c: int, precise: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_C, BLOCK_M, num_warps): 4096 lanes per program (C <= MAX_CHANNELS: whole channel rows). Fast mode: 4
+    warps (32 lanes per thread; the configuration of the measured 5x in the module docstring; 8 warps were not
+    measured for it). Precise mode: 8 warps (16 lanes per thread): its per-element IEEE divisions make it ALU-bound,
+    and twice the warps hide more of their latency - H200, [1, 96, 2, 480, 832] fp16: 0.565 -> 0.420 ms, and
+    0.29 -> 0.22 / 0.26 -> 0.18 ms at C = 192 / 384, torch.equal to the 4-warp output at all four measured shapes
+    (bench/results/vae-norm-variants-*.json). Steps 2-6 are the same instructions at either warp count; only tl.sum's
+    tree (step 1) can change with it (for C >= 192 the channels spread over more threads), which is the step that is
+    not bit-exact to eager anyway."""
     block_c = triton.next_power_of_2(c)
     block_m = max(1, 4096 // block_c)
-    return block_c, block_m, 4 if block_c * block_m <= 4096 else 8
+    return block_c, block_m, 8 if precise else 4
 
 
 def _as_5d(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -210,6 +263,7 @@ def vae_rms_norm(
     tail: torch.Tensor | None = None,
     out_norm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    precise: bool = False,
 ) -> torch.Tensor:
     """silu(F.normalize(x.float(), dim=1).to(x.dtype) * sqrt(C) * gamma) (silu=False: without the silu).
 
@@ -218,8 +272,9 @@ def vae_rms_norm(
     out: where to write (same shape/dtype, frame-dense channels-last; may be a slice of a bigger buffer); default a
     new channels-last tensor. tail: [B, C, k, H, W]: also receives the last k output frames. out_norm: fp32 [B*T*H*W]
     receives the per-pixel denominators max(||x||, 1e-12) (for tests). bias: C elements, fp32 or x.dtype: normalize
-    round_to_dtype(x + bias) instead of x (a deferred conv bias, rounding point 0; x itself is not changed). Returns
-    out."""
+    round_to_dtype(x + bias) instead of x (a deferred conv bias, rounding point 0; x itself is not changed).
+    precise: False (default): fast math at steps 3 and 6 (a reciprocal per pixel, tl.sigmoid), within the tested ulp
+    bound of the module docstring; True: the eager ops' roundings, bit-exact given the denominator. Returns out."""
     x5, out5, tail5 = _check_args(x, gamma, out, tail, out_norm, bias)
     check_device(_vae_norm_kernel, x=x, gamma=gamma, out=out, tail=tail, out_norm=out_norm, bias=bias)
     if out is None:
@@ -232,7 +287,7 @@ def vae_rms_norm(
         return out
     if b * t > 65535:
         raise ValueError(f"at most 65535 frames (B*T) per call, got {b * t}")
-    block_c, block_m, warps = _blocks(c)
+    block_c, block_m, warps = _blocks(c, bool(precise))
     gamma_flat = gamma.reshape(c)
     if not gamma_flat.is_contiguous():
         gamma_flat = gamma_flat.contiguous()
@@ -248,7 +303,8 @@ def vae_rms_norm(
         x5.stride(0), x5.stride(2), out5.stride(0), out5.stride(2), tail_arg.stride(0), tail_arg.stride(2),
         float(c) ** 0.5, NORM_EPS,
         C=c, BLOCK_C=block_c, BLOCK_M=block_m, SILU=bool(silu), HAS_TAIL=tail5 is not None,
-        HAS_NORM=out_norm is not None, HAS_BIAS=bias is not None, INTERPRET=interpreting(_vae_norm_kernel),
+        HAS_NORM=out_norm is not None, HAS_BIAS=bias is not None, PRECISE=bool(precise),
+        INTERPRET=interpreting(_vae_norm_kernel),
         num_warps=warps, **launch_options(_vae_norm_kernel),
     )
     return out
@@ -278,10 +334,12 @@ def vae_rms_norm_reference(
     tail: torch.Tensor | None = None,
     out_norm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    precise: bool = False,
 ) -> torch.Tensor:
     """Eager torch, the composition of models/vae.py's RMSNorm (GPU path: F.normalize) + F.silu. Same signature as
     `vae_rms_norm` (also the CPU fallback of the fast VAE); bias: first x = add_bias(x, bias), as the conv's own
-    bias add would have left it."""
+    bias add would have left it. precise is accepted and ignored: this is always the eager math (the oracle both
+    kernel modes are tested against), so the fast VAE's CPU fallback computes the same values in either mode."""
     _check_args(x, gamma, out, tail, out_norm, bias)
     if bias is not None:
         x = add_bias(x, bias)
