@@ -336,7 +336,7 @@ for dt in ("fp16", "bf16"):
                **{n: "i64" for n in ("syb", "syt", "syh", "ssb", "sst", "ssh", "sob", "sot", "soh")}}
         rounded = {}
         for bias in (False, True):
-            cons = {"C": 96 if bias else 1, "BLOCK": 2048, "HAS_BIAS": bias, "INTERPRET": False}
+            cons = {"C": 96 if bias else 1, "BLOCK": 2048, "HAS_BIAS": bias, "INTERPRET": False, "HAS_S": True}
             names = list(k.arg_names)
             attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in ("T", "H")}
             src = ASTSource(fn=k, signature={n: sig.get(n, "constexpr") for n in names}, constexprs=cons, attrs=attrs)
@@ -907,6 +907,69 @@ def test_add_frames_bias_is_two_rounded_adds(dtype, bias_dtype):
         add_frames(y.clone(memory_format=CL3), s, bias=torch.zeros(c - 1, dtype=dtype, device=dev))
 
 
+@pytest.mark.parametrize("dtype,bias_dtype", [(F16, F16), (BF16, BF16), (F32, F32), (F16, F32), (BF16, F32)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_add_bias_in_place_is_torchs_add(dtype, bias_dtype):
+    """add_bias_(y, b) == y.add_(b.view(1, C, 1, ...)) bit for bit, in place, on 5-D views (a time slice of a
+    stream buffer: only the slice changes), 4-D channels-last frames, and the eager fallback for other layouts."""
+    from fastremover.fast.kernels.residual import add_bias_, add_bias_reference_
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11 + MANT[dtype] + (bias_dtype == F32))
+    c = 24
+    buf = (torch.randn(2, c, 5, 6, 7, generator=g) * 3).to(dev, dtype).contiguous(memory_format=CL3)
+    bias = (torch.randn(c, generator=g) * 2).to(dev, bias_dtype)
+    y = buf[:, :, 2:]
+    expect = _torch_bias_add(y, bias)
+    before = buf.clone(memory_format=CL3)
+    assert add_bias_(y, bias) is y and torch.equal(y, expect)
+    assert torch.equal(buf[:, :, :2], before[:, :, :2])  # frames outside the view untouched
+    frames = (torch.randn(3, c, 5, 9, generator=g) * 3).to(dev, dtype).contiguous(memory_format=torch.channels_last)
+    expect4 = _torch_bias_add(frames, bias)
+    assert torch.equal(add_bias_(frames, bias), expect4)
+    plain = before[:, :, 2:].contiguous()  # NCDHW: not row-dense, goes to the reference
+    assert torch.equal(add_bias_(plain, bias), expect) and torch.equal(add_bias_reference_(before[:, :, 2:].clone(),
+                                                                                            bias), expect)
+    if dtype != F32 and bias_dtype == F32:  # teeth: an fp32 bias must not be rounded to the dtype first
+        rounded_first = (before[:, :, 2:].float() + bias.to(dtype).float().view(1, c, 1, 1, 1)).to(dtype)
+        assert not torch.equal(rounded_first, expect)
+    with pytest.raises(ValueError, match="bias"):
+        add_bias_(y, torch.zeros(c - 1, dtype=dtype, device=dev))
+    with pytest.raises(ValueError, match="4-D or 5-D"):
+        add_bias_(y[0, 0], bias)
+
+
+def test_fast_vae_uses_the_bias_kernel_only_on_cuda():
+    """The conv bias adds go through add_bias_ only on CUDA with our kernels; the CPU convs add their own."""
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae = random_init_(WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1)), 0).eval()
+    assert FastWanVAE(vae, device="cpu", dtype=F32, kernels="triton")._bias_kernel is False
+    assert FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch")._bias_kernel is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_gpu_conv_bias_kernel_is_atens_bias_add(dtype):
+    """On the GPU, F.conv3d / F.conv2d with a bias == the bias-free conv + add_bias_, bit for bit, at real shapes
+    (the fast VAE's W2 level-0 causal conv and a resample conv), channels-last: ATen's cuDNN path is conv, then
+    out.add_(bias) - what add_bias_ reproduces without torch's strided add."""
+    from fastremover.fast.kernels.residual import add_bias_
+
+    _gpu_env()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, 96, 4, 480, 832, device="cuda", generator=g).to(dtype).contiguous(memory_format=CL3)
+    w = (torch.randn(96, 96, 3, 3, 3, device="cuda", generator=g) * 0.03).to(dtype).contiguous(memory_format=CL3)
+    b = torch.randn(96, device="cuda", generator=g).to(dtype)
+    ref = F.conv3d(x, w, b, 1, (0, 1, 1))
+    got = add_bias_(F.conv3d(x, w, None, 1, (0, 1, 1)), b)
+    assert torch.equal(ref, got), int((ref != got).sum())
+    x2 = x[:, :, 0].contiguous(memory_format=torch.channels_last)
+    w2 = w[:, :, 0].contiguous(memory_format=torch.channels_last)
+    ref2 = F.conv2d(x2, w2, b, 2, 0)
+    assert torch.equal(ref2, add_bias_(F.conv2d(x2, w2, None, 2, 0), b))
+
+
 def _cudnn_like_convs(monkeypatch):
     """Make F.conv3d/F.conv2d compose like ATen's cuDNN path: the bias-free conv, then `out.add_(bias)` (the CPU
     convs add the bias inside the conv, with other roundings). Returns the ids of the weights of convs run without
@@ -1062,8 +1125,8 @@ def test_bench_fuse_bias_flag(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 def test_gpu_fuse_bias_is_bit_exact_w2_chunk(dtype):
     """Real config, random weights, a W2-sized chunk (9 frames of 480x832): fuse_bias=True gives the same latents
-    (two-pass and batch-2 encode) and the same decoded video (also in row stripes) as fuse_bias=False, bit for bit.
-    First checks that the unfused VAE is deterministic here (if not, cuDNN picked a nondeterministic algorithm and
+    (two-pass and batch-2 encode) and the same decoded video (also in row stripes) as fuse_bias=False, bit for bit;
+    and the convs' own bias adds through add_bias_ give the bits of torch's conv-with-bias. First checks that the unfused VAE is deterministic here (if not, cuDNN picked a nondeterministic algorithm and
     bit-exactness cannot be asserted at all)."""
     _gpu_env()
     from fastremover import media
@@ -1075,14 +1138,19 @@ def test_gpu_fuse_bias_is_bit_exact_w2_chunk(dtype):
     x = torch.from_numpy(clip.frames).to(dev).permute(3, 0, 1, 2)[None].to(dtype).div_(127.5).sub_(1.0)
     m = torch.from_numpy(mask).to(dev)[None, None].expand(1, 3, -1, -1, -1).to(dtype).contiguous()
 
-    def run(fuse, pair, stripe_mib=None):
+    def run(fuse, pair, stripe_mib=None, bias_kernel=True):
         fast = FastWanVAE(vae, device=dev, dtype=dtype, pair=pair, stripe_mib=stripe_mib, fuse_bias=fuse)
+        assert fast._bias_kernel
+        fast._bias_kernel = bias_kernel
         za, zb = fast.encode_removal_inputs(x, m)
         return za, zb, fast.decode(za)
 
     plain = run(False, False)
     again = run(False, False)
     assert all(torch.equal(a, b) for a, b in zip(plain, again)), "the unfused fast VAE is not deterministic here"
+    # the convs' remaining bias adds through add_bias_ (default) vs torch's conv-with-bias: the same bits
+    torch_bias = run(False, False, bias_kernel=False)
+    assert all(torch.equal(a, b) for a, b in zip(plain, torch_bias)), "add_bias_ changed the fast VAE's output"
     for pair, stripe_mib in ((False, None), (True, None), (False, 16.0)):
         ref = plain if (pair, stripe_mib) == (False, None) else run(False, pair, stripe_mib)
         got = run(True, pair, stripe_mib)

@@ -37,6 +37,8 @@ frames; decode: one latent frame), with these changes:
   `pair` allows it; the mask video 2*mask-1 and masked = frames*(1-mask) are formed per chunk inside the conv_in
   buffer (same fp16 ops as the pipeline's, so the same bits), not as two extra full videos.
 * No fp32 round trips: nearest upsampling, clamping, padding and the cache copies are exact in the model dtype.
+* The convs' own bias adds that cannot be deferred (below) run as the bias-free conv + `residual.add_bias_` on CUDA:
+  ATen's conv-then-`add_(bias)` bit for bit, one pass at memory speed instead of torch's strided add.
 * Deferred conv biases (`fuse_bias=True`, the default): ATen's cuDNN path runs every
   `F.conv3d/conv2d(x, w, bias)` as the bias-free conv followed by `out.add_(bias)`, a [1, C, 1, 1, 1] broadcast add
   that takes torch's slow strided kernel on channels-last tensors (W2 on the H200: 180 ms of the encode, 101 ms of
@@ -299,6 +301,9 @@ class FastWanVAE:
             from fastremover.fast.kernels.vae_norm import vae_rms_norm_reference as norm_fn
         self._norm_fn = norm_fn
         self._add_fn = add_fn  # y += shortcut on channels-last views (torch's add takes its slow strided path there)
+        # The convs' own bias adds (those fuse_bias cannot defer): on CUDA, the bias-free conv + our row kernel, the
+        # bits of ATen's conv-then-add_ (its cuDNN path) without its slow strided add. Elsewhere the conv adds it.
+        self._bias_kernel = self.kernels == "triton" and self.device.type == "cuda"
         self._conv: dict[nn.Module, _Conv] = {}
         self._gamma: dict[nn.Module, torch.Tensor] = {}
         with torch.no_grad():
@@ -678,8 +683,18 @@ class FastWanVAE:
 
         return _Fill(src, write)
 
+    def _conv_b(self, conv_fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> torch.Tensor:
+        """conv_fn(x, weight, bias, *args) (F.conv2d / F.conv3d); on CUDA with our kernels the bias is added by
+        `add_bias_` after the bias-free conv: the same bits as ATen's cuDNN path (conv, then `out.add_(bias)`), one
+        pass at memory speed instead of torch's strided add on a channels-last output."""
+        if bias is None or not self._bias_kernel:
+            return conv_fn(x, weight, bias, *args)
+        from fastremover.fast.kernels.residual import add_bias_
+
+        return add_bias_(conv_fn(x, weight, None, *args), bias)
+
     def _conv3d(self, x: torch.Tensor, c: _Conv, keep_bias: bool = True) -> torch.Tensor:
-        y = F.conv3d(x, c.weight, c.bias if keep_bias else None, c.stride, c.padding)
+        y = self._conv_b(F.conv3d, x, c.weight, c.bias if keep_bias else None, c.stride, c.padding)
         # cuDNN keeps channels-last; some CPU conv paths return NCDHW for tiny shapes
         return y if y.is_contiguous(memory_format=CL3) else y.contiguous(memory_format=CL3)
 
@@ -763,7 +778,7 @@ class FastWanVAE:
             end = h if r1 == h else r1 - 1
             cache[:, :, older : older + 1, done:end].copy_(body[:, :, 2:, done - lo : end - lo])
             done = end
-            ys = F.conv3d(buf, c.weight, c.bias if keep_bias else None, c.stride, (0, 0, c.padding[2]))
+            ys = self._conv_b(F.conv3d, buf, c.weight, c.bias if keep_bias else None, c.stride, (0, 0, c.padding[2]))
             del buf, body
             if y is None:
                 y = torch.empty((b, ys.shape[1], 1, h, w), **kw)
@@ -822,7 +837,7 @@ class FastWanVAE:
         b, c, t, h, w = x.shape
         n = _frames_2d(self._norm(x, m.norm, silu=False))
         qkv_conv = self._conv[m.to_qkv]
-        qkv = F.conv2d(n, qkv_conv.weight, qkv_conv.bias)  # [bt, 3c, h, w] channels-last = [bt, h*w, 3c] memory
+        qkv = self._conv_b(F.conv2d, n, qkv_conv.weight, qkv_conv.bias)  # [bt, 3c, h, w] channels-last = [bt, h*w, 3c] memory
         del n
         qkv = qkv.permute(0, 2, 3, 1).reshape(b * t, 1, h * w, 3 * c)  # the eager layout (a view here)
         q, k, v = qkv.chunk(3, dim=-1)
@@ -831,7 +846,7 @@ class FastWanVAE:
         a = a.view(b * t, h, w, c).permute(0, 3, 1, 2)  # channels-last view, as eager's transpose+reshape
         proj = self._conv[m.proj]
         proj_bias = self._deferred(m.proj)  # fuse_bias: the residual add adds it (y has no other reader)
-        y = F.conv2d(a, proj.weight, proj.bias if proj_bias is None else None)
+        y = self._conv_b(F.conv2d, a, proj.weight, proj.bias if proj_bias is None else None)
         return self._add(_frames_5d(y, b), x, bias=proj_bias)
 
     def _up_block(self, m: UpBlock, x: torch.Tensor, st: _Stream) -> torch.Tensor:
@@ -873,7 +888,7 @@ class FastWanVAE:
                 del frames
                 if not up.is_contiguous(memory_format=CL2):
                     up = up.contiguous(memory_format=CL2)
-                return _frames_5d(F.conv2d(up, conv.weight, conv.bias, conv.stride, conv.padding), b)
+                return _frames_5d(self._conv_b(F.conv2d, up, conv.weight, conv.bias, conv.stride, conv.padding), b)
             # in row stripes: upsampled rows [lo, hi) are input rows [lo // 2, (hi - 1) // 2] repeated
             big_h = 2 * h
             bounds = [round(k * big_h / stripes) for k in range(stripes + 1)]
@@ -891,7 +906,7 @@ class FastWanVAE:
                     buf[:, :, -1:].zero_()
                 buf[:, :, top : top + hi - lo].copy_(up[:, :, lo - 2 * i0 : hi - 2 * i0])
                 del up
-                ys = F.conv2d(buf, conv.weight, conv.bias, conv.stride, (0, conv.padding[1]))
+                ys = self._conv_b(F.conv2d, buf, conv.weight, conv.bias, conv.stride, (0, conv.padding[1]))
                 del buf
                 if y is None:
                     y = torch.empty((n, ys.shape[1], big_h, 2 * w), device=x.device, dtype=x.dtype,
@@ -905,7 +920,7 @@ class FastWanVAE:
             xp[:, :, :, :h, :w].copy_(x)
             x = xp
             del xp
-        return _frames_5d(F.conv2d(_frames_2d(x), conv.weight, conv.bias, conv.stride, conv.padding), b)
+        return _frames_5d(self._conv_b(F.conv2d, _frames_2d(x), conv.weight, conv.bias, conv.stride, conv.padding), b)
 
     def _resample_down_time(self, m: Resample, y: torch.Tensor, st: _Stream) -> torch.Tensor:
         """downsample3d's temporal part: the first chunk passes through (frame 0 -> latent frame 0); later chunks:

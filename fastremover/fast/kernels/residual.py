@@ -141,6 +141,7 @@ def _add_rows_kernel(
     Y, S, O, BIAS, ROW, T, H,
     syb, syt, syh, ssb, sst, ssh, sob, sot, soh,
     C: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_S: tl.constexpr = True,
 ):
     r = tl.program_id(0)
     h = (r % H).to(tl.int64)
@@ -154,8 +155,10 @@ def _add_rows_kernel(
         # constexpr so `% C` is a multiply-shift, not an integer division)
         bias = load_f32(BIAS + cols % C, mask, INTERPRET)
         y = round_through(y + bias, O.dtype.element_ty, INTERPRET)
-    s = load_f32(S + b * ssb + t * sst + h * ssh + cols, mask, INTERPRET)
-    tl.store(O + b * sob + t * sot + h * soh + cols, round_to(y + s, O.dtype.element_ty, INTERPRET), mask=mask)
+    if HAS_S:
+        s = load_f32(S + b * ssb + t * sst + h * ssh + cols, mask, INTERPRET)
+        y = y + s
+    tl.store(O + b * sob + t * sot + h * soh + cols, round_to(y, O.dtype.element_ty, INTERPRET), mask=mask)
 
 
 def _row_dense(t: torch.Tensor) -> bool:
@@ -227,3 +230,51 @@ def add_frames_reference(
             yb = y
         return torch.add(yb, s, out=y if out is None else out)
     return torch.add(y, s, out=y if out is None else out)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A conv's own bias add, in place (the VAE convs whose bias cannot be deferred into a consumer kernel: conv_in, the
+# resample convs, time_conv, shortcuts, ...). ATen's cuDNN path runs `F.conv3d(x, w, b)` as the bias-free conv and
+# then `out.add_(b.view(1, C, 1, 1, 1))`, which on a channels-last output takes torch's generic strided kernel (the
+# W2 encode profile: 180 ms of bias adds before fuse_bias took over most of them). This is the same add - both
+# operands widened to fp32, one add, RNE to the dtype (the HAS_S=False variant of the row kernel above, rounding
+# point = the bias step there) - over contiguous (W, C) rows: bit-identical to torch's add_, at memory speed.
+
+
+def add_bias_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """y += bias over the channel axis, in place, for a channels-last [B, C, T, H, W] or [N, C, H, W] y (views with
+    any B/T/H strides are fine; other layouts go to the eager reference). Bit-exact to torch's
+    `y.add_(bias.view(1, C, 1, 1[, 1]))` for an fp32 or y.dtype bias. Returns y."""
+    if not isinstance(y, torch.Tensor) or y.dim() not in (4, 5) or y.dtype not in FLOAT_DTYPES:
+        raise ValueError("y must be a 4-D or 5-D fp16/bf16/fp32 tensor")
+    y5 = y.unsqueeze(2) if y.dim() == 4 else y
+    _check_bias(bias, y5)
+    if not _row_dense(y5):
+        return add_bias_reference_(y, bias)
+    check_device(_add_rows_kernel, y=y, bias=bias)
+    b, c, t_, h, w = y5.shape
+    row = w * c
+    if y5.numel():
+        block = min(2048, triton.next_power_of_2(row))
+        grid = (b * t_ * h, triton.cdiv(row, block))
+        bias_arg = bias.reshape(c)
+        if not bias_arg.is_contiguous():
+            bias_arg = bias_arg.contiguous()
+        st = (y5.stride(0), y5.stride(2), y5.stride(3))
+        _add_rows_kernel[grid](
+            y5, y5, y5, bias_arg, row, t_, h, *st, *st, *st,
+            C=c, BLOCK=block, HAS_BIAS=True, INTERPRET=interpreting(_add_rows_kernel), HAS_S=False, num_warps=4,
+            **launch_options(_add_rows_kernel),
+        )
+    return y
+
+
+def add_bias_reference_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Eager torch, same signature as `add_bias_`: y.copy_((y.float() + bias.float()).to(y.dtype)) - torch's
+    fp32-opmath `add_` bit for bit, also for an fp32 bias (a plain `y.add_(bias)` would be the same for y.dtype
+    biases)."""
+    if not isinstance(y, torch.Tensor) or y.dim() not in (4, 5) or y.dtype not in FLOAT_DTYPES:
+        raise ValueError("y must be a 4-D or 5-D fp16/bf16/fp32 tensor")
+    _check_bias(bias, y)
+    shape = (1, y.shape[1]) + (1,) * (y.dim() - 2)
+    return y.copy_((y.float() + bias.float().view(shape)).to(y.dtype))
