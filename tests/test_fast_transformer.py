@@ -111,6 +111,8 @@ def test_attention_backend_choice_and_errors_on_cpu():
     assert available_backends(cpu) == ["sdpa"]
     assert "CUDA" in unavailable_reason("fp8", cpu)
     assert resolve_attention("auto", "eager", cpu) == ("sdpa", [])
+    backend, notes = resolve_attention("auto", "fast", cpu)  # no 8-bit backend here: fp16 SDPA, said in a note
+    assert backend == "sdpa" and len(notes) == 1 and "8-bit attention unavailable" in notes[0]
     with pytest.raises(FastRemoverError, match="fp8"):
         resolve_attention("fp8", "exact", cpu)  # asked for fp8 explicitly: an error, never a silent fp16 run
     with pytest.raises(FastRemoverError, match="eager"):
@@ -193,3 +195,16 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode):
     print(f"{mode}: 4-step latents cos vs eager {cos(replay, eager):.6f}")
     assert cos(replay, eager) > (0.9999 if mode == "exact" else 0.99)
 
+
+
+@pytest.mark.gpu
+def test_gpu_fast_mode_defaults_to_the_triton_fp8_attention():
+    """On an FP8 GPU the fast mode's `auto` attention is our Triton kernel (cuDNN's FP8 SDPA took the W2 end-to-end
+    PSNR under the fast mode's 38 dB bar: fast/attention.py); exact stays on SDPA."""
+    from fastremover.fast.engine import resolve_attention
+
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev) < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    assert resolve_attention("auto", "fast", dev) == ("fp8-triton", [])
+    assert resolve_attention("auto", "exact", dev) == ("sdpa", [])
