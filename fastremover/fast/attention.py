@@ -11,8 +11,13 @@ stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
   longer eats the e4m3 range. The fastest 8-bit backend (H200, S = 32760: 784-843 TFLOP/s vs SDPA's 550), but NOT
   the default: end to end at W2 (bench/results/w2-fast-2026-11-30-62048d2.json) it took the fast mode's PSNR vs the
   reference to 34.5 dB (worst frame 32.4, latent cosine 0.9982), under the 38 dB bar, while its kernel-level cosine
-  on synthetic inputs is 0.9982 like the Triton kernel's. Not root-caused; a lead: cuDNN accumulates P @ V in the
-  fp8 tensor cores' reduced-precision accumulator over all 32760 keys, which our kernel avoids (per key block).
+  on synthetic inputs is 0.9982 like the Triton kernel's. Likely cause (not yet isolated here): Hopper's FP8 MMA
+  accumulates in reduced precision, not true fp32, so a P @ V accumulated over all 32760 keys in the tensor-core
+  accumulator loses low bits once the running sum is large - worst when V has a shared offset (a sum of same-sign
+  terms), which zero-mean synthetic V lacks. The same long-sequence loss was found in FA3's FP8 forward (vLLM
+  issue 23813, flash-attention PR 2250: a two-level accumulator, as in SageAttention2); our kernel accumulates each
+  key block's P @ V separately and adds it to an fp32 register accumulator (fast/kernels/attention_fp8.py).
+  `--bench --v-bias 1` reproduces the synthetic side of that.
 - `fp8-triton`: our own Triton FP8 flash kernel (fast/kernels/attention_fp8.py), same quantization, one pinned
   config. The `fast` mode's default: end to end at W2 (bench/results/w2-fast-fp8triton-2026-11-30-62048d2.json)
   47.2 dB (worst frame 45.9, latent cosine 0.9999) at denoise 5.34 s vs 4.20 s with `fp8`.
@@ -168,9 +173,11 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b / (a.norm() * b.norm()))
 
 
-def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: float = 1.0) -> list[dict]:
+def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: float = 1.0,
+          v_bias: float = 0.0) -> list[dict]:
     """fp16 SDPA vs the 8-bit backends at the DiT's shapes; q, k ~ N(0, 1) with a shared per-channel offset on K of
-    size k_bias (trained DiTs have one; it is what smoothing removes), v ~ N(0, 1)."""
+    size k_bias (trained DiTs have one; it is what smoothing removes), v ~ N(0, 1) plus a shared per-channel offset
+    of size v_bias (a long same-sign P @ V sum: what exposes a reduced-precision accumulator)."""
     from fastremover.fast.cudnn_sdpa import sdpa_fp8
 
     rows = []
@@ -180,6 +187,7 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
         shape = (1, s, heads, head_dim)
         qkv = torch.randn(1, s, 3, heads, head_dim, device=dev, generator=g, dtype=torch.float16)
         qkv[:, :, 1] += (k_bias * torch.randn(heads, head_dim, device=dev, generator=g)).half()
+        qkv[:, :, 2] += (v_bias * torch.randn(heads, head_dim, device=dev, generator=g)).half()
         q, k, v = qkv.unbind(2)  # strided views, as the fused QKV projection produces them
         flop = 4.0 * s * s * heads * head_dim
         ref = sdpa(q, k, v)
@@ -301,11 +309,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", action="store_true")
     parser.add_argument("--layouts", action="store_true", help="only the q/k/v/o memory-layout survey")
+    parser.add_argument("--v-bias", type=float, default=0.0, help="shared per-channel offset added to v (default 0)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not args.bench:
         parser.error("nothing to do (use --bench)")
-    rows = bench_layouts() if args.layouts else bench()
+    rows = bench_layouts() if args.layouts else bench(v_bias=args.v_bias)
     for r in rows:
         if "error" in r:
             print(f"S={r['seq']:>6} {r['backend']:<28} smooth={r.get('smooth_k', '-')!s:<5} ERROR {r['error']}")
