@@ -38,6 +38,19 @@ def test_harness_eager_vs_reference(tmp_path):
     assert "tiny-clip" in format_table(results)
 
 
+def test_one_hash_gives_no_determinism_verdict():
+    """hash_repeats=1: the hash is recorded but hashes_identical is None, not True (one hash proves nothing), and the
+    table says determinism was not checked. (The tiny setup of the test above, cut to 1 step and no extra repeats.)"""
+    video, mask = media.synthetic_clip(9, 32, 48, seed=1)
+    inputs = BenchInputs("tiny-clip", video.frames, mask, 24.0)
+    (r,) = compare(random_models("tiny", seed=3), inputs, modes=["eager"], steps=1, repeats=0, hash_repeats=1,
+                   device="cpu", precision="fp32", count_flops=False)
+    assert r["hash_repeats"] == 1 and r["hashes_identical"] is None
+    assert len(r["output_sha256"]) == 64
+    table = format_table([r])
+    assert "determinism not checked" in table and "runs identical" not in table
+
+
 def test_metrics_detect_differences():
     a = torch.rand(1, 3, 4, 24, 24) * 2 - 1
     b = a.clone()

@@ -121,6 +121,41 @@ def test_attention_backend_choice_and_errors_on_cpu():
         resolve_attention("flash9", "exact", cpu)
 
 
+@pytest.mark.parametrize("available,mode,expect_backend,expect_note", [
+    ({"sdpa", "fp8", "fp8-triton"}, "fast", "fp8-triton", None),
+    ({"sdpa", "fp8"}, "fast", "sdpa", "--attention fp8"),  # cuDNN FP8 is there but not the default: say how to ask
+    ({"sdpa"}, "fast", "sdpa", "8-bit attention unavailable"),
+    ({"sdpa", "fp8", "fp8-triton"}, "exact", "sdpa", None),
+    ({"sdpa", "fp8"}, "exact", "sdpa", None),
+    ({"sdpa"}, "exact", "sdpa", None),
+], ids=["fast-all", "fast-only-cudnn-fp8", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit"])
+def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expect_note):
+    """auto_backend's choice given which backends can run (unavailable_reason faked: nothing CUDA is touched): fast
+    takes fp8-triton when it can run, else sdpa with one note (naming `--attention fp8` when cuDNN's FP8 attention
+    could run); exact is always sdpa, with no notes."""
+    from fastremover.fast import attention
+
+    asked = []
+
+    def fake_reason(name, device):
+        asked.append((name, device))
+        return None if name in available else f"fake: {name} is not available here"
+
+    monkeypatch.setattr(attention, "unavailable_reason", fake_reason)
+    dev = torch.device("cuda")
+    backend, notes = attention.auto_backend(mode, dev)
+    assert backend == expect_backend, (backend, notes)
+    if expect_note is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and expect_note in notes[0], notes
+        # the fallback says why (the fake reason) and offers --attention fp8 only when it could run
+        assert "fake: fp8-triton" in notes[0] and ("--attention fp8" in notes[0]) is ("fp8" in available), notes
+    assert all(d == dev for _, d in asked)  # the device is passed through
+    if mode == "fast" and "fp8-triton" not in available:
+        assert "fp8-triton" in [n for n, _ in asked]  # the note comes from asking, not from a guess
+
+
 def test_fused_qkv_fp8_linear_equals_three_separate_quantizations():
     from fastremover.fast.transformer_fast import _fused_linear
 
@@ -180,11 +215,22 @@ def test_gpu_fp8_linear_cosine_at_real_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_gpu_graph_replay_is_bit_identical(real_model, mode):
-    denoiser, notes = build_denoiser(real_model, DEFAULT_SCHEDULER_CONFIG, mode, torch.device("cuda"))
+@pytest.mark.parametrize("mode,attention,expect", [("exact", "auto", "sdpa"), ("fast", "auto", "fp8-triton"),
+                                                   ("fast", "fp8", "fp8")],
+                         ids=["exact-auto", "fast-auto", "fast-cudnn-fp8"])
+def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
+    """exact (SDPA), fast with its default Triton FP8 attention, and fast with cuDNN's FP8 attention inside the
+    captured loop: the graph replays bit-identically and reads new inputs."""
+    from fastremover.fast.attention import unavailable_reason
+
+    if attention != "auto":
+        why = unavailable_reason(attention, torch.device("cuda"))
+        if why is not None:
+            pytest.skip(f"attention backend {attention} cannot run here: {why}")
+    denoiser, notes = build_denoiser(real_model, DEFAULT_SCHEDULER_CONFIG, mode, torch.device("cuda"),
+                                     attention=attention)
     assert isinstance(denoiser, FastDenoiser) and denoiser.cuda_graphs
-    assert denoiser.describe()["attention"] == ("fp8" if mode == "fast" else "sdpa"), notes
+    assert denoiser.describe()["attention"] == expect, notes
     noise, masked, mask = (inputs(s, (1, 16, 5, 30, 54), "cuda", torch.float16) for s in (1, 2, 3))
     first = denoiser(noise, masked, mask, steps=4)  # eager run on the fast transformer, then capture
     replay = denoiser(noise, masked, mask, steps=4)
@@ -192,7 +238,7 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode):
     other = denoiser(noise.roll(1, dims=-1), masked, mask, steps=4)  # the graph really reads new inputs
     assert not torch.equal(other, replay)
     eager = EagerDenoiser(real_model, DEFAULT_SCHEDULER_CONFIG)(noise, masked, mask, steps=4)
-    print(f"{mode}: 4-step latents cos vs eager {cos(replay, eager):.6f}")
+    print(f"{mode} ({expect} attention): 4-step latents cos vs eager {cos(replay, eager):.6f}")
     assert cos(replay, eager) > (0.9999 if mode == "exact" else 0.99)
 
 

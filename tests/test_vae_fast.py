@@ -247,7 +247,8 @@ def test_norm_fast_mode_within_bound_of_eager(dtype, silu, case):
 
 def test_norm_fast_mode_is_deterministic():
     """Same inputs, same bits: two calls (new outputs and a reused out=) are torch.equal (no atomics, no split
-    reductions; on the GPU ex2.approx / div.full are deterministic instructions)."""
+    reductions; on the GPU ex2.approx / div.full are deterministic instructions). On the CPU interpreter this cannot
+    fail (numpy is deterministic); the GPU test test_gpu_norm_fast_mode_w2_shape gives the claim its teeth."""
     g = gen(120)
     x = video(g, 2, 96, 3, 6, 5, dtype=F16, scale=2.0, offset=0.1)
     gamma = gamma_of(g, 96, F16)
@@ -562,6 +563,30 @@ def test_precise_norm_option(tiny):
     assert torch.equal(out[False], out[True])
     assert FastWanVAE(vae, device="cpu", dtype=F32, fuse_bias=False, precise_norm=True).describe() == (
         "fast-fp32+unfused-bias+precise-norm")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the GPU tests run the compiled kernels at real sizes")
+def test_precise_norm_changes_the_triton_vae_in_fp32():
+    """With our kernels (interpreted) in fp32, where every rounding shows: precise_norm=True and the fast-math default
+    give different latents and video (the option really switches the kernel's step-3 math: x / denom vs
+    x * (1/denom)), yet both within fp32 summation-order error of each other and of the eager WanVAE."""
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae = random_init_(WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1)), 4).eval()
+    g = gen(70)
+    x = torch.rand(1, 3, 5, 16, 16, generator=g) * 2 - 1
+    z = torch.randn(1, vae.config.z_dim, 2, 2, 2, generator=g)
+    with torch.no_grad():
+        eager = (vae.encode(x), vae.decode(z))
+    out = {}
+    for precise_norm in (False, True):
+        fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="triton", precise_norm=precise_norm)
+        out[precise_norm] = (fast.encode(x), fast.decode(z))
+    for name, a, b, ref in zip(("latents", "video"), out[False], out[True], eager):
+        n_diff = int((a != b).sum())
+        assert n_diff > 0, f"{name}: precise_norm changed nothing (the option does not reach the kernel?)"
+        assert rel_err(a, b) <= 1e-5, f"{name}: fast vs precise norm {rel_err(a, b)} ({n_diff} of {a.numel()} differ)"
+        assert rel_err(a, ref) <= 1e-5 and rel_err(b, ref) <= 1e-5, (name, rel_err(a, ref), rel_err(b, ref))
 
 
 def test_build_vae_and_pipeline_wiring():
@@ -939,6 +964,54 @@ def test_add_bias_in_place_is_torchs_add(dtype, bias_dtype):
         add_bias_(y[0, 0], bias)
 
 
+@pytest.mark.parametrize("dtype,bias_dtype", [(F16, F16), (BF16, F32), (F32, F32)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_add_bias_in_place_on_4d_views_and_layouts(dtype, bias_dtype, monkeypatch):
+    """4-D (the conv2d outputs): add_bias_ on channels-last views of a bigger frame buffer (W-cropped: rows of W*C
+    with a longer H stride; H-sliced) changes only the view, bit for bit torch's add; an NCHW input goes to the eager
+    fallback (and only it does), and add_bias_reference_ on 4-D is torch's add too."""
+    from fastremover.fast.kernels import residual
+    from fastremover.fast.kernels.residual import add_bias_, add_bias_reference_
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(31 + MANT[dtype] + (bias_dtype == F32))
+    c = 24
+    bias = (torch.randn(c, generator=g) * 2).to(dev, bias_dtype)
+    fallback = {"n": 0}
+    orig_ref = residual.add_bias_reference_
+
+    def counting_ref(*a, **k):
+        fallback["n"] += 1
+        return orig_ref(*a, **k)
+
+    monkeypatch.setattr(residual, "add_bias_reference_", counting_ref)
+    cl = torch.channels_last
+    big = (torch.randn(3, c, 7, 11, generator=g) * 3).to(dev, dtype).contiguous(memory_format=cl)
+    for name, crop in (("w-crop", (slice(None), slice(None), slice(None), slice(2, 9))),
+                       ("h-slice", (slice(None), slice(None), slice(1, 5), slice(None))),
+                       ("both", (slice(1, 3), slice(None), slice(2, 6), slice(0, 10)))):
+        buf = big.clone(memory_format=cl)
+        y = buf[crop]
+        assert y.stride(1) == 1 and not y.is_contiguous(memory_format=cl), name  # a strided view, not a copy
+        expect = _torch_bias_add(y, bias)
+        outside = torch.ones_like(buf, dtype=torch.bool)
+        outside[crop] = False
+        assert add_bias_(y, bias) is y and torch.equal(y, expect), name
+        assert torch.equal(buf[outside], big[outside]), f"{name}: memory outside the view changed"
+    assert fallback["n"] == 0, "channels-last 4-D views must run the kernel, not the fallback"
+    nchw = big[:, :, 1:6].contiguous()  # not channels-last: eager fallback
+    expect = _torch_bias_add(nchw, bias)
+    got = add_bias_(nchw, bias)
+    assert got is nchw and got.is_contiguous() and torch.equal(got, expect) and fallback["n"] == 1
+    ref_in = big[:, :, 1:6].clone()
+    assert torch.equal(add_bias_reference_(ref_in, bias), expect) and torch.equal(ref_in, expect)
+    ref_cl = big[:, :, 1:6].clone(memory_format=cl)
+    assert torch.equal(add_bias_reference_(ref_cl, bias), expect)
+    if dtype != F32 and bias_dtype == F32:  # teeth: an fp32 bias must not be rounded to the dtype first
+        rounded_first = (big[:, :, 1:6].float() + bias.to(dtype).float().view(1, c, 1, 1)).to(dtype)
+        assert not torch.equal(rounded_first, expect)
+
+
 def test_fast_vae_uses_the_bias_kernel_only_on_cuda():
     """The conv bias adds go through add_bias_ only on CUDA with our kernels; the CPU convs add their own."""
     from fastremover.fast.vae_fast import FastWanVAE
@@ -1077,6 +1150,67 @@ def test_fuse_bias_is_bit_exact_with_the_torch_kernels_and_stripes(tiny_big_bias
     for i, (p, q) in enumerate(zip(out[False], out[True])):
         assert torch.equal(p, q), f"output {i}: {int((p != q).sum())} of {p.numel()} differ"
     assert not torch.equal(out[False][0], out[False][1])  # (two different inputs)
+
+
+@pytest.mark.parametrize("dtype,fuse_bias,n_frames,n_latents,height,stripe_mib",
+                         [(F16, True, 5, 2, 8, None), (BF16, False, 1, 1, 16, 0.0005)],
+                         ids=["fp16-fused", "bf16-unfused-striped"])  # (the interpreter's cost is per launch)
+@pytest.mark.skipif(not INTERPRET, reason="on the GPU test_gpu_fuse_bias_is_bit_exact_w2_chunk checks this with cuDNN")
+def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype, fuse_bias, n_frames, n_latents,
+                                                           height, stripe_mib, monkeypatch):
+    """The convs' own bias adds through add_bias_ (`_bias_kernel=True`, what CUDA runs) vs inside the conv
+    (`_bias_kernel=False`): the same latents and video bit for bit, with the convs composed like ATen's cuDNN path
+    (conv, then add_(bias)); and with True add_bias_ really runs (on conv3d and conv2d outputs, in the kernel and not
+    only its eager fallback; with stripe_mib also inside the row-striped conv steps), with False never."""
+    from fastremover.fast import vae_fast
+    from fastremover.fast.kernels import residual
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae = tiny_big_bias
+    g = gen(63)
+    frames = (torch.rand(1, 3, n_frames, height, 16, generator=g) * 2 - 1).to(dtype)
+    mask = (torch.rand(1, 1, n_frames, height, 16, generator=g) > 0.6).to(dtype).expand(1, 3, -1, -1, -1)
+    z = torch.randn(1, vae.config.z_dim, n_latents, height // 8, 2, generator=g).to(dtype)
+    _cudnn_like_convs(monkeypatch)
+    calls, state = [], {"striping": 0, "fallback": 0}
+    orig_add, orig_ref, orig_striped = residual.add_bias_, residual.add_bias_reference_, FastWanVAE._causal_striped
+
+    def counting_add(y, bias):
+        calls.append((y.dim(), state["striping"] > 0))
+        return orig_add(y, bias)
+
+    def counting_ref(*a, **k):
+        state["fallback"] += 1
+        return orig_ref(*a, **k)
+
+    def striped(self, *a, **k):
+        state["striping"] += 1
+        try:
+            return orig_striped(self, *a, **k)
+        finally:
+            state["striping"] -= 1
+
+    monkeypatch.setattr(residual, "add_bias_", counting_add)  # _conv_b imports it from the module at call time
+    monkeypatch.setattr(residual, "add_bias_reference_", counting_ref)
+    monkeypatch.setattr(vae_fast.FastWanVAE, "_causal_striped", striped)
+    res, seen = {}, {}
+    for bias_kernel in (False, True):
+        fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", pair=True, fuse_bias=fuse_bias,
+                          stripe_mib=stripe_mib)
+        assert fast._bias_kernel is False  # off on the CPU by default; switched on as on CUDA
+        fast._bias_kernel = bias_kernel
+        calls.clear()
+        state["fallback"] = 0
+        res[bias_kernel] = (*fast.encode_removal_inputs(frames, mask), fast.decode(z))
+        seen[bias_kernel] = (list(calls), state["fallback"])
+    assert seen[False] == ([], 0), "with _bias_kernel=False the convs must add their own bias"
+    true_calls, n_fallback = seen[True]
+    assert {d for d, _ in true_calls} == {4, 5}, "add_bias_ on both conv2d and conv3d outputs"
+    assert len(true_calls) > n_fallback, "every call went to the eager fallback: the kernel never ran"
+    if stripe_mib is not None:
+        assert any(in_stripe for _, in_stripe in true_calls), "no add_bias_ inside a row-striped conv step"
+    for name, a, b in zip(("masked latents", "mask latents", "video"), res[False], res[True]):
+        assert a.dtype == dtype and torch.equal(a, b), f"{name}: {int((a != b).sum())} of {a.numel()} differ"
 
 
 def test_fuse_bias_skips_fp8_convs(monkeypatch):

@@ -156,8 +156,10 @@ def main():
                 name = g.get_plan_name_at_index(i)
                 try:
                     ms = time_ms(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle))
-                    got = out.float() * (1.0 if with_scale else float(sx * sw))
-                    cos = float(torch.nn.functional.cosine_similarity(got.flatten(), ref.float().flatten(), dim=0))
+                    # unscaled, the fp16 output holds conv(codes): it overflows (|sum| ~ 27 * C * 90^2), so only
+                    # the scaled graph gets a fidelity number (the unscaled one is timed, for the cost of the scale)
+                    cos = (float(F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0))
+                           if with_scale else None)
                     rows.append({"shape": [cin, cout, t, h, w], "variant": f"cudnn fp8 scale={with_scale} plan {i}",
                                  "plan": name, "ms": ms, "tflops": flop / ms / 1e9, "cos": cos})
                 except Exception as exc:
@@ -168,7 +170,7 @@ def main():
             print(f"{str(r['shape']):<26} {r['variant']:<34} ERROR {r['error'][:150]}")
         else:
             print(f"{str(r['shape']):<26} {r['variant']:<34} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s"
-                  f"  cos {r.get('cos', float('nan')):.5f}  {r.get('plan', '')[:50]}"
+                  f"  cos {r['cos'] if r.get('cos') is not None else float('nan'):.5f}  {r.get('plan', '')[:50]}"
                   + (f"  equal {r['equal_to_torch']}" if "equal_to_torch" in r else ""))
     if args.out:
         with open(args.out, "w") as f:

@@ -9,8 +9,9 @@ frames; decode: one latent frame), with these changes:
   ends (encoder conv_in, decoder conv_out) are zero-padded to 8 channels on CUDA (`pad_rgb`), a width cuDNN's NHWC
   tensor-core kernels take; the padding adds exact zeros.
 * Norms: `fastremover.fast.kernels.vae_norm` (one pass, fp32 statistics, same rounding points as eager) on CUDA, in
-  its fast-math mode (a reciprocal per pixel and tl.sigmoid: 5x faster on the H200, within a few ulps of eager on
-  rare elements; `precise_norm=True` for the bit-exact-given-the-denominator mode); the eager reference of that
+  its fast-math mode in every engine mode (a reciprocal per pixel and tl.sigmoid: 0.565 -> 0.125 ms per
+  full-resolution call on the H200, within 3 ulps of eager or below one ulp of the frame's largest output, on
+  ~1e-4 of the elements; `precise_norm=True` for the bit-exact-given-the-denominator mode); the eager reference of that
   module elsewhere (`kernels="torch"`).
 * Causal caches: each causal conv keeps only its last 2 input frames ([B, C, 2, H, W], zeros before the first frame,
   the same frames the eager `CausalCache` hands out). Per chunk the conv's input is assembled in one buffer
@@ -235,7 +236,7 @@ class FastWanVAE:
     (see the module docstring); bit-identical to False (CPU tests, and on the H200
     tests/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and `python -m fastremover.fast.vae_fast --bench
     --fuse-bias`), and 7 % faster there at W2, so on by default. precise_norm: run the norm kernel with precise=True
-    (per-element IEEE divisions, bit-exact to the eager ops given its denominators; H200: 0.42 vs 0.11 ms per
+    (per-element IEEE divisions, bit-exact to the eager ops given its denominators; H200: 0.47 vs 0.125 ms per
     full-resolution call) instead of its fast-math default (within a few ulps of eager on ~1e-4 of the elements, see
     fastremover/fast/kernels/vae_norm.py); no effect with kernels="torch" (the eager reference either way).
     """
@@ -653,18 +654,16 @@ class FastWanVAE:
         """bias: a bias deferred from the conv that produced x (`_deferred`): normalize x + bias. The norm runs in its
         default fast-math mode unless precise_norm (the keyword is only passed then, like bias)."""
         kw = {"precise": True} if self.precise_norm else {}
-        if bias is None:
-            return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, **kw)
-        return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, bias=bias, **kw)
+        if bias is not None:
+            kw["bias"] = bias
+        return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, **kw)
 
     def _norm_fill(self, x: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None = None) -> "_Fill":
         return _Fill(x, lambda src, view, tail: self._norm(src, norm, True, out=view, tail=tail, bias=bias))
 
     def _add(self, y: torch.Tensor, s: torch.Tensor, out=None, bias=None) -> torch.Tensor:
         """y + s (in place, or into out); bias: deferred from the conv that produced y, added to y first."""
-        if bias is None:
-            return self._add_fn(y, s, out=out)
-        return self._add_fn(y, s, out=out, bias=bias)
+        return self._add_fn(y, s, out=out, **({} if bias is None else {"bias": bias}))
 
     def _deferred(self, conv: nn.Module) -> torch.Tensor | None:
         """The bias a fuse_bias consumer adds for `conv` (which then runs without it), or None: the conv adds its own.

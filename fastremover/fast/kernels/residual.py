@@ -37,6 +37,7 @@ from fastremover.fast.kernels._common import (
     round_through,
     round_to,
 )
+from fastremover.fast.kernels.vae_norm import add_bias  # the one eager "conv bias add" (fp32 opmath, one rounding)
 
 
 @triton.jit
@@ -196,25 +197,32 @@ def add_frames(
         return add_frames_reference(y, s, out=out, bias=bias)
     check_device(_add_rows_kernel, y=y, s=s, out=out, bias=bias)
     o = y if out is None else out
+    _launch_rows(y, s, o, bias)
+    return o
+
+
+def _launch_rows(y: torch.Tensor, s: torch.Tensor | None, o: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """One launch of _add_rows_kernel over 5-D row-dense y / s / o (s None: the bias-only variant)."""
     b, c, t_, h, w = y.shape
     row = w * c
-    if y.numel():
-        block = min(2048, triton.next_power_of_2(row))
-        grid = (b * t_ * h, triton.cdiv(row, block))
-        bias_arg = y
-        if bias is not None:
-            bias_arg = bias.reshape(c)
-            if not bias_arg.is_contiguous():
-                bias_arg = bias_arg.contiguous()
-        _add_rows_kernel[grid](
-            y, s, o, bias_arg, row, t_, h,
-            y.stride(0), y.stride(2), y.stride(3), s.stride(0), s.stride(2), s.stride(3),
-            o.stride(0), o.stride(2), o.stride(3),
-            C=c if bias is not None else 1,  # (C=1 without a bias: that variant compiles once, as before)
-            BLOCK=block, HAS_BIAS=bias is not None, INTERPRET=interpreting(_add_rows_kernel), num_warps=4,
-            **launch_options(_add_rows_kernel),
-        )
-    return o
+    if not y.numel():
+        return
+    block = min(2048, triton.next_power_of_2(row))
+    grid = (b * t_ * h, triton.cdiv(row, block))
+    bias_arg = y
+    if bias is not None:
+        bias_arg = bias.reshape(c)
+        if not bias_arg.is_contiguous():
+            bias_arg = bias_arg.contiguous()
+    s_arg = y if s is None else s
+    _add_rows_kernel[grid](
+        y, s_arg, o, bias_arg, row, t_, h,
+        y.stride(0), y.stride(2), y.stride(3), s_arg.stride(0), s_arg.stride(2), s_arg.stride(3),
+        o.stride(0), o.stride(2), o.stride(3),
+        C=c if bias is not None else 1,  # (C=1 without a bias: that variant compiles once, as before)
+        BLOCK=block, HAS_BIAS=bias is not None, INTERPRET=interpreting(_add_rows_kernel), HAS_S=s is not None,
+        num_warps=4, **launch_options(_add_rows_kernel),
+    )
 
 
 def add_frames_reference(
@@ -223,8 +231,7 @@ def add_frames_reference(
     """Eager torch, same signature as `add_frames`: [y + bias, rounded to the dtype, then] torch.add(y, s)."""
     if bias is not None:
         _check_bias(bias, y)
-        shape = (1, y.shape[1]) + (1,) * (y.dim() - 2)
-        yb = (y.float() + bias.float().view(shape)).to(y.dtype)  # torch's fp32-opmath add_, also for an fp32 bias
+        yb = add_bias(y, bias)  # torch's fp32-opmath add_, also for an fp32 bias
         if out is None:  # in place, like the kernel
             y.copy_(yb)
             yb = y
@@ -252,29 +259,14 @@ def add_bias_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     if not _row_dense(y5):
         return add_bias_reference_(y, bias)
     check_device(_add_rows_kernel, y=y, bias=bias)
-    b, c, t_, h, w = y5.shape
-    row = w * c
-    if y5.numel():
-        block = min(2048, triton.next_power_of_2(row))
-        grid = (b * t_ * h, triton.cdiv(row, block))
-        bias_arg = bias.reshape(c)
-        if not bias_arg.is_contiguous():
-            bias_arg = bias_arg.contiguous()
-        st = (y5.stride(0), y5.stride(2), y5.stride(3))
-        _add_rows_kernel[grid](
-            y5, y5, y5, bias_arg, row, t_, h, *st, *st, *st,
-            C=c, BLOCK=block, HAS_BIAS=True, INTERPRET=interpreting(_add_rows_kernel), HAS_S=False, num_warps=4,
-            **launch_options(_add_rows_kernel),
-        )
+    _launch_rows(y5, None, y5, bias)
     return y
 
 
 def add_bias_reference_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Eager torch, same signature as `add_bias_`: y.copy_((y.float() + bias.float()).to(y.dtype)) - torch's
-    fp32-opmath `add_` bit for bit, also for an fp32 bias (a plain `y.add_(bias)` would be the same for y.dtype
-    biases)."""
+    """Eager torch, same signature as `add_bias_`: y.copy_(vae_norm.add_bias(y, bias)) - torch's fp32-opmath `add_`
+    bit for bit, also for an fp32 bias."""
     if not isinstance(y, torch.Tensor) or y.dim() not in (4, 5) or y.dtype not in FLOAT_DTYPES:
         raise ValueError("y must be a 4-D or 5-D fp16/bf16/fp32 tensor")
     _check_bias(bias, y)
-    shape = (1, y.shape[1]) + (1,) * (y.dim() - 2)
-    return y.copy_((y.float() + bias.float().view(shape)).to(y.dtype))
+    return y.copy_(add_bias(y, bias))

@@ -15,9 +15,10 @@ rows of next_power_of_2(C) lanes (96 -> 128) and reduces over the channel axis.
 Two modes (`precise=`): one kernel, the same rounding points; they differ in how steps 3 and 6 are computed.
 precise=False (the default, and the fast VAE's) replaces the two per-element IEEE divisions - the kernel's cost: it is
 ALU-bound, not memory-bound - by a reciprocal per pixel row and Triton's fast sigmoid (H200, [1, 96, 2, 480, 832] fp16:
-0.113 ms per call vs 0.565 ms for the 4-warp precise kernel shipped before, 0.420 ms for precise=True at 8 warps, a
-copy 0.079 ms; measured with the experiment's copy of the kernel: bench/experiments/vae_norm_variants.py,
-bench/results/vae-norm-variants-*.json).
+0.113 ms per call in the experiment's copy of the kernel, 0.125 ms through this wrapper, vs 0.565 ms for the 4-warp
+precise kernel shipped before and 0.42-0.47 ms for precise=True at 8 warps; a copy takes 0.079 ms:
+bench/experiments/vae_norm_variants.py, bench/results/vae-norm-variants-*.json. The wrapper's timings at the smaller
+deep-level shapes include its Python launch overhead, which the back-to-back timing loop does not hide).
 
 Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-ftz libdevice, see _common.py):
     0. `bias=` only (a conv bias deferred into the norm, see below): x = round_to_dtype(x + bias), both widened to
@@ -176,8 +177,7 @@ def _vae_norm_kernel(
 
 def _blocks(c: int, precise: bool = False) -> tuple[int, int, int]:
     """(BLOCK_C, BLOCK_M, num_warps): 4096 lanes per program (C <= MAX_CHANNELS: whole channel rows). Fast mode: 4
-    warps (32 lanes per thread; the configuration of the measured 5x in the module docstring; 8 warps were not
-    measured for it). Precise mode: 8 warps (16 lanes per thread): its per-element IEEE divisions make it ALU-bound,
+    warps (32 lanes per thread; 8 warps measured no faster: 0.119 vs 0.115 ms in the variant kernel, C = 96). Precise mode: 8 warps (16 lanes per thread): its per-element IEEE divisions make it ALU-bound,
     and twice the warps hide more of their latency - H200, [1, 96, 2, 480, 832] fp16: 0.565 -> 0.420 ms, and
     0.29 -> 0.22 / 0.26 -> 0.18 ms at C = 192 / 384, torch.equal to the 4-warp output at all four measured shapes
     (bench/results/vae-norm-variants-*.json). Steps 2-6 are the same instructions at either warp count; only tl.sum's
