@@ -6,6 +6,9 @@ had run and validated. An illegal access poisons the CUDA context, so every case
 (config, S, out dtype, H) the child runs attention_fp8_qkv with that config pinned and compares with fp16 SDPA;
 the parent prints one line per case (ok + cosine + ms, or the error) and --out writes JSON. Cases cover: S a
 multiple of the key block and not, one or several full blocks, S < BLOCK_M, fp16 / fp32 output, and the W1/W2 S.
+Hypothesis to test: the warp-specialized, software-pipelined key loop breaks when it runs fewer trips than its
+num_stages (S = 130: one full block with 2-3 stages), which the W1/W2 runs (56 / 255 trips) never hit; if so, the
+engine can use those configs whenever S >= num_stages * BLOCK_N (they were 1.3x faster at W2).
 
     python bench/experiments/attention_ws_crash.py [--out FILE] [--configs NAME,NAME]
 """
@@ -51,7 +54,8 @@ def main() -> None:
     names = (args.configs.split(",") if args.configs else
              [A.AUTOTUNE_CONFIGS[0].name] + [c.name for c in A.WARP_SPEC_CONFIGS])
     cases = [(130, "fp32", 2), (130, "fp16", 2), (128, "fp16", 2), (256, "fp16", 2), (258, "fp16", 2),
-             (100, "fp16", 2), (1000, "fp16", 12), (7290, "fp16", 12), (32760, "fp16", 12)]
+             (384, "fp16", 2), (386, "fp16", 2), (512, "fp16", 2), (100, "fp16", 2), (1000, "fp16", 12),
+             (7290, "fp16", 12), (32760, "fp16", 12)]
     rows = []
     for name in names:
         for s, dt, h in cases:
