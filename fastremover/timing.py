@@ -60,3 +60,18 @@ class StageTimer:
     def summary(self) -> str:
         parts = [f"{k} {v:.2f}s" for k, v in self.wall_s.items()]
         return "  ".join(parts) + f"  | total {self.total_s:.2f}s"
+
+
+def cuda_time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Mean GPU time of `fn()` in ms over `iters` back-to-back calls after `warmup` untimed ones (CUDA events; the
+    side-by-side micro-benchmarks' timer)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters

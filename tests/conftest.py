@@ -24,3 +24,20 @@ def _deterministic_threads():
     # 2-core CI: keep torch from oversubscribing when pytest runs several things.
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     yield
+
+
+def _raise_value_errors(cases) -> None:
+    """Each (fn, words) case: fn() must raise ValueError with `words` in its message (the case index in failures)."""
+    for i, (fn, words) in enumerate(cases):
+        try:
+            fn()
+        except ValueError as e:
+            assert words in str(e), f"case {i}: {e}"
+        else:
+            raise AssertionError(f"case {i} did not raise ValueError")
+
+
+@pytest.fixture
+def raise_value_errors():
+    """The table-driven refusal check shared by the kernel wrapper tests: raise_value_errors([(fn, words), ...])."""
+    return _raise_value_errors

@@ -70,6 +70,19 @@ def ordered(t):
     return torch.where(i < 0, -(i & ((1 << (nbits - 1)) - 1)), i)
 
 
+def count_calls(monkeypatch, owner, name: str) -> dict:
+    """Wrap owner.name (a function or a method) so that the returned {"n": ...} counts its calls."""
+    counter = {"n": 0}
+    orig = getattr(owner, name)
+
+    def counting(*a, **k):
+        counter["n"] += 1
+        return orig(*a, **k)
+
+    monkeypatch.setattr(owner, name, counting)
+    return counter
+
+
 def ulps(a, b):
     return (ordered(a) - ordered(b)).abs()
 
@@ -801,19 +814,12 @@ def test_row_stripes_change_nothing(tiny, encode_frames, monkeypatch):
     vae, x, z, d = tiny
     plain = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=encode_frames)
     striped = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=encode_frames, stripe_mib=0.004)
-    calls = {"conv": 0}
-    orig = vae_fast.FastWanVAE._causal_striped
-
-    def counting(self, *a, **k):
-        calls["conv"] += 1
-        return orig(self, *a, **k)
-
-    monkeypatch.setattr(vae_fast.FastWanVAE, "_causal_striped", counting)
+    calls = count_calls(monkeypatch, vae_fast.FastWanVAE, "_causal_striped")
     assert rel_err(striped.decode(z), plain.decode(z)) <= 1e-6
-    n_dec = calls["conv"]
+    n_dec = calls["n"]
     assert n_dec > 0
     assert rel_err(striped.encode(x), plain.encode(x)) <= 1e-6
-    assert calls["conv"] > n_dec
+    assert calls["n"] > n_dec
     assert rel_err(striped.decode(z), d) <= 1e-5
 
 
@@ -977,14 +983,7 @@ def test_add_bias_in_place_on_4d_views_and_layouts(dtype, bias_dtype, monkeypatc
     g = torch.Generator().manual_seed(31 + MANT[dtype] + (bias_dtype == F32))
     c = 24
     bias = (torch.randn(c, generator=g) * 2).to(dev, bias_dtype)
-    fallback = {"n": 0}
-    orig_ref = residual.add_bias_reference_
-
-    def counting_ref(*a, **k):
-        fallback["n"] += 1
-        return orig_ref(*a, **k)
-
-    monkeypatch.setattr(residual, "add_bias_reference_", counting_ref)
+    fallback = count_calls(monkeypatch, residual, "add_bias_reference_")
     cl = torch.channels_last
     big = (torch.randn(3, c, 7, 11, generator=g) * 3).to(dev, dtype).contiguous(memory_format=cl)
     for name, crop in (("w-crop", (slice(None), slice(None), slice(None), slice(2, 9))),
@@ -1132,14 +1131,7 @@ def test_fuse_bias_is_bit_exact_with_the_torch_kernels_and_stripes(tiny_big_bias
     x = (torch.rand(2, 3, 9, 32, 48, generator=g) * 2 - 1).to(dtype)
     z = torch.randn(1, vae.config.z_dim, 3, 4, 6, generator=g).to(dtype)
     _cudnn_like_convs(monkeypatch)
-    striped = {"n": 0}
-    orig = vae_fast.FastWanVAE._causal_striped
-
-    def counting(self, *a, **k):
-        striped["n"] += 1
-        return orig(self, *a, **k)
-
-    monkeypatch.setattr(vae_fast.FastWanVAE, "_causal_striped", counting)
+    striped = count_calls(monkeypatch, vae_fast.FastWanVAE, "_causal_striped")
     out = {}
     for fuse in (False, True):
         kw = dict(device="cpu", dtype=dtype, kernels="torch", fuse_bias=fuse)
@@ -1172,16 +1164,12 @@ def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype,
     mask = (torch.rand(1, 1, n_frames, height, 16, generator=g) > 0.6).to(dtype).expand(1, 3, -1, -1, -1)
     z = torch.randn(1, vae.config.z_dim, n_latents, height // 8, 2, generator=g).to(dtype)
     _cudnn_like_convs(monkeypatch)
-    calls, state = [], {"striping": 0, "fallback": 0}
-    orig_add, orig_ref, orig_striped = residual.add_bias_, residual.add_bias_reference_, FastWanVAE._causal_striped
+    calls, state = [], {"striping": 0}
+    orig_add, orig_striped = residual.add_bias_, FastWanVAE._causal_striped
 
     def counting_add(y, bias):
         calls.append((y.dim(), state["striping"] > 0))
         return orig_add(y, bias)
-
-    def counting_ref(*a, **k):
-        state["fallback"] += 1
-        return orig_ref(*a, **k)
 
     def striped(self, *a, **k):
         state["striping"] += 1
@@ -1190,8 +1178,8 @@ def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype,
         finally:
             state["striping"] -= 1
 
-    monkeypatch.setattr(residual, "add_bias_", counting_add)  # _conv_b imports it from the module at call time
-    monkeypatch.setattr(residual, "add_bias_reference_", counting_ref)
+    monkeypatch.setattr(residual, "add_bias_", counting_add)  # FastWanVAE takes it from the module when built
+    fallback = count_calls(monkeypatch, residual, "add_bias_reference_")
     monkeypatch.setattr(vae_fast.FastWanVAE, "_causal_striped", striped)
     res, seen = {}, {}
     for bias_kernel in (False, True):
@@ -1200,9 +1188,9 @@ def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype,
         assert fast._bias_kernel is False  # off on the CPU by default; switched on as on CUDA
         fast._bias_kernel = bias_kernel
         calls.clear()
-        state["fallback"] = 0
+        fallback["n"] = 0
         res[bias_kernel] = (*fast.encode_removal_inputs(frames, mask), fast.decode(z))
-        seen[bias_kernel] = (list(calls), state["fallback"])
+        seen[bias_kernel] = (list(calls), fallback["n"])
     assert seen[False] == ([], 0), "with _bias_kernel=False the convs must add their own bias"
     true_calls, n_fallback = seen[True]
     assert {d for d, _ in true_calls} == {4, 5}, "add_bias_ on both conv2d and conv3d outputs"

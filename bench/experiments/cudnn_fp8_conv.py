@@ -19,27 +19,23 @@ import torch.nn.functional as F
 
 import cudnn
 
+from fastremover.fast.cudnn_sdpa import _build, _dtype  # graph build (all plans: the survey), dtype map
+from fastremover.timing import cuda_time_ms
+
 FP8 = torch.float8_e4m3fn
 
 
-def time_ms(fn, iters=10):
-    for _ in range(3):
-        fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / iters
+def time_ms(fn):
+    return cuda_time_ms(fn, iters=10)
 
 
-def build(handle, x8, w8, out, with_scale: bool):
+def build(handle, x, w, out, with_scale: bool = False):
+    """The conv (causal cache included in x, spatial padding 1) as a cuDNN graph on x's / w's dtype (e4m3 or fp16),
+    fp32 accumulate, fp16 output (with_scale: times a per-tensor fp32 scale S first), every plan built."""
     g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-    X = g.tensor(name="X", dim=list(x8.shape), stride=list(x8.stride()), data_type=cudnn.data_type.FP8_E4M3)
-    W = g.tensor(name="W", dim=list(w8.shape), stride=list(w8.stride()), data_type=cudnn.data_type.FP8_E4M3)
+    X = g.tensor(name="X", dim=list(x.shape), stride=list(x.stride()), data_type=_dtype(cudnn, x.dtype))
+    W = g.tensor(name="W", dim=list(w.shape), stride=list(w.stride()), data_type=_dtype(cudnn, w.dtype))
     Y = g.conv_fprop(image=X, weight=W, pre_padding=[0, 1, 1], post_padding=[0, 1, 1], stride=[1, 1, 1],
                      dilation=[1, 1, 1], compute_data_type=cudnn.data_type.FLOAT, name="conv")
     S = None
@@ -48,53 +44,34 @@ def build(handle, x8, w8, out, with_scale: bool):
         S = g.tensor(name="S", dim=[1, 1, 1, 1, 1], stride=[1, 1, 1, 1, 1], data_type=cudnn.data_type.FLOAT)
         Y = g.mul(a=Y, b=S, compute_data_type=cudnn.data_type.FLOAT, name="scale")
     Y.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride())).set_data_type(cudnn.data_type.HALF)
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans(cudnn.build_plan_policy.ALL)
-    n = g.get_execution_plan_count()
-    ws = max([g.get_workspace_size()] + [g.get_workspace_size_plan_at_index(i) for i in range(n)])
-    return g, X, W, Y, S, n, torch.empty(max(ws, 1), dtype=torch.uint8, device=x8.device)
+    g, ws, n = _build(g, x.device, all_plans=True)
+    return g, X, W, Y, S, n, ws
 
 
-def build_half(handle, x, w, out):
-    """The same conv in fp16 through the frontend (fp32 accumulate), every plan built: is there a faster cuDNN
-    engine than the one torch's heuristics pick?"""
-    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-    X = g.tensor(name="X", dim=list(x.shape), stride=list(x.stride()), data_type=cudnn.data_type.HALF)
-    W = g.tensor(name="W", dim=list(w.shape), stride=list(w.stride()), data_type=cudnn.data_type.HALF)
-    Y = g.conv_fprop(image=X, weight=W, pre_padding=[0, 1, 1], post_padding=[0, 1, 1], stride=[1, 1, 1],
-                     dilation=[1, 1, 1], compute_data_type=cudnn.data_type.FLOAT, name="conv")
-    Y.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride())).set_data_type(cudnn.data_type.HALF)
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans(cudnn.build_plan_policy.ALL)
-    n = g.get_execution_plan_count()
-    ws = max([g.get_workspace_size()] + [g.get_workspace_size_plan_at_index(i) for i in range(n)])
-    return g, X, W, Y, n, torch.empty(max(ws, 1), dtype=torch.uint8, device=x.device)
-
-
-def survey_half(handle, rows, shape_key, x, wt, ref, flop):
+def survey(handle, rows, shape_key, label, x, w, ref, flop, scale=None, fidelity: bool = True):
+    """Build the conv graph for x / w (fp16, or e4m3 with an fp32 `scale` fused when given) and time every plan;
+    one row per plan. fidelity: cosine vs torch's fp16 conv (and, for fp16 inputs, whether the bits are equal)."""
     out = torch.empty(ref.shape, dtype=torch.float16, device=x.device).to(memory_format=torch.channels_last_3d)
     try:
-        g, X, W, Y, n, ws = build_half(handle, x, wt, out)
+        g, X, W, Y, S, n, ws = build(handle, x, w, out, with_scale=scale is not None)
     except Exception as exc:
-        rows.append({"shape": shape_key, "variant": "cudnn-fe fp16", "error": repr(exc)[:300]})
+        rows.append({"shape": shape_key, "variant": label, "error": repr(exc)[:300]})
         return
+    pack = {X: x, W: w, Y: out}
+    if S is not None:
+        pack[S] = scale
     for i in range(n):
-        name = g.get_plan_name_at_index(i)
+        row = {"shape": shape_key, "variant": f"{label} plan {i}", "plan": g.get_plan_name_at_index(i)}
         try:
-            ms = time_ms(lambda: g.execute_plan_at_index({X: x, W: wt, Y: out}, ws, i, handle=handle))
-            rows.append({"shape": shape_key, "variant": f"cudnn-fe fp16 plan {i}", "plan": name, "ms": ms,
-                         "tflops": flop / ms / 1e9, "equal_to_torch": bool(torch.equal(out, ref)),
-                         "cos": float(F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0))})
+            ms = time_ms(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle))
+            row.update(ms=ms, tflops=flop / ms / 1e9,
+                       cos=float(F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0))
+                       if fidelity else None)
+            if fidelity and x.dtype == torch.float16:
+                row["equal_to_torch"] = bool(torch.equal(out, ref))
         except Exception as exc:
-            rows.append({"shape": shape_key, "variant": f"cudnn-fe fp16 plan {i}", "plan": name,
-                         "error": repr(exc)[:200]})
+            row["error"] = repr(exc)[:200]
+        rows.append(row)
 
 
 def main():
@@ -132,39 +109,19 @@ def main():
                 ms = time_ms(lambda: F.conv3d(xp, wp, padding=(0, 1, 1)))
                 rows.append({"shape": [cin, cout, t, h, w], "variant": f"torch fp16 padded to {pin}->{pout}", "ms": ms,
                              "tflops": flop / ms / 1e9, "equal_to_torch": bool(torch.equal(yp[:, :cout], ref))})
-        if args.half_plans:
-            survey_half(handle, rows, [cin, cout, t, h, w], x, wt, ref, flop)
+        if args.half_plans:  # fp16 through the frontend: is there a faster engine than torch's pick?
+            survey(handle, rows, [cin, cout, t, h, w], "cudnn-fe fp16", x, wt, ref, flop)
         if args.half_only:
             continue
         sx = x.abs().amax().float() / 448
         sw = wt.abs().amax().float() / 448
         x8 = (x.float() / sx).to(FP8).to(memory_format=torch.channels_last_3d)
         w8 = (wt.float() / sw).to(FP8).to(memory_format=torch.channels_last_3d)
-        out = torch.empty(ref.shape, dtype=torch.float16, device=dev).to(memory_format=torch.channels_last_3d)
         scale = (sx * sw).reshape(1, 1, 1, 1, 1).contiguous()
-        for with_scale in (False, True):
-            try:
-                g, X, W, Y, S, n, ws = build(handle, x8, w8, out, with_scale)
-            except Exception as exc:
-                rows.append({"shape": [cin, cout, t, h, w], "variant": f"cudnn fp8 scale={with_scale}",
-                             "error": repr(exc)[:300]})
-                continue
-            pack = {X: x8, W: w8, Y: out}
-            if S is not None:
-                pack[S] = scale
-            for i in range(n):
-                name = g.get_plan_name_at_index(i)
-                try:
-                    ms = time_ms(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle))
-                    # unscaled, the fp16 output holds conv(codes): it overflows (|sum| ~ 27 * C * 90^2), so only
-                    # the scaled graph gets a fidelity number (the unscaled one is timed, for the cost of the scale)
-                    cos = (float(F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0))
-                           if with_scale else None)
-                    rows.append({"shape": [cin, cout, t, h, w], "variant": f"cudnn fp8 scale={with_scale} plan {i}",
-                                 "plan": name, "ms": ms, "tflops": flop / ms / 1e9, "cos": cos})
-                except Exception as exc:
-                    rows.append({"shape": [cin, cout, t, h, w], "variant": f"cudnn fp8 scale={with_scale} plan {i}",
-                                 "plan": name, "error": repr(exc)[:200]})
+        # unscaled, the fp16 output holds conv(codes): it overflows (|sum| ~ 27 * C * 90^2), so only the scaled graph
+        # gets a fidelity number (the unscaled one is timed, for the cost of the scale)
+        survey(handle, rows, [cin, cout, t, h, w], "cudnn fp8 scale=False", x8, w8, ref, flop, fidelity=False)
+        survey(handle, rows, [cin, cout, t, h, w], "cudnn fp8 scale=True", x8, w8, ref, flop, scale=scale)
     for r in rows:
         if "error" in r:
             print(f"{str(r['shape']):<26} {r['variant']:<34} ERROR {r['error'][:150]}")

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from fastremover.fast.kernels._common import launch_options, load_f32, round_through, round_to
 from fastremover.fast.kernels.vae_norm import _exp_f32, vae_rms_norm
+from fastremover.timing import cuda_time_ms
 
 
 @triton.jit
@@ -72,17 +73,8 @@ def run_variant(x, gamma, out, *, copy=False, rcp=False, fast_silu=False, roundi
     return out
 
 
-def time_ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / iters
+def time_ms(fn):
+    return cuda_time_ms(fn, iters=20)
 
 
 def main():

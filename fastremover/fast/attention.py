@@ -41,7 +41,9 @@ import torch
 import torch.nn.attention
 import torch.nn.functional as F
 
+from fastremover.bench.metrics import cosine as _cos
 from fastremover.errors import FastRemoverError
+from fastremover.timing import cuda_time_ms as _time_ms
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -162,24 +164,6 @@ def get_backend(name: str, device: torch.device) -> AttentionFn:
 # Side-by-side benchmark (GPU): python -m fastremover.fast.attention --bench [--out FILE]
 
 
-def _time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()))
-
-
 def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: float = 1.0,
           v_bias: float = 0.0) -> list[dict]:
     """fp16 SDPA vs the 8-bit backends at the DiT's shapes; q, k ~ N(0, 1) with a shared per-channel offset on K of
@@ -191,7 +175,6 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
     dev = torch.device("cuda")
     for s in seq_lens:
         g = torch.Generator(device=dev).manual_seed(s)
-        shape = (1, s, heads, head_dim)
         qkv = torch.randn(1, s, 3, heads, head_dim, device=dev, generator=g, dtype=torch.float16)
         qkv[:, :, 1] += (k_bias * torch.randn(heads, head_dim, device=dev, generator=g)).half()
         qkv[:, :, 2] += (v_bias * torch.randn(heads, head_dim, device=dev, generator=g)).half()
@@ -330,7 +313,8 @@ def main(argv=None) -> None:
         else:
             print(f"S={r['seq']:>6} {r['backend']:<28} smooth={r.get('smooth_k', '-')!s:<5} {r['ms']:8.3f} ms "
                   f"{r.get('tflops', math.nan):7.1f} TFLOP/s  x{r.get('speedup', math.nan):5.2f}  "
-                  f"cos {r.get('cos', math.nan):.5f}" + (f"  equal {r['equal_to_strided']}" if 'equal_to_strided' in r else ''))
+                  f"cos {r.get('cos', math.nan):.5f}"
+                  + (f"  equal {r['equal_to_strided']}" if "equal_to_strided" in r else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -94,7 +94,33 @@ def _build(g, device: torch.device, all_plans: bool = False):
     return g, torch.empty(max(1, size), dtype=torch.uint8, device=device), plans
 
 
-class _Fp8Graph:
+class _Graph:
+    """A built graph (self.graph, .workspace, .handle, .plans) and how it runs on torch's current stream."""
+
+    def _execute(self, pack: dict, device: torch.device, plan: int | None) -> None:
+        """The heuristics' plan (plan None), or plan number `plan` (the benchmark's survey)."""
+        cudnn = _cudnn()
+        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        if plan is None:
+            self.graph.execute(pack, self.workspace, handle=self.handle)
+        else:
+            self.graph.execute_plan_at_index(pack, self.workspace, plan, handle=self.handle)
+
+
+def _survey(graph: _Graph, run_plan, time_ms, check=None) -> list[dict]:
+    """Time run_plan(i) for every plan the graph built; check() adds fields measured after each plan's runs."""
+    rows = []
+    for i in range(graph.plans):
+        name = graph.graph.get_plan_name_at_index(i)
+        try:
+            ms = time_ms(lambda: run_plan(i))
+            rows.append({"plan": i, "name": name, "ms": ms, **(check() if check else {})})
+        except Exception as exc:
+            rows.append({"plan": i, "name": name, "error": repr(exc)[:200]})
+    return rows
+
+
+class _Fp8Graph(_Graph):
     """One built cuDNN graph for fixed shapes/strides/dtypes."""
 
     def __init__(self, q, k, v, o_shape_stride, out_dtype: torch.dtype, attn_scale: float, device: torch.device,
@@ -137,17 +163,12 @@ class _Fp8Graph:
         self.one = torch.ones(1, dtype=torch.float32, device=device)
 
     def run(self, q, k, v, dq, dk, dv, out, scale_o, plan: int | None = None):
-        cudnn = _cudnn()
-        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
         pack = {
             self.q: q, self.k: k, self.v: v, self.dq: dq, self.dk: dk, self.dv: dv,
             self.ds: self.p_descale, self.ss: self.p_scale, self.so: self.one if scale_o is None else scale_o,
             self.o: out, self.amax_s: self.amax_buf[0:1], self.amax_o: self.amax_buf[1:2],
         }
-        if plan is None:
-            self.graph.execute(pack, self.workspace, handle=self.handle)
-        else:
-            self.graph.execute_plan_at_index(pack, self.workspace, plan, handle=self.handle)
+        self._execute(pack, q.device, plan)
         return out
 
 
@@ -156,18 +177,10 @@ def survey_plans(q, k, v, dq, dk, dv, time_ms) -> list[dict]:
     out = torch.empty(q.shape, dtype=FP8, device=q.device)
     graph = _Fp8Graph(q, k, v, _bhsd(out), FP8, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
     scale_o = torch.reciprocal(dv)
-    rows = []
-    for i in range(graph.plans):
-        name = graph.graph.get_plan_name_at_index(i)
-        try:
-            ms = time_ms(lambda: graph.run(q, k, v, dq, dk, dv, out, scale_o, plan=i))
-            rows.append({"plan": i, "name": name, "ms": ms})
-        except Exception as exc:
-            rows.append({"plan": i, "name": name, "error": repr(exc)[:200]})
-    return rows
+    return _survey(graph, lambda i: graph.run(q, k, v, dq, dk, dv, out, scale_o, plan=i), time_ms)
 
 
-class _HalfGraph:
+class _HalfGraph(_Graph):
     """cuDNN's fp16/bf16 SDPA through the frontend (the same library torch's SDPA calls, with its own heuristics)."""
 
     def __init__(self, q, k, v, out, attn_scale: float, device: torch.device, all_plans: bool = False):
@@ -190,13 +203,7 @@ class _HalfGraph:
         self.graph, self.workspace, self.plans = _build(g, device, all_plans)
 
     def run(self, q, k, v, out, plan: int | None = None):
-        cudnn = _cudnn()
-        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
-        pack = {self.q: q, self.k: k, self.v: v, self.o: out}
-        if plan is None:
-            self.graph.execute(pack, self.workspace, handle=self.handle)
-        else:
-            self.graph.execute_plan_at_index(pack, self.workspace, plan, handle=self.handle)
+        self._execute({self.q: q, self.k: k, self.v: v, self.o: out}, q.device, plan)
         return out
 
 
@@ -206,15 +213,8 @@ def survey_plans_half(q, k, v, time_ms) -> list[dict]:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ref = sdpa_half(q, k, v)
     graph = _HalfGraph(q, k, v, out, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
-    rows = []
-    for i in range(graph.plans):
-        name = graph.graph.get_plan_name_at_index(i)
-        try:
-            ms = time_ms(lambda: graph.run(q, k, v, out, plan=i))
-            rows.append({"plan": i, "name": name, "ms": ms, "equal_to_default": bool(torch.equal(out, ref))})
-        except Exception as exc:
-            rows.append({"plan": i, "name": name, "error": repr(exc)[:200]})
-    return rows
+    return _survey(graph, lambda i: graph.run(q, k, v, out, plan=i), time_ms,
+                   check=lambda: {"equal_to_default": bool(torch.equal(out, ref))})
 
 
 def sdpa_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

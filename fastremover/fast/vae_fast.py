@@ -295,9 +295,11 @@ class FastWanVAE:
         if self.precision == "fp8":
             self._fp8 = self._load_fp8()
         if self.kernels == "triton":
+            from fastremover.fast.kernels.residual import add_bias_ as add_bias_fn
             from fastremover.fast.kernels.residual import add_frames as add_fn
             from fastremover.fast.kernels.vae_norm import vae_rms_norm as norm_fn
         else:
+            from fastremover.fast.kernels.residual import add_bias_reference_ as add_bias_fn
             from fastremover.fast.kernels.residual import add_frames_reference as add_fn
             from fastremover.fast.kernels.vae_norm import vae_rms_norm_reference as norm_fn
         self._norm_fn = norm_fn
@@ -305,6 +307,7 @@ class FastWanVAE:
         # The convs' own bias adds (those fuse_bias cannot defer): on CUDA, the bias-free conv + our row kernel, the
         # bits of ATen's conv-then-add_ (its cuDNN path) without its slow strided add. Elsewhere the conv adds it.
         self._bias_kernel = self.kernels == "triton" and self.device.type == "cuda"
+        self._add_bias = add_bias_fn
         self._conv: dict[nn.Module, _Conv] = {}
         self._gamma: dict[nn.Module, torch.Tensor] = {}
         with torch.no_grad():
@@ -688,9 +691,7 @@ class FastWanVAE:
         pass at memory speed instead of torch's strided add on a channels-last output."""
         if bias is None or not self._bias_kernel:
             return conv_fn(x, weight, bias, *args)
-        from fastremover.fast.kernels.residual import add_bias_
-
-        return add_bias_(conv_fn(x, weight, None, *args), bias)
+        return self._add_bias(conv_fn(x, weight, None, *args), bias)
 
     def _conv3d(self, x: torch.Tensor, c: _Conv, keep_bias: bool = True) -> torch.Tensor:
         y = self._conv_b(F.conv3d, x, c.weight, c.bias if keep_bias else None, c.stride, c.padding)

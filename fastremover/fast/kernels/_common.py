@@ -79,17 +79,20 @@ def row_num_warps(lanes: int) -> int:
 
 
 def check_tensor(name: str, t, *, ndim: int, dtypes: tuple, shape: tuple | None = None,
-                 row_strided: bool = False) -> None:
+                 row_strided: bool = False, dims: str = "", contiguous: bool = True) -> None:
     """Type, rank, dtype, shape and layout checks; row_strided=True accepts any stride in dim 0 with the rest
-    contiguous (a column slice of a wider row-major matrix)."""
+    contiguous (a column slice of a wider row-major matrix); contiguous=False leaves the layout to the caller.
+    dims names the axes in the rank message (e.g. " [B, S, H, D]")."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must be {ndim}-D{dims}, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not contiguous:
+        return
     if row_strided and t.dim() >= 1 and t[:1].is_contiguous():
         return
     if not t.is_contiguous():

@@ -115,11 +115,13 @@ import torch
 import triton
 import triton.language as tl
 
+from fastremover.bench.metrics import cosine
 from fastremover.fast.kernels._common import (
     FLOAT_DTYPES,
     FP8_MAX,
     SCALE_FLOOR,
     check_device,
+    check_tensor,
     f32_to_fp8e4m3_rne,
     interpreting,
     launch_options,
@@ -461,12 +463,7 @@ def _qkv_quant_kernel(
 
 def _check_qkv(names: tuple[str, str, str], q, k, v, dtypes: tuple, *, allow_v_seq_major: bool) -> tuple:
     for name, t in zip(names, (q, k, v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
-        if t.dtype not in dtypes:
-            raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        check_tensor(name, t, ndim=4, dtypes=dtypes, dims=" [B, S, H, D]", contiguous=False)  # strides: below
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"q, k, v must have one shape [B, S, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -984,11 +981,6 @@ def attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
     qd, kd, vd = (t.permute(0, 2, 1, 3).double() for t in (q, k, v))
     w = torch.softmax((qd @ kd.transpose(-1, -2)) * scale, dim=-1)
     return (w @ vd).permute(0, 2, 1, 3)
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -102,9 +102,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fastremover.bench.metrics import cosine
 from fastremover.fast.kernels._common import (
     FP8_MAX,
     check_device,
+    check_tensor,
     f32_to_fp8e4m3_rne,
     interpreting,
     launch_options,
@@ -420,12 +422,7 @@ def _is_cl3d(t: torch.Tensor) -> bool:
 
 
 def _check_act(name: str, t, dtypes: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 5:
-        raise ValueError(f"{name} must be 5-D [B, C, T, H, W], got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    check_tensor(name, t, ndim=5, dtypes=dtypes, dims=" [B, C, T, H, W]", contiguous=False)
     if not _is_cl3d(t):
         raise ValueError(f"{name} must be contiguous in channels_last_3d memory (NDHWC); "
                          f"call .contiguous(memory_format=torch.channels_last_3d); got strides {t.stride()}")
@@ -654,6 +651,13 @@ def quantize_activation_reference(v: torch.Tensor, act_scale: torch.Tensor) -> t
     return (v.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def _causal_stream(frames: list[torch.Tensor], prev: torch.Tensor | None) -> torch.Tensor:
+    """The eager causal conv input: zeros for the missing cache frames ++ (prev ++) x, concatenated along time."""
+    stream = torch.cat(frames, dim=2)
+    missing = CACHE_FRAMES - (prev.shape[2] if prev is not None else 0)
+    return F.pad(stream, (0, 0, 0, 0, missing, 0)) if missing > 0 else stream
+
+
 def causal_conv3d_fp8_reference(
     prev: torch.Tensor | None,
     x: torch.Tensor,
@@ -674,10 +678,7 @@ def causal_conv3d_fp8_reference(
     s = act_scale if act_scale is not None else activation_scale_reference(prev, x)
     s = s.float().reshape(1)
     frames = [quantize_activation_reference(v, s).float() * s for v in ((prev, x) if prev is not None else (x,))]
-    stream = torch.cat(frames, dim=2)
-    missing = CACHE_FRAMES - (prev.shape[2] if prev is not None else 0)
-    if missing > 0:
-        stream = F.pad(stream, (0, 0, 0, 0, missing, 0))
+    stream = _causal_stream(frames, prev)
     wd = dequantize_conv_weight(w_q, w_scale, cin)
     y = F.conv3d(stream.double(), wd.double(), None, padding=(0, 1, 1)).float()
     if bias is not None:
@@ -695,12 +696,8 @@ def causal_conv3d_fp8_reference(
 def fp16_conv_reference(prev: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
     """What the eager VAE computes: cat + F.conv3d in x's dtype (cuDNN on the GPU), channels_last_3d."""
-    parts = [prev, x] if prev is not None else [x]
-    stream = torch.cat(parts, dim=2)
-    missing = CACHE_FRAMES - (prev.shape[2] if prev is not None else 0)
-    if missing > 0:
-        stream = F.pad(stream, (0, 0, 0, 0, missing, 0))
-    stream = stream.contiguous(memory_format=torch.channels_last_3d)
+    stream = _causal_stream([prev, x] if prev is not None else [x], prev).contiguous(
+        memory_format=torch.channels_last_3d)
     return F.conv3d(stream, weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None, padding=(0, 1, 1))
 
 
@@ -713,11 +710,6 @@ BENCH_SHAPES = [
     (96, 96, 4, 480, 832), (192, 192, 4, 240, 416), (384, 384, 4, 120, 208), (384, 384, 4, 60, 104),
     (96, 96, 1, 480, 832), (192, 192, 1, 240, 416), (384, 384, 1, 120, 208), (384, 384, 1, 60, 104),
 ]
-
-
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
 def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None = None, budget_s: float = 40.0,
@@ -803,7 +795,7 @@ def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None 
                    "cudnn_fp16_benchmark_ms": t16b, "fp8_ms": t8, "fp8_gemm_only_ms": t_gemm,
                    "ratio_cudnn_over_fp8": t16 / t8, "ratio_cudnn_benchmark_over_fp8": t16b / t8,
                    "cudnn_tflops": flops / t16 / 1e9, "cudnn_benchmark_tflops": flops / t16b / 1e9,
-                   "fp8_tflops": flops / t8 / 1e9, "cos_vs_fp16": _cos(y8, y16), "max_err_over_S_frame0": err,
+                   "fp8_tflops": flops / t8 / 1e9, "cos_vs_fp16": cosine(y8, y16), "max_err_over_S_frame0": err,
                    "config": asdict(cfg), "variants": {}}
             if variants and time.time() - t_start < budget_s:
                 for name, kw in (("fused", {"quantize": "fused"}), ("imprecise_acc", {"precise_acc": False})):
@@ -811,7 +803,8 @@ def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None 
                         yv = fp8(config=cfg, **kw)
                         tv = timed(lambda: fp8(config=cfg, **kw))
                         row["variants"][name] = {"ms": tv, "tflops": flops / tv / 1e9,
-                                                 "max_err_over_S_frame0": err_over_s(yv), "cos_vs_fp16": _cos(yv, y16)}
+                                                 "max_err_over_S_frame0": err_over_s(yv),
+                                                 "cos_vs_fp16": cosine(yv, y16)}
                         yv = None
                     except Exception as e:  # report, keep benchmarking
                         row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
