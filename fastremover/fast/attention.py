@@ -62,19 +62,30 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((b * s, h * d), (ss, 1))
 
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True):
+def _seq_mean(rows: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """[B*S, N] rows -> fp32 mean over each batch's S rows, [B, N] contiguous."""
+    return torch.mean(rows.view(b, s, rows.shape[1]) if rows.is_contiguous() else rows.unflatten(0, (b, s)),
+                      dim=1, dtype=torch.float32)
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
+                 smooth_v: bool = False):
     """Per-tensor e4m3 codes and scales of q, k (mean-smoothed over the sequence when smooth_k) and v, [B, S, H, D]
-    each; all on the device, no host sync."""
+    each; all on the device, no host sync. smooth_v: v is centred the same way and its mean [B, H*D] fp32 is
+    returned as a 7th value; the caller adds it back to the output (exact: each row of P sums to 1)."""
     from fastremover.fast.kernels.quant import quant_fp8_tensorwise
 
     b, s, h, d = q.shape
     q8, sq = quant_fp8_tensorwise(_rows(q))
     k_rows = _rows(k)
-    mean = torch.mean(k_rows.view(b, s, h * d), dim=1, dtype=torch.float32) if smooth_k else None
+    mean = _seq_mean(k_rows, b, s) if smooth_k else None
     k8, sk = quant_fp8_tensorwise(k_rows, mean, s)
-    v8, sv = quant_fp8_tensorwise(_rows(v))
+    v_rows = _rows(v)
+    v_mean = _seq_mean(v_rows, b, s) if smooth_v else None
+    v8, sv = quant_fp8_tensorwise(v_rows, v_mean, s)
     shape = (b, s, h, d)
-    return q8.view(shape), k8.view(shape), v8.view(shape), sq, sk, sv
+    out = (q8.view(shape), k8.view(shape), v8.view(shape), sq, sk, sv)
+    return out + (v_mean,) if smooth_v else out
 
 
 def quantize_qkv_reference(q, k, v, *, smooth_k: bool = True):
@@ -90,22 +101,33 @@ def quantize_qkv_reference(q, k, v, *, smooth_k: bool = True):
     return q8.view(shape), k8.view(shape), v8.view(shape), sq, sk, sv
 
 
-def fp8_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True) -> torch.Tensor:
+def _add_v_mean(o: torch.Tensor, v_mean: torch.Tensor | None) -> torch.Tensor:
+    if v_mean is None:
+        return o
+    b, s, h, d = o.shape
+    return o.add_(v_mean.view(b, 1, h, d).to(o.dtype))
+
+
+def fp8_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
+              smooth_v: bool = False) -> torch.Tensor:
     from fastremover.fast.cudnn_sdpa import sdpa_fp8
 
-    q8, k8, v8, sq, sk, sv = quantize_qkv(q, k, v, smooth_k=smooth_k)
+    q8, k8, v8, sq, sk, sv, *v_mean = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
     o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of o / sv (Hopper writes FP8 output)
-    return o8.to(q.dtype).mul_(sv.view(()))  # the fast transformer skips this: its O projection takes the codes
+    # the fast transformer skips this: its O projection takes the codes
+    return _add_v_mean(o8.to(q.dtype).mul_(sv.view(())), v_mean[0] if v_mean else None)
 
 
-def fp8_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True) -> torch.Tensor:
+def fp8_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
+               smooth_v: bool = False) -> torch.Tensor:
     from fastremover.fast.kernels.attention_fp8 import AUTOTUNE_CONFIGS, attention_fp8
 
-    q8, k8, v8, sq, sk, sv = quantize_qkv(q, k, v, smooth_k=smooth_k)
+    q8, k8, v8, sq, sk, sv, *v_mean = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
     # One pinned kernel config, not the autotuner's pick: configs differ in key-block size, which changes where P is
     # quantized, so a timing-based choice could change output bits from one process to the next.
     config = os.environ.get("FASTREMOVER_FP8_ATTN_CONFIG", "").strip() or AUTOTUNE_CONFIGS[0]
-    return attention_fp8(q8, k8, v8, sq, sk, sv, out_dtype=q.dtype, config=config)
+    o = attention_fp8(q8, k8, v8, sq, sk, sv, out_dtype=q.dtype, config=config)
+    return _add_v_mean(o, v_mean[0] if v_mean else None)
 
 
 BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa, "fp8": fp8_cudnn, "fp8-triton": fp8_triton}
@@ -202,16 +224,17 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
             if why:
                 rows.append({"seq": s, "backend": name, "error": why})
                 continue
-            for smooth in (True, False):
+            for smooth, smooth_v in ((True, False), (False, False), (True, True)):
                 fn = BACKENDS[name]
+                label = name + (" +smooth_v" if smooth_v else "")
                 try:
-                    out = fn(q, k, v, smooth_k=smooth)
-                    ms = _time_ms(lambda: fn(q, k, v, smooth_k=smooth))
+                    out = fn(q, k, v, smooth_k=smooth, smooth_v=smooth_v)
+                    ms = _time_ms(lambda: fn(q, k, v, smooth_k=smooth, smooth_v=smooth_v))
                 except Exception as exc:  # report, keep benchmarking the rest
-                    rows.append({"seq": s, "backend": name, "smooth_k": smooth, "error": repr(exc)[:300]})
+                    rows.append({"seq": s, "backend": label, "smooth_k": smooth, "error": repr(exc)[:300]})
                     continue
-                rows.append({"seq": s, "backend": name, "smooth_k": smooth, "ms": ms, "tflops": flop / ms / 1e9,
-                             "cos": _cos(out, ref), "speedup": base_ms / ms})
+                rows.append({"seq": s, "backend": label, "smooth_k": smooth, "smooth_v": smooth_v, "ms": ms,
+                             "tflops": flop / ms / 1e9, "cos": _cos(out, ref), "speedup": base_ms / ms})
             if name == "fp8":  # the kernel alone (quantization excluded), fp8 output codes
                 q8, k8, v8, sq, sk, sv = quantize_qkv(q, k, v)
                 inv = torch.reciprocal(sv)
