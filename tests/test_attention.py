@@ -23,10 +23,12 @@ def cos(a, b):
     return float(a @ b / (a.norm() * b.norm()))
 
 
-def qkv_views(s, heads=2, dim=64, k_bias=2.0, seed=0, dtype=torch.float32, device=DEV):
+def qkv_views(s, heads=2, dim=64, k_bias=2.0, seed=0, dtype=torch.float32, device=DEV, v_bias=0.0):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(1, s, 3, heads, dim, generator=g)
     qkv[:, :, 1] += k_bias * torch.randn(heads, dim, generator=g)
+    if v_bias:
+        qkv[:, :, 2] += v_bias * torch.randn(heads, dim, generator=g)
     return qkv.to(device, dtype).unbind(2)
 
 
@@ -47,6 +49,57 @@ def test_k_smoothing_is_exact_under_softmax_and_shrinks_the_k_range():
     attn = lambda kk: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, kk, v)))  # noqa: E731
     assert torch.allclose(attn(k), attn(smoothed), rtol=0, atol=1e-12)
     assert smoothed.abs().max() < 0.5 * k.abs().max()
+
+
+def test_quantize_qkv_smooth_v_centres_v_and_returns_its_mean():
+    from fastremover.fast.attention import quantize_qkv
+    from fastremover.fast.kernels.quant import quant_fp8_tensorwise_reference
+
+    q, k, v = qkv_views(40, v_bias=3.0, seed=4)
+    plain = quantize_qkv(q, k, v)
+    *got, v_mean = quantize_qkv(q, k, v, smooth_v=True)
+    assert torch.equal(v_mean, v.reshape(1, 40, -1).mean(dim=1, dtype=torch.float32))
+    v8, sv = quant_fp8_tensorwise_reference(v.reshape(40, -1), v_mean, 40)
+    assert torch.equal(got[2].view(torch.uint8).flatten(), v8.view(torch.uint8).flatten())
+    assert torch.equal(got[5], sv) and sv < plain[5]  # centring shrank V's range
+    for a, b in zip(got[:2] + got[3:5], plain[:2] + plain[3:5]):  # q, k and their scales are untouched
+        a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (a, b)
+        assert torch.equal(a, b)
+
+
+def test_v_centring_is_exact_under_softmax():
+    q, k, v = (t.double() for t in qkv_views(50, v_bias=4.0, seed=6))
+    m = v.mean(dim=1, keepdim=True)
+    attn = lambda vv: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, vv))).transpose(1, 2)  # noqa: E731
+    assert torch.allclose(attn(v), attn(v - m) + m, rtol=0, atol=1e-12)
+
+
+def test_fp8_triton_adds_the_v_mean_back(monkeypatch):
+    """fp8_triton(smooth_v=True) on V with a large shared offset: the mean comes back (the output is not centred),
+    and centring does not cost fidelity (interpreter: exact fp32 accumulation, so it cannot gain much here)."""
+    from fastremover.fast.attention import fp8_triton, sdpa
+
+    monkeypatch.setenv("FASTREMOVER_FP8_ATTN_CONFIG", "m32n32w4s1t0ws0a1")
+    q, k, v = qkv_views(70, v_bias=5.0, seed=8)
+    ref = sdpa(q, k, v)
+    centred, plain = fp8_triton(q, k, v, smooth_v=True), fp8_triton(q, k, v)
+    assert centred.shape == ref.shape and centred.dtype == ref.dtype
+    assert cos(centred, ref) >= 0.9995 and cos(centred, ref) >= cos(plain, ref) - 1e-4
+    resid = lambda o: float((o - ref).norm() / (ref - v.mean(dim=1, keepdim=True)).norm())  # noqa: E731
+    assert resid(centred) < 0.1, resid(centred)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_fp8_v_centring_recovers_fidelity_with_a_v_offset():
+    """cuDNN's FP8 P @ V loses precision over 32760 keys when V has a shared offset (Hopper's FP8 MMA accumulator;
+    H200: cos 0.9964 at offset 1); centring V (the backend's default) restores it (1.00000)."""
+    from fastremover.fast.attention import fp8_cudnn, sdpa
+
+    q, k, v = qkv_views(32760, heads=12, dim=128, k_bias=1.0, v_bias=1.0, seed=9, dtype=torch.float16)
+    ref = sdpa(q, k, v)
+    c_centred, c_plain = cos(fp8_cudnn(q, k, v), ref), cos(fp8_cudnn(q, k, v, smooth_v=False), ref)
+    print(f"cuDNN fp8 attention, V offset 1: cos {c_centred:.6f} (centred V), {c_plain:.6f} (plain)")
+    assert c_centred >= 0.9995 and 1 - c_centred <= 0.5 * (1 - c_plain)
 
 
 @pytest.mark.gpu

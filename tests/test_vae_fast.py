@@ -35,7 +35,7 @@ if not torch.cuda.is_available():
 
 from fastremover.errors import FastRemoverError  # noqa: E402
 from fastremover.models.loading import random_init_  # noqa: E402
-from fastremover.models.vae import CausalCache, WanVAE, WanVAEConfig  # noqa: E402
+from fastremover.models.vae import CausalCache, CausalConv3d, WanVAE, WanVAEConfig  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
@@ -536,9 +536,95 @@ def test_pair_auto_is_off_on_cpu_and_budgeted():
     vae = WanVAE(WanVAEConfig())  # the real config: only the estimate is used
     fast = FastWanVAE.__new__(FastWanVAE)
     fast.vae, fast.dtype, fast.encode_frames, fast.pair, fast.device = vae, F16, 2, "auto", torch.device("cpu")
+    fast.pad_channels = 0
     assert fast.pair_fits(1, 81, 480, 832) is False
-    # the estimate: W2 batch 2 is over the 2 GiB default budget, W1 under it
-    assert fast.encode_bytes(2, 480, 832) > 2 * 2**30 > fast.encode_bytes(2, 240, 432)
+    # the estimate: W2 batch 2 is over the 2 GiB default budget, W1 under it, with or without the CUDA default's
+    # channel padding (which widens the full-resolution level by a third)
+    unpadded = fast.encode_bytes(2, 480, 832), fast.encode_bytes(2, 240, 432)
+    assert unpadded[0] > 2 * 2**30 > unpadded[1]
+    fast.pad_channels = 64
+    padded = fast.encode_bytes(2, 480, 832), fast.encode_bytes(2, 240, 432)
+    assert padded[0] > 2 * 2**30 > padded[1] and padded[0] > unpadded[0] and padded[1] > unpadded[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Channel padding (pad_channels): 96-channel activations stored as 128 on CUDA; here small widths on the CPU
+
+
+@pytest.fixture(scope="module")
+def padded_model():
+    """Widths 12 / 24 / 36 (decoder 36 / 18 / 12 after its halving upsamplers) and a 36-channel attention: with
+    pad_channels=8, 12 -> 16, 18 -> 24, 36 -> 40 (the attention included), 24 stays."""
+    vae = random_init_(WanVAE(WanVAEConfig(base_dim=12, dim_mult=(1, 2, 2, 3), num_res_blocks=1)), 7).eval()
+    g = gen(23)
+    x = torch.rand(1, 3, 9, 16, 24, generator=g) * 2 - 1
+    z = vae.encode(x)
+    return vae, x, z, vae.decode(z)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"] if INTERPRET else ["torch"])
+def test_padded_channels_match_eager(padded_model, kernels):
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, x, z, d = padded_model
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, pad_channels=8, pair=True)
+    widths = {c.weight.shape[0] for c in fast._conv.values()} | {c.weight.shape[1] for c in fast._conv.values()}
+    assert {16, 24, 40} <= widths and not {12, 18, 36} & widths  # every 12/18/36 became 16/24/40
+    assert fast._norm_channels and set(fast._norm_channels.values()) <= {12, 18, 36}
+    mask = (x[:, :1] > 0.2).float().expand(1, 3, -1, -1, -1)
+    za, zb = fast.encode_removal_inputs(x, mask)
+    assert rel_err(za, vae.encode(x * (1 - mask))) <= 1e-5 and rel_err(zb, vae.encode(2 * mask - 1.0)) <= 1e-5
+    df = fast.decode(z)
+    assert df.shape == d.shape and rel_err(df, d) <= 1e-5
+    plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, pad_channels=0)
+    assert not plain._norm_channels and rel_err(plain.decode(z), df) <= 1e-5
+
+
+def test_padded_channels_hold_exact_zeros(padded_model):
+    """The padding channels of every stored activation are exactly zero (what makes the padding free of error):
+    checked on each causal conv's cache after a decode and an encode."""
+    from fastremover.fast import vae_fast
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, x, z, _ = padded_model
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", pad_channels=8)
+    streams = []
+    real_stream = vae_fast._Stream
+
+    def recording_stream():
+        st = real_stream()
+        streams.append(st)
+        return st
+
+    vae_fast._Stream = recording_stream
+    try:
+        fast.decode(z)
+        fast.encode(x)
+    finally:
+        vae_fast._Stream = real_stream
+    checked = 0
+    for st in streams:
+        for conv, cache in st.cache.items():
+            if isinstance(conv, CausalConv3d) and isinstance(cache, torch.Tensor) and cache.shape[1] != conv.in_channels:
+                assert cache.shape[1] == fast._width(conv.in_channels)
+                assert torch.count_nonzero(cache[:, conv.in_channels:]) == 0
+                assert torch.count_nonzero(cache[:, : conv.in_channels]) > 0
+                checked += 1
+    assert checked >= 4
+
+
+def test_pad_channels_widths_and_argument_checks():
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1))
+    fast = FastWanVAE(vae, device="cpu", dtype=F32)
+    assert fast.pad_channels == 0 and fast._width(96) == 96  # off on the CPU by default
+    fast.pad_channels = 64
+    assert [fast._width(c) for c in (3, 16, 32, 64, 96, 128, 192, 384, 400)] == [3, 16, 32, 64, 128, 128, 192, 384,
+                                                                               448]
+    for bad in (-8, 12, 1.5, True):
+        with pytest.raises(ValueError, match="pad_channels"):
+            FastWanVAE(vae, device="cpu", pad_channels=bad)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU tests run the compiled kernels at real sizes")

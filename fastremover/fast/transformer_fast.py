@@ -144,9 +144,14 @@ class FastTransformer(nn.Module):
         q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
         k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
         if self.fp8_attention_codes:
-            q8, k8, v8, sq, sk, sv = quantize_qkv(*(t.unflatten(1, (heads, -1)).view(b, s, heads, -1) for t in (q, k, v)))
-            o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of o / sv
+            # V centred over the sequence (smooth_v): cuDNN's FP8 P @ V then sums zero-mean terms, which its
+            # reduced-precision accumulator keeps (see fast/attention.py). attn(v) = attn(v - m) + m since each row
+            # of P sums to 1, so the O projection adds W_o m per batch (a [B, D] GEMV in the model dtype).
+            q8, k8, v8, sq, sk, sv, v_mean = quantize_qkv(
+                *(t.unflatten(1, (heads, -1)).view(b, s, heads, -1) for t in (q, k, v)), smooth_v=True)
+            o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of (o - m) / sv
             o = self.fp8_blocks[index]["o"](o8.view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
+            o.view(b, s, -1).add_(F.linear(v_mean.to(o.dtype), attn.to_out[0].weight).unsqueeze(1))
         else:
             o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1),
                                v.unflatten(1, (heads, -1)).view(b, s, heads, -1))

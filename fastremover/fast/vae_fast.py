@@ -8,6 +8,16 @@ frames; decode: one latent frame), with these changes:
   channels-last views of it), and so is every weight, so cuDNN never converts layouts around a conv. The 3-channel
   ends (encoder conv_in, decoder conv_out) are zero-padded to 8 channels on CUDA (`pad_rgb`), a width cuDNN's NHWC
   tensor-core kernels take; the padding adds exact zeros.
+* Channel padding (`pad_channels`, 64 on CUDA): an activation whose channel count is above 64 and not a multiple of
+  it is stored zero-padded to the next multiple - in Wan 2.1 the 96-channel full-resolution level (encoder level 0,
+  decoder's last level and head) runs as 128 channels. cuDNN's fp16 channels-last conv runs the 96-channel 3x3x3
+  convs at ~280 TFLOP/s against ~620 at 192/384; the same conv with input and output zero-padded to 128 takes 1.034
+  vs 1.419 ms (4 frames of 480x832) and 0.585 vs 0.748 ms (3 frames), 33 % more FLOPs included
+  (bench/results/cudnn-conv-half-pad128-*.json). Conv weights get zero rows/columns (an attention block's q | k | v
+  and an upsampler's two time halves padded group by group), norms a zero gamma and the real C in their sqrt(C)
+  (`vae_rms_norm(channels=)`), so the padding channels hold exact zeros all the way (tests/test_vae_fast.py checks
+  the caches) and add exact zeros to every sum; the video and latent ends keep their widths. Not bit-identical to
+  pad_channels=0 on the GPU only because cuDNN picks another algorithm for the wider conv.
 * Norms: `fastremover.fast.kernels.vae_norm` (one pass, fp32 statistics, same rounding points as eager) on CUDA, in
   its fast-math mode in every engine mode (a reciprocal per pixel and tl.sigmoid: 0.565 -> 0.125 ms per
   full-resolution call on the H200, within 3 ulps of eager or below one ulp of the frame's largest output, on
@@ -61,7 +71,7 @@ function at fp16/bf16 precision; tests/test_vae_fast.py checks CPU fp32 agreemen
 PSNR >= 45 dB at the real size.
 
 FP8 (`precision="fp8"`): the 3x3x3 causal convs the kernel supports (`conv3d_fp8.supported`: channels multiples of
-16) and where it pays (`fp8_pays`: on the H200 only the 96-channel full-resolution level beats cuDNN fp16, 1.29x at 4
+16) and where it pays (`fp8_pays`: on the H200 only the 96-channel full-resolution level (128 wide with the default pad_channels) beats cuDNN fp16, 1.29x at 4
 frames of 480x832; 192/384 channels run 0.56-1.07x, and the 384->32 conv_out has no config that fits) go to `fastremover.fast.kernels.conv3d_fp8.causal_conv3d_fp8(prev, x, weight_q, weight_scale, bias)` (it reads the
 2 cached frames and the new ones itself: no input buffer), with weights quantized once by its
 `quantize_conv_weight`; everything else stays in the model dtype. Without that module fp8 raises a FastRemoverError.
@@ -101,6 +111,7 @@ PRECISIONS = ("auto", "fp16", "fp8")
 KERNELS = ("auto", "triton", "torch")
 FP8_MODULE = "fastremover.fast.kernels.conv3d_fp8"
 RGB_PAD = 8  # conv_in / conv_out channel padding on CUDA
+PAD_CHANNELS = 64  # default pad_channels on CUDA: activations of 96 channels are stored as 128
 
 Progress = Callable[[int, int], None]
 # write(start, stop, out): put input frames [start, stop) of the encoder's input stream(s) into out [B, 3, n, H, W]
@@ -239,6 +250,8 @@ class FastWanVAE:
     (per-element IEEE divisions, bit-exact to the eager ops given its denominators; H200: 0.47 vs 0.125 ms per
     full-resolution call) instead of its fast-math default (within a few ulps of eager on ~1e-4 of the elements, see
     fastremover/fast/kernels/vae_norm.py); no effect with kernels="torch" (the eager reference either way).
+    pad_channels: store c-channel activations with c > pad_channels and not a multiple of it zero-padded to the next
+    multiple (see the module docstring); None: 64 on CUDA (96 -> 128), 0 (never) elsewhere.
     """
 
     def __init__(
@@ -259,6 +272,7 @@ class FastWanVAE:
         cudnn_benchmark: bool | None = None,
         fuse_bias: bool = True,
         precise_norm: bool = False,
+        pad_channels: int | None = None,
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -269,6 +283,9 @@ class FastWanVAE:
                 raise ValueError(f"{name} must be None or a positive int, got {v!r}")
         if pair not in ("auto", True, False):
             raise ValueError(f"pair must be 'auto', True or False, got {pair!r}")
+        if pad_channels is not None and (not isinstance(pad_channels, int) or isinstance(pad_channels, bool)
+                                         or pad_channels < 0 or pad_channels % 8):
+            raise ValueError(f"pad_channels must be None or an int >= 0 that is a multiple of 8, got {pad_channels!r}")
         self.vae = vae
         self.config = vae.config
         self.device = torch.device(device) if device is not None else vae.device
@@ -289,6 +306,10 @@ class FastWanVAE:
         self.cudnn_benchmark = cudnn_benchmark
         self.fuse_bias = bool(fuse_bias)
         self.precise_norm = bool(precise_norm)
+        if pad_channels is None:
+            pad_channels = PAD_CHANNELS if self.device.type == "cuda" else 0
+        self.pad_channels = pad_channels
+        self._norm_channels: dict[nn.Module, int] = {}  # norms whose input carries padding: their real C
         self.precision = "fp16" if precision == "auto" else precision
         self._fp8 = None
         self.fp8_convs = 0
@@ -341,7 +362,12 @@ class FastWanVAE:
             elif isinstance(m, nn.Conv2d):
                 self._conv[m] = _Conv(self._t(m.weight, CL2), self._t(m.bias), tuple(m.stride), tuple(m.padding))
             elif hasattr(m, "gamma") and hasattr(m, "scale"):  # RMSNorm
-                self._gamma[m] = self._t(m.gamma).reshape(-1)
+                gamma = self._t(m.gamma).reshape(-1)
+                c = gamma.numel()
+                if self._width(c) != c:  # zero gamma on the padding channels keeps them zero
+                    gamma = torch.cat([gamma, gamma.new_zeros(self._width(c) - c)])
+                    self._norm_channels[m] = c
+                self._gamma[m] = gamma
         if self.pad_rgb:
             conv_in = self._conv[vae.encoder.conv_in]
             if conv_in.weight.shape[1] < RGB_PAD:
@@ -355,14 +381,24 @@ class FastWanVAE:
                 b = conv_out.bias.new_zeros(RGB_PAD)
                 b[: conv_out.bias.shape[0]] = conv_out.bias
                 conv_out.weight, conv_out.bias = w.contiguous(memory_format=CL3), b
+        for m in vae.modules():
+            if isinstance(m, AttentionBlock):  # q, k, v each padded: [3c, c] -> [3W, W], chunk i at rows i*W..
+                self._pad_conv(self._conv[m.to_qkv], parts=3)
+            elif isinstance(m, Resample) and m.mode == "upsample3d":  # [frame 2i | frame 2i+1] channel halves
+                self._pad_conv(self._conv[m.time_conv], parts=2)
+        # the video and latent ends keep their channel counts (their tensors come from / go to the caller)
+        keep_in = {vae.encoder.conv_in, vae.decoder.conv_in, vae.quant_conv, vae.post_quant_conv}
+        keep_out = {vae.encoder.conv_out, vae.decoder.conv_out, vae.quant_conv, vae.post_quant_conv}
+        for m, c in self._conv.items():
+            self._pad_conv(c, keep_in=m in keep_in, keep_out=m in keep_out)
         if self.tap_head:
             # decoder conv_out as one conv2d giving the three temporal taps' partial outputs (see _decoder_head)
             conv = vae.decoder.conv_out
-            c_out = conv.out_channels
+            c_out, c_in = conv.out_channels, self._width(conv.in_channels)
             cp = RGB_PAD if self.pad_rgb and c_out < RGB_PAD else c_out
-            w = conv.weight.detach().new_zeros(3, cp, conv.in_channels, 3, 3)
-            w[:, :c_out] = conv.weight.detach().permute(2, 0, 1, 3, 4)  # [tap, out, in, kh, kw]
-            weight = w.reshape(3 * cp, conv.in_channels, 3, 3).to(self.device, self.dtype)
+            w = conv.weight.detach().new_zeros(3, cp, c_in, 3, 3)
+            w[:, :c_out, : conv.in_channels] = conv.weight.detach().permute(2, 0, 1, 3, 4)  # [tap, out, in, kh, kw]
+            weight = w.reshape(3 * cp, c_in, 3, 3).to(self.device, self.dtype)
             bias = self._t(conv.bias).float().view(1, c_out, 1, 1, 1)
             self._head_taps = (weight.contiguous(memory_format=CL2), bias, cp)
         # quant_conv: only mu (the first z_dim outputs) is ever used
@@ -372,11 +408,36 @@ class FastWanVAE:
         if self._fp8 is not None:
             for m, c in self._conv.items():
                 if (isinstance(m, CausalConv3d) and tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1)
-                        and m.front_frames == CACHE_T and c.weight.shape[1] == m.in_channels
-                        and self._fp8.supported(m.in_channels, m.out_channels)
-                        and fp8_pays(m.in_channels, m.out_channels)):
+                        and m.front_frames == CACHE_T and c.weight.shape[1] == self._width(m.in_channels)
+                        and self._fp8.supported(*c.weight.shape[1::-1])
+                        and fp8_pays(*c.weight.shape[1::-1])):
                     c.fp8 = tuple(self._fp8.quantize_conv_weight(c.weight))
             self.fp8_convs = sum(c.fp8 is not None for c in self._conv.values())
+
+    def _width(self, c: int) -> int:
+        """The stored channel count of a c-channel activation: c rounded up to a multiple of pad_channels when c is
+        larger than pad_channels and not a multiple of it (96 -> 128 at the default 64), else c."""
+        m = self.pad_channels
+        return c if not m or c <= m or c % m == 0 else -(-c // m) * m
+
+    def _pad_conv(self, c: _Conv, parts: int = 1, keep_in: bool = False, keep_out: bool = False) -> None:
+        """Zero-pad a conv's weight (output and input channels) and bias to the stored widths: the padding outputs
+        are exact zeros, and the padding inputs (zeros) meet zero weights. parts: the output channels are that many
+        equal groups (an attention block's q | k | v), each padded on its own. keep_in / keep_out: leave that side."""
+        w = c.weight
+        out_c, in_c = w.shape[0] // parts, w.shape[1]
+        po = out_c if keep_out else self._width(out_c)
+        pi = in_c if keep_in else self._width(in_c)
+        if (po, pi) == (out_c, in_c):
+            return
+        padded = w.new_zeros(parts * po, pi, *w.shape[2:])
+        bias = c.bias.new_zeros(parts * po) if c.bias is not None else None
+        for i in range(parts):
+            padded[i * po : i * po + out_c, :in_c] = w[i * out_c : (i + 1) * out_c]
+            if bias is not None:
+                bias[i * po : i * po + out_c] = c.bias[i * out_c : (i + 1) * out_c]
+        c.weight = padded.contiguous(memory_format=CL3 if w.dim() == 5 else CL2)
+        c.bias = bias
 
     # ------------------------------------------------------------------------------------------------------------------
     # Public API (WanVAE's)
@@ -489,8 +550,9 @@ class FastWanVAE:
         biggest = 0
         for block in [*enc.down_blocks, *enc.mid_block.resnets]:
             if isinstance(block, ResidualBlock):
-                cache += CACHE_T * (block.conv1.in_channels + block.conv2.in_channels) * h * w
-                biggest = max(biggest, block.conv2.out_channels * h * w)
+                cache += CACHE_T * self._width(block.conv1.in_channels) * h * w
+                cache += CACHE_T * self._width(block.conv2.in_channels) * h * w
+                biggest = max(biggest, self._width(block.conv2.out_channels) * h * w)
             elif isinstance(block, Resample):
                 h, w = h // 2, w // 2
         cache += CACHE_T * enc.conv_out.in_channels * h * w
@@ -659,6 +721,8 @@ class FastWanVAE:
         kw = {"precise": True} if self.precise_norm else {}
         if bias is not None:
             kw["bias"] = bias
+        if norm in self._norm_channels:
+            kw["channels"] = self._norm_channels[norm]
         return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, **kw)
 
     def _norm_fill(self, x: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None = None) -> "_Fill":
@@ -841,7 +905,8 @@ class FastWanVAE:
         del n
         qkv = qkv.permute(0, 2, 3, 1).reshape(b * t, 1, h * w, 3 * c)  # the eager layout (a view here)
         q, k, v = qkv.chunk(3, dim=-1)
-        a = F.scaled_dot_product_attention(q, k, v)  # [bt, 1, h*w, c]
+        real = m.to_qkv.in_channels  # a padded input (pad_channels) keeps the real channel count's softmax scale
+        a = F.scaled_dot_product_attention(q, k, v, **({} if real == c else {"scale": real**-0.5}))  # [bt, 1, h*w, c]
         del qkv, q, k, v
         a = a.view(b * t, h, w, c).permute(0, 3, 1, 2)  # channels-last view, as eager's transpose+reshape
         proj = self._conv[m.proj]
@@ -1057,6 +1122,9 @@ def bench(argv: list[str] | None = None) -> int:
     p.add_argument("--stripe-mib", type=float, default=None,
                    help="also measure a variant with 1-frame convs/upsamplings in row stripes of about this size")
     p.add_argument("--no-pad-rgb", action="store_true")
+    p.add_argument("--pad-channels", type=int, nargs="+", default=None,
+                   help="measure every variant at each of these pad_channels values (default: the VAE's default "
+                        "only; 0 = no channel padding)")
     p.add_argument("--fuse-bias", action="store_true",
                    help="also measure every variant with fuse_bias=True (deferred conv biases) and check that its "
                         "latents and video are bit-identical (torch.equal) to the variant without")
@@ -1134,13 +1202,16 @@ def bench(argv: list[str] | None = None) -> int:
         variants.append(dict(pair=pairs[-1], cudnn_benchmark=None, stripe_mib=args.stripe_mib))
     if args.fuse_bias:  # each variant, then its fuse_bias twin (compared with it bit for bit)
         variants = [w for v in variants for w in ({**v, "fuse_bias": False}, {**v, "fuse_bias": True})]
+    if args.pad_channels:
+        variants = [{**v, "pad_channels": pc} for pc in args.pad_channels for v in variants]  # fuse_bias twins adjacent
     z_gpu = z_dec.to(device)
     unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:
         fast = FastWanVAE(vae, device=device, dtype=dtype, precision=args.vae_precision,
                           encode_frames=args.encode_frames, decode_frames=args.decode_frames,
                           pad_rgb=not args.no_pad_rgb, tap_head=not args.no_tap_head, **v)
-        name = (f"fast ({fast.describe()}, pair={v['pair']}, cudnn.benchmark={v['cudnn_benchmark']}"
+        name = (f"fast ({fast.describe()}, pair={v['pair']}, cudnn.benchmark={v['cudnn_benchmark']}, "
+                f"pad {fast.pad_channels}"
                 + (f", stripes {v['stripe_mib']} MiB)" if v.get("stripe_mib") else ")"))
         r, (za, zb, vid) = _measure(name, lambda: fast.encode_removal_inputs(x, m), fast.decode, z_gpu, device,
                                     args.repeats)
@@ -1160,6 +1231,7 @@ def bench(argv: list[str] | None = None) -> int:
             "peak_ratio_vs_reference": _ratio(r["stage_peak_gib"], r_ref["stage_peak_gib"]),
             "working_memory_ratio_vs_reference": _ratio(r["stage_peak_delta_gib"], r_ref["stage_peak_delta_gib"]),
             "fuse_bias": fast.fuse_bias,
+            "pad_channels": fast.pad_channels,
         })
         if args.fuse_bias:
             outs = tuple(t.cpu() for t in (za, zb, vid))

@@ -221,7 +221,7 @@ def _check_bias(bias, x5: torch.Tensor) -> None:
                          f"got {getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
 
 
-def _check_args(x, gamma, out, tail, out_norm, bias=None):
+def _check_args(x, gamma, out, tail, out_norm, bias=None, channels=None):
     x5 = _as_5d("x", x)
     if x5.dtype not in DTYPES:
         raise ValueError(f"x must have dtype in {[str(d) for d in DTYPES]}, got {x5.dtype}")
@@ -251,6 +251,8 @@ def _check_args(x, gamma, out, tail, out_norm, bias=None):
             raise ValueError(f"out_norm must be a contiguous fp32 tensor of {b * t * h * w} elements (one per pixel, "
                              "frame-major: b, t, h, w)")
     _check_bias(bias, x5)
+    if channels is not None and (not isinstance(channels, int) or isinstance(channels, bool) or not 1 <= channels <= c):
+        raise ValueError(f"channels must be an int in 1..{c} (x's channel count), got {channels!r}")
     return x5, out5, tail5
 
 
@@ -264,6 +266,7 @@ def vae_rms_norm(
     out_norm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     precise: bool = False,
+    channels: int | None = None,
 ) -> torch.Tensor:
     """silu(F.normalize(x.float(), dim=1).to(x.dtype) * sqrt(C) * gamma) (silu=False: without the silu).
 
@@ -274,8 +277,10 @@ def vae_rms_norm(
     receives the per-pixel denominators max(||x||, 1e-12) (for tests). bias: C elements, fp32 or x.dtype: normalize
     round_to_dtype(x + bias) instead of x (a deferred conv bias, rounding point 0; x itself is not changed).
     precise: False (default): fast math at steps 3 and 6 (a reciprocal per pixel, tl.sigmoid), within the tested ulp
-    bound of the module docstring; True: the eager ops' roundings, bit-exact given the denominator. Returns out."""
-    x5, out5, tail5 = _check_args(x, gamma, out, tail, out_norm, bias)
+    bound of the module docstring; True: the eager ops' roundings, bit-exact given the denominator. channels: the C
+    of sqrt(C) when x carries zero padding channels behind its real ones (default x's channel count; the padding adds
+    exact zeros to the sum of squares, and a zero gamma keeps its outputs zero). Returns out."""
+    x5, out5, tail5 = _check_args(x, gamma, out, tail, out_norm, bias, channels)
     check_device(_vae_norm_kernel, x=x, gamma=gamma, out=out, tail=tail, out_norm=out_norm, bias=bias)
     if out is None:
         fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
@@ -301,7 +306,7 @@ def vae_rms_norm(
         x5, gamma_flat, bias_flat, out5, tail_arg, out_norm if out_norm is not None else x5,
         hw, t, tail_t0,
         x5.stride(0), x5.stride(2), out5.stride(0), out5.stride(2), tail_arg.stride(0), tail_arg.stride(2),
-        float(c) ** 0.5, NORM_EPS,
+        float(channels or c) ** 0.5, NORM_EPS,
         C=c, BLOCK_C=block_c, BLOCK_M=block_m, SILU=bool(silu), HAS_TAIL=tail5 is not None,
         HAS_NORM=out_norm is not None, HAS_BIAS=bias is not None, PRECISE=bool(precise),
         INTERPRET=interpreting(_vae_norm_kernel),
@@ -335,17 +340,18 @@ def vae_rms_norm_reference(
     out_norm: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     precise: bool = False,
+    channels: int | None = None,
 ) -> torch.Tensor:
     """Eager torch, the composition of models/vae.py's RMSNorm (GPU path: F.normalize) + F.silu. Same signature as
     `vae_rms_norm` (also the CPU fallback of the fast VAE); bias: first x = add_bias(x, bias), as the conv's own
     bias add would have left it. precise is accepted and ignored: this is always the eager math (the oracle both
     kernel modes are tested against), so the fast VAE's CPU fallback computes the same values in either mode."""
-    _check_args(x, gamma, out, tail, out_norm, bias)
+    _check_args(x, gamma, out, tail, out_norm, bias, channels)
     if bias is not None:
         x = add_bias(x, bias)
     low = x.dtype in (torch.float16, torch.bfloat16)
     xf = x.float() if low else x
-    y = F.normalize(xf, dim=1).to(x.dtype) * (x.shape[1] ** 0.5) * _gamma_like(gamma, x)
+    y = F.normalize(xf, dim=1).to(x.dtype) * ((channels or x.shape[1]) ** 0.5) * _gamma_like(gamma, x)
     if silu:
         y = F.silu(y)
     if out_norm is not None:
@@ -369,7 +375,7 @@ def _denominator(xf: torch.Tensor) -> torch.Tensor:
 
 
 def vae_rms_norm_given_denominator(
-    x: torch.Tensor, gamma: torch.Tensor, denom: torch.Tensor, *, silu: bool = True
+    x: torch.Tensor, gamma: torch.Tensor, denom: torch.Tensor, *, silu: bool = True, channels: int | None = None
 ) -> torch.Tensor:
     """Eager ops of steps 3-6 of the module docstring from given fp32 denominators (frame-major, as `out_norm`):
     `(x.float() / denom).to(x.dtype) * sqrt(C) * gamma`, then F.silu. The kernel matches this bit for bit."""
@@ -377,7 +383,7 @@ def vae_rms_norm_given_denominator(
     b, c, t, h, w = x5.shape
     d = denom.view(b, t, h, w).unsqueeze(1)
     xf = x5.float() if x.dtype in (torch.float16, torch.bfloat16) else x5
-    y = (xf / d).to(x.dtype) * (c ** 0.5) * gamma.reshape(c, 1, 1, 1)
+    y = (xf / d).to(x.dtype) * ((channels or c) ** 0.5) * gamma.reshape(c, 1, 1, 1)
     if silu:
         y = F.silu(y)
     return y.squeeze(2) if x.dim() == 4 else y
