@@ -104,9 +104,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
 
 def _add_attention_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["auto", "sdpa", "fp8", "fp8-triton"], default="auto",
-                   help="attention backend of modes exact/fast: auto (exact: sdpa; fast: fp8-triton = our Triton FP8 "
-                   "kernel), or one of them explicitly (fp8 = cuDNN FP8 attention: faster, but 34.5 dB vs 47.2 dB at W2; "
-                   "an error if it cannot run here)")
+                   help="attention backend of modes exact/fast: auto (exact: sdpa; fast: fp8 = cuDNN FP8 attention "
+                   "with centred K and V, else fp8-triton = our Triton FP8 kernel), or one of them explicitly (an "
+                   "error if it cannot run here)")
 
 
 def _add_vae_precision_arg(p: argparse.ArgumentParser) -> None:

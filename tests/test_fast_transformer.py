@@ -122,17 +122,17 @@ def test_attention_backend_choice_and_errors_on_cpu():
 
 
 @pytest.mark.parametrize("available,mode,expect_backend,expect_note", [
-    ({"sdpa", "fp8", "fp8-triton"}, "fast", "fp8-triton", None),
-    ({"sdpa", "fp8"}, "fast", "sdpa", "--attention fp8"),  # cuDNN FP8 is there but not the default: say how to ask
+    ({"sdpa", "fp8", "fp8-triton"}, "fast", "fp8", None),
+    ({"sdpa", "fp8-triton"}, "fast", "fp8-triton", "fp8-triton"),  # no cuDNN FP8: our kernel, saying why
     ({"sdpa"}, "fast", "sdpa", "8-bit attention unavailable"),
     ({"sdpa", "fp8", "fp8-triton"}, "exact", "sdpa", None),
     ({"sdpa", "fp8"}, "exact", "sdpa", None),
     ({"sdpa"}, "exact", "sdpa", None),
-], ids=["fast-all", "fast-only-cudnn-fp8", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit"])
+], ids=["fast-all", "fast-only-triton", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit"])
 def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expect_note):
     """auto_backend's choice given which backends can run (unavailable_reason faked: nothing CUDA is touched): fast
-    takes fp8-triton when it can run, else sdpa with one note (naming `--attention fp8` when cuDNN's FP8 attention
-    could run); exact is always sdpa, with no notes."""
+    takes cuDNN's fp8 when it can run, else fp8-triton with a note saying why, else sdpa with a note naming both
+    reasons; exact is always sdpa, with no notes."""
     from fastremover.fast import attention
 
     asked = []
@@ -149,11 +149,11 @@ def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expec
         assert notes == []
     else:
         assert len(notes) == 1 and expect_note in notes[0], notes
-        # the fallback says why (the fake reason) and offers --attention fp8 only when it could run
-        assert "fake: fp8-triton" in notes[0] and ("--attention fp8" in notes[0]) is ("fp8" in available), notes
+        assert "fake: fp8 is not" in notes[0], notes  # the note says why cuDNN's FP8 attention is not used
+        assert ("fake: fp8-triton" in notes[0]) is (expect_backend == "sdpa"), notes
     assert all(d == dev for _, d in asked)  # the device is passed through
-    if mode == "fast" and "fp8-triton" not in available:
-        assert "fp8-triton" in [n for n, _ in asked]  # the note comes from asking, not from a guess
+    if mode == "fast" and expect_backend != "fp8":
+        assert "fp8" in [n for n, _ in asked]  # the note comes from asking, not from a guess
 
 
 def test_fused_qkv_fp8_linear_equals_three_separate_quantizations():
@@ -215,12 +215,12 @@ def test_gpu_fp8_linear_cosine_at_real_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,attention,expect", [("exact", "auto", "sdpa"), ("fast", "auto", "fp8-triton"),
-                                                   ("fast", "fp8", "fp8")],
-                         ids=["exact-auto", "fast-auto", "fast-cudnn-fp8"])
+@pytest.mark.parametrize("mode,attention,expect", [("exact", "auto", "sdpa"), ("fast", "auto", "fp8"),
+                                                   ("fast", "fp8-triton", "fp8-triton")],
+                         ids=["exact-auto", "fast-auto", "fast-triton-fp8"])
 def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
-    """exact (SDPA), fast with its default Triton FP8 attention, and fast with cuDNN's FP8 attention inside the
-    captured loop: the graph replays bit-identically and reads new inputs."""
+    """exact (SDPA), fast with its default cuDNN FP8 attention (centred K and V), and fast with our Triton FP8
+    attention inside the captured loop: the graph replays bit-identically and reads new inputs."""
     from fastremover.fast.attention import unavailable_reason
 
     if attention != "auto":
@@ -244,13 +244,17 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
 
 
 @pytest.mark.gpu
-def test_gpu_fast_mode_defaults_to_the_triton_fp8_attention():
-    """On an FP8 GPU the fast mode's `auto` attention is our Triton kernel (cuDNN's FP8 SDPA took the W2 end-to-end
-    PSNR under the fast mode's 38 dB bar: fast/attention.py); exact stays on SDPA."""
+def test_gpu_fast_mode_defaults_to_the_cudnn_fp8_attention():
+    """On a Hopper GPU with cuDNN's FP8 SDPA the fast mode's `auto` attention is `fp8` (with K and V centred: W2
+    48.6 dB, fast/attention.py); exact stays on SDPA."""
     from fastremover.fast.engine import resolve_attention
 
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev) < (8, 9):
         pytest.skip("no FP8 tensor cores")
-    assert resolve_attention("auto", "fast", dev) == ("fp8-triton", [])
+    from fastremover.fast.attention import unavailable_reason
+
+    why = unavailable_reason("fp8", dev)
+    assert why is None, why  # the GPU image carries cudnn-frontend (bench/gpu_session.sh)
+    assert resolve_attention("auto", "fast", dev) == ("fp8", [])
     assert resolve_attention("auto", "exact", dev) == ("sdpa", [])

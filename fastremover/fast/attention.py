@@ -5,26 +5,26 @@ stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
 - `sdpa`: torch's scaled_dot_product_attention with its own backend choice (cuDNN on Hopper in torch >= 2.5),
   numerically the eager path. The `exact` mode's default.
 - `fp8`: 8-bit attention through cuDNN's FP8 SDPA (fast/cudnn_sdpa.py): q, k, v quantized per tensor to e4m3 on the
-  device (fast/kernels/quant.py: amax tile kernel + quantize kernel), K first smoothed by subtracting its mean over
-  the sequence (per batch, head and channel). Smoothing is exact under softmax: it subtracts q . mean_k from every
-  logit of a query row, a per-row constant; what it buys is resolution, because K's shared per-channel offset no
-  longer eats the e4m3 range. The fastest 8-bit backend (H200, S = 32760: 784-856 TFLOP/s vs SDPA's 541-563), but
-  NOT the default: end to end at W2 (bench/results/w2-fast-2026-11-30-62048d2.json) it took the fast mode's PSNR vs
-  the reference to 34.5 dB (worst frame 32.4, latent cosine 0.9982), under issue #5's 38 dB bar for the fast mode,
-  while its kernel-level cosine on synthetic inputs is 0.9982 (the Triton kernel's: 0.9986). Likely cause (a
-  hypothesis, not yet isolated here): Hopper's FP8 MMA
-  accumulates in reduced precision, not true fp32, so a P @ V accumulated over all 32760 keys in the tensor-core
-  accumulator loses low bits once the running sum is large - worst when V has a shared offset (a sum of same-sign
-  terms), which zero-mean synthetic V lacks. The same long-sequence loss was found in FA3's FP8 forward (vLLM
-  issue 23813, flash-attention PR 2250: a two-level accumulator, as in SageAttention2); our kernel accumulates each
-  key block's P @ V separately and adds it to an fp32 register accumulator (fast/kernels/attention_fp8.py).
-  `--bench --v-bias 1` adds such an offset to the synthetic V, to test this.
-- `fp8-triton`: our own Triton FP8 flash kernel (fast/kernels/attention_fp8.py), same quantization, one pinned
-  config. The `fast` mode's default: end to end at W2 (bench/results/w2-fast-fp8triton-2026-11-30-62048d2.json)
-  47.2 dB (worst frame 45.9, latent cosine 0.9999) at denoise 5.34 s vs 4.19 s with `fp8`. Not faster than fp16
-  SDPA for now: without its warp-specialized configs (out of autotuning after a crash, see attention_fp8.py) the
-  kernel takes 11.79 ms at S = 32760 vs SDPA's 11.51 (bench/results/gpu-tests-attention-fp8-*-bc952b8.log; 8.95 ms
-  with them, at 1697f8b), so the fast mode's W2 gain over exact is its FP8 linears until those configs are back.
+  device (fast/kernels/quant.py: amax tile kernel + quantize kernel), K and V first centred by subtracting their mean
+  over the sequence (per batch, head and channel). Both are exact under softmax: K's mean subtracts q . mean_k from
+  every logit of a query row (a per-row constant), and since each row of P sums to 1, attn(V) = attn(V - m) + m, so
+  the mean comes back as an add on the output (the fast transformer folds it into its O projection: + W_o m). K
+  smoothing buys resolution (K's shared per-channel offset no longer eats the e4m3 range). V centring fixes a loss
+  found end to end: without it this backend took the fast mode's W2 PSNR vs the reference to 34.5 dB
+  (bench/results/w2-fast-2026-11-30-62048d2.json) although its kernel-level cosine on zero-mean synthetic inputs was
+  0.9982. Hopper's FP8 MMA accumulates in reduced precision, so P @ V summed over 32760 keys loses low bits when V
+  has a shared offset (a sum of same-sign terms; FA3's FP8 forward has the same issue: vLLM issue 23813,
+  flash-attention PR 2250). `--bench --v-bias 1` shows it (H200, S = 32760: cosine 0.99641 plain, 1.00000 centred;
+  bench/results/attention-vbias1-smoothv-*.json), and with centring the W2 fast mode reaches 48.6 dB (worst frame
+  47.3) at denoise 4.26 s (bench/results/w2-fast-2026-11-30-4efd5b2.json). The fastest 8-bit backend (784-856
+  TFLOP/s vs SDPA's 541-563; centring costs ~0.3 ms of 8.5 at S = 32760) and the `fast` mode's default.
+- `fp8-triton`: our own Triton FP8 flash kernel (fast/kernels/attention_fp8.py), the same quantization (V not
+  centred: the kernel adds each key block's P @ V into an fp32 register accumulator, so a V offset costs it nothing;
+  `smooth_v=True` is available), one pinned config. End to end at W2 47.2 dB at denoise 5.34 s
+  (bench/results/w2-fast-fp8triton-2026-11-30-62048d2.json). Not faster than fp16 SDPA for now: without its
+  warp-specialized configs (out of autotuning: they crash or hang at small S, bench/results/attention-ws-crash-*.json)
+  it takes 11.79-12.1 ms at S = 32760 vs SDPA's 11.5-11.8 (8.95 ms with them, at 1697f8b). The fast mode's fallback
+  when cuDNN's FP8 attention cannot run.
 A backend that cannot run here is an error naming why, never a silent fallback, so a bench row labelled fp8 always
 ran fp8; `auto_backend` is what the engine modes use to pick.
 """
@@ -160,18 +160,19 @@ def available_backends(device: torch.device) -> list[str]:
 
 
 def auto_backend(mode: str, device: torch.device) -> tuple[str, list[str]]:
-    """The backend an engine mode uses: `sdpa` for exact; for fast `fp8-triton` (the 8-bit backend that keeps the
-    fast mode above its fidelity bar end to end, see the module docstring; `--attention fp8` is faster and lossier),
-    else sdpa with a note."""
+    """The backend an engine mode uses: `sdpa` for exact; for fast `fp8` (cuDNN, the fastest and, with V centred,
+    the most faithful end to end, see the module docstring), else `fp8-triton` with a note saying why, else sdpa with
+    a note."""
     if mode != "fast":
         return "sdpa", []
+    why_cudnn = unavailable_reason("fp8", device)
+    if why_cudnn is None:
+        return "fp8", []
     why_triton = unavailable_reason("fp8-triton", device)
     if why_triton is None:
-        return "fp8-triton", []
-    if unavailable_reason("fp8", device) is None:
-        return "sdpa", [f"mode fast: the Triton FP8 attention cannot run ({why_triton}); attention runs in fp16 "
-                        "(sdpa). cuDNN FP8 attention is available with --attention fp8 (faster, less faithful)"]
-    return "sdpa", [f"mode fast: 8-bit attention unavailable ({why_triton}); attention runs in fp16 (sdpa)"]
+        return "fp8-triton", [f"mode fast: {why_cudnn}; attention runs our Triton FP8 kernel (fp8-triton: slower)"]
+    return "sdpa", [f"mode fast: 8-bit attention unavailable ({why_cudnn}; {why_triton}); attention runs in fp16 "
+                    "(sdpa)"]
 
 
 def get_backend(name: str, device: torch.device) -> AttentionFn:

@@ -273,6 +273,7 @@ class FastWanVAE:
         fuse_bias: bool = True,
         precise_norm: bool = False,
         pad_channels: int | None = None,
+        pad_encoder: bool = False,
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -306,11 +307,13 @@ class FastWanVAE:
         self.cudnn_benchmark = cudnn_benchmark
         self.fuse_bias = bool(fuse_bias)
         self.precise_norm = bool(precise_norm)
-        if pad_channels is None:
-            pad_channels = PAD_CHANNELS if self.device.type == "cuda" else 0
-        self.pad_channels = pad_channels
-        self._norm_channels: dict[nn.Module, int] = {}  # norms whose input carries padding: their real C
         self.precision = "fp16" if precision == "auto" else precision
+        if pad_channels is None:  # FP8 convs: 128 wide they lose to the unpadded 96 (W2: 2.05 vs 1.93 s)
+            pad_channels = PAD_CHANNELS if self.device.type == "cuda" and self.precision != "fp8" else 0
+        self.pad_channels = pad_channels
+        self.pad_encoder = bool(pad_encoder)
+        self._encoder_modules: set = set()
+        self._norm_channels: dict[nn.Module, int] = {}  # norms whose input carries padding: their real C
         self._fp8 = None
         self.fp8_convs = 0
         if self.precision == "fp8":
@@ -355,6 +358,7 @@ class FastWanVAE:
 
     def _convert(self) -> None:
         vae = self.vae
+        self._encoder_modules = set(vae.encoder.modules()) | {vae.quant_conv}
         for m in vae.modules():
             if isinstance(m, CausalConv3d):
                 self._conv[m] = _Conv(self._t(m.weight, CL3), self._t(m.bias), tuple(m.stride), m.space_padding,
@@ -363,9 +367,9 @@ class FastWanVAE:
                 self._conv[m] = _Conv(self._t(m.weight, CL2), self._t(m.bias), tuple(m.stride), tuple(m.padding))
             elif hasattr(m, "gamma") and hasattr(m, "scale"):  # RMSNorm
                 gamma = self._t(m.gamma).reshape(-1)
-                c = gamma.numel()
-                if self._width(c) != c:  # zero gamma on the padding channels keeps them zero
-                    gamma = torch.cat([gamma, gamma.new_zeros(self._width(c) - c)])
+                c, wide = gamma.numel(), self._width(gamma.numel(), m)
+                if wide != c:  # zero gamma on the padding channels keeps them zero
+                    gamma = torch.cat([gamma, gamma.new_zeros(wide - c)])
                     self._norm_channels[m] = c
                 self._gamma[m] = gamma
         if self.pad_rgb:
@@ -383,18 +387,18 @@ class FastWanVAE:
                 conv_out.weight, conv_out.bias = w.contiguous(memory_format=CL3), b
         for m in vae.modules():
             if isinstance(m, AttentionBlock):  # q, k, v each padded: [3c, c] -> [3W, W], chunk i at rows i*W..
-                self._pad_conv(self._conv[m.to_qkv], parts=3)
+                self._pad_conv(m.to_qkv, parts=3)
             elif isinstance(m, Resample) and m.mode == "upsample3d":  # [frame 2i | frame 2i+1] channel halves
-                self._pad_conv(self._conv[m.time_conv], parts=2)
+                self._pad_conv(m.time_conv, parts=2)
         # the video and latent ends keep their channel counts (their tensors come from / go to the caller)
         keep_in = {vae.encoder.conv_in, vae.decoder.conv_in, vae.quant_conv, vae.post_quant_conv}
         keep_out = {vae.encoder.conv_out, vae.decoder.conv_out, vae.quant_conv, vae.post_quant_conv}
-        for m, c in self._conv.items():
-            self._pad_conv(c, keep_in=m in keep_in, keep_out=m in keep_out)
+        for m in self._conv:
+            self._pad_conv(m, keep_in=m in keep_in, keep_out=m in keep_out)
         if self.tap_head:
             # decoder conv_out as one conv2d giving the three temporal taps' partial outputs (see _decoder_head)
             conv = vae.decoder.conv_out
-            c_out, c_in = conv.out_channels, self._width(conv.in_channels)
+            c_out, c_in = conv.out_channels, self._width(conv.in_channels, conv)
             cp = RGB_PAD if self.pad_rgb and c_out < RGB_PAD else c_out
             w = conv.weight.detach().new_zeros(3, cp, c_in, 3, 3)
             w[:, :c_out, : conv.in_channels] = conv.weight.detach().permute(2, 0, 1, 3, 4)  # [tap, out, in, kh, kw]
@@ -408,26 +412,30 @@ class FastWanVAE:
         if self._fp8 is not None:
             for m, c in self._conv.items():
                 if (isinstance(m, CausalConv3d) and tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1)
-                        and m.front_frames == CACHE_T and c.weight.shape[1] == self._width(m.in_channels)
+                        and m.front_frames == CACHE_T and c.weight.shape[1] == self._width(m.in_channels, m)
                         and self._fp8.supported(*c.weight.shape[1::-1])
                         and fp8_pays(*c.weight.shape[1::-1])):
                     c.fp8 = tuple(self._fp8.quantize_conv_weight(c.weight))
             self.fp8_convs = sum(c.fp8 is not None for c in self._conv.values())
 
-    def _width(self, c: int) -> int:
-        """The stored channel count of a c-channel activation: c rounded up to a multiple of pad_channels when c is
-        larger than pad_channels and not a multiple of it (96 -> 128 at the default 64), else c."""
+    def _width(self, c: int, module: nn.Module | None = None) -> int:
+        """The stored channel count of a c-channel activation (of `module`'s): c rounded up to a multiple of
+        pad_channels when c is larger than pad_channels and not a multiple of it (96 -> 128 at the default 64), else c;
+        always c in the encoder unless pad_encoder."""
         m = self.pad_channels
-        return c if not m or c <= m or c % m == 0 else -(-c // m) * m
+        if not m or c <= m or c % m == 0 or (module in self._encoder_modules and not self.pad_encoder):
+            return c
+        return -(-c // m) * m
 
-    def _pad_conv(self, c: _Conv, parts: int = 1, keep_in: bool = False, keep_out: bool = False) -> None:
+    def _pad_conv(self, module: nn.Module, parts: int = 1, keep_in: bool = False, keep_out: bool = False) -> None:
         """Zero-pad a conv's weight (output and input channels) and bias to the stored widths: the padding outputs
         are exact zeros, and the padding inputs (zeros) meet zero weights. parts: the output channels are that many
         equal groups (an attention block's q | k | v), each padded on its own. keep_in / keep_out: leave that side."""
+        c = self._conv[module]
         w = c.weight
         out_c, in_c = w.shape[0] // parts, w.shape[1]
-        po = out_c if keep_out else self._width(out_c)
-        pi = in_c if keep_in else self._width(in_c)
+        po = out_c if keep_out else self._width(out_c, module)
+        pi = in_c if keep_in else self._width(in_c, module)
         if (po, pi) == (out_c, in_c):
             return
         padded = w.new_zeros(parts * po, pi, *w.shape[2:])
@@ -550,9 +558,8 @@ class FastWanVAE:
         biggest = 0
         for block in [*enc.down_blocks, *enc.mid_block.resnets]:
             if isinstance(block, ResidualBlock):
-                cache += CACHE_T * self._width(block.conv1.in_channels) * h * w
-                cache += CACHE_T * self._width(block.conv2.in_channels) * h * w
-                biggest = max(biggest, self._width(block.conv2.out_channels) * h * w)
+                cache += CACHE_T * (block.conv1.in_channels + block.conv2.in_channels) * h * w  # caches: real widths
+                biggest = max(biggest, self._width(block.conv2.out_channels, block.conv2) * h * w)
             elif isinstance(block, Resample):
                 h, w = h // 2, w // 2
         cache += CACHE_T * enc.conv_out.in_channels * h * w
@@ -657,8 +664,8 @@ class FastWanVAE:
             if c_in > c_src:
                 view[:, c_src:].zero_()
             source(s, e, view[:, :c_src])
-            if tail is not None:
-                tail.copy_(view[:, :, view.shape[2] - tail.shape[2] :])
+            if tail is not None:  # the cache may leave out the zero padding channels
+                tail.copy_(view[:, : tail.shape[1], view.shape[2] - tail.shape[2] :])
 
         return self._causal(conv, st, e - s, (b, c_in, h, w), _Fill(None, write, rows_ok=False))
 
@@ -744,8 +751,8 @@ class FastWanVAE:
     def _copy_fill(src: torch.Tensor) -> "_Fill":
         def write(x, view, tail):
             view.copy_(x)
-            if tail is not None:
-                tail.copy_(x[:, :, x.shape[2] - tail.shape[2] :])
+            if tail is not None:  # the cache may leave out the zero padding channels
+                tail.copy_(x[:, : tail.shape[1], x.shape[2] - tail.shape[2] :])
 
         return _Fill(src, write)
 
@@ -779,9 +786,14 @@ class FastWanVAE:
             raise AssertionError(f"causal conv with {front} front frames")
         b, ch, h, w = bchw
         kw = dict(device=self.device, dtype=self.dtype, memory_format=CL3)
+        # The cache keeps the real channels only (cc < ch when the input carries zero padding, `pad_channels`): the
+        # padding would cost a third more cache memory at the padded level for zeros. The FP8 kernel reads the cache
+        # itself, at the input's width.
+        padded = ch != conv.in_channels and ch == self._width(conv.in_channels, conv)
+        cc = conv.in_channels if padded and c.fp8 is None else ch
         cache = st.cache.get(conv)
         if cache is None:  # zeros before the first frame
-            cache = st.cache[conv] = torch.empty((b, ch, front, h, w), **kw).zero_()
+            cache = st.cache[conv] = torch.empty((b, cc, front, h, w), **kw).zero_()
             st.older[conv] = 0
         older = st.older[conv]
         if c.fp8 is not None:
@@ -791,11 +803,13 @@ class FastWanVAE:
         if stripes > 1:
             return self._causal_striped(conv, c, st, cache, older, bchw, fill, stripes, keep_bias)
         buf = torch.empty((b, ch, front + n, h, w), **kw)
+        if cc < ch:
+            buf[:, cc:, :front].zero_()
         if older == 0:
-            buf[:, :, :front].copy_(cache)
+            buf[:, :cc, :front].copy_(cache)
         else:
-            buf[:, :, :1].copy_(cache[:, :, 1:])
-            buf[:, :, 1:front].copy_(cache[:, :, :1])
+            buf[:, :cc, :1].copy_(cache[:, :, 1:])
+            buf[:, :cc, 1:front].copy_(cache[:, :, :1])
         if n >= front:
             fill(buf[:, :, front:], cache)
             st.older[conv] = 0
@@ -836,11 +850,14 @@ class FastWanVAE:
             if bottom:
                 buf[:, :, :, -1:].zero_()
             body = buf[:, :, :, top : top + hi - lo]
-            body[:, :, :1].copy_(cache[:, :, older : older + 1, lo:hi])
-            body[:, :, 1:2].copy_(cache[:, :, 1 - older : 2 - older, lo:hi])
+            cc = cache.shape[1]  # < ch: the cache leaves out the input's zero padding channels
+            if cc < ch:
+                body[:, cc:, :2].zero_()
+            body[:, :cc, :1].copy_(cache[:, :, older : older + 1, lo:hi])
+            body[:, :cc, 1:2].copy_(cache[:, :, 1 - older : 2 - older, lo:hi])
             fill(body[:, :, 2:], None, rows=(lo, hi))
             end = h if r1 == h else r1 - 1
-            cache[:, :, older : older + 1, done:end].copy_(body[:, :, 2:, done - lo : end - lo])
+            cache[:, :, older : older + 1, done:end].copy_(body[:, :cc, 2:, done - lo : end - lo])
             done = end
             ys = self._conv_b(F.conv3d, buf, c.weight, c.bias if keep_bias else None, c.stride, (0, 0, c.padding[2]))
             del buf, body

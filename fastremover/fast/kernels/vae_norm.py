@@ -130,7 +130,7 @@ def _vae_norm_kernel(
     HW, T, TAIL_T0,
     sxb, sxt, syb, syt, stb, stt,
     scale, eps,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    C: tl.constexpr, TAIL_C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     SILU: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -168,9 +168,11 @@ def _vae_norm_kernel(
             n = n * tl.sigmoid(n)
     out = round_to(n, Y.dtype.element_ty, INTERPRET)
     tl.store(Y + (b64 * syb + t64 * syt) + pix, out, mask=mask)
-    if HAS_TAIL:
+    if HAS_TAIL:  # the tail holds the first TAIL_C channels (all C, or the real ones of a zero-padded x)
         if t >= TAIL_T0:
-            tl.store(TAIL + (b64 * stb + (t64 - TAIL_T0) * stt) + pix, out, mask=mask)
+            tail_pix = rows.to(tl.int64)[:, None] * TAIL_C + cols[None, :]
+            tl.store(TAIL + (b64 * stb + (t64 - TAIL_T0) * stt) + tail_pix, out,
+                     mask=rmask[:, None] & (cols < TAIL_C)[None, :])
     if HAS_NORM:
         tl.store(NORM + frame.to(tl.int64) * HW + rows, denom, mask=rmask)
 
@@ -240,10 +242,10 @@ def _check_args(x, gamma, out, tail, out_norm, bias=None, channels=None):
     tail5 = _as_5d("tail", tail)
     if tail5 is not None:
         k = tail5.shape[2]
-        if (tail5.shape[:2] != x5.shape[:2] or tail5.shape[3:] != x5.shape[3:] or not 1 <= k <= t
-                or tail5.dtype != x5.dtype):
-            raise ValueError(f"tail must be {x5.dtype} [B, C, k, H, W] with 1 <= k <= {t} and x's other sizes "
-                             f"{tuple(x5.shape)}, got {tail5.dtype} {tuple(tail5.shape)}")
+        if (tail5.shape[0] != b or not 1 <= tail5.shape[1] <= c or tail5.shape[3:] != x5.shape[3:]
+                or not 1 <= k <= t or tail5.dtype != x5.dtype):
+            raise ValueError(f"tail must be {x5.dtype} [B, C', k, H, W] with 1 <= C' <= {c}, 1 <= k <= {t} and x's "
+                             f"other sizes {tuple(x5.shape)}, got {tail5.dtype} {tuple(tail5.shape)}")
         _check_frame_dense("tail", tail5)
     if out_norm is not None:
         if (not isinstance(out_norm, torch.Tensor) or out_norm.dtype != torch.float32
@@ -273,7 +275,8 @@ def vae_rms_norm(
     x: [B, C, T, H, W] or [N, C, H, W], fp16/bf16/fp32, frame-dense channels-last (see the module docstring).
     gamma: C elements (the module's [C, 1, 1, 1] or [C, 1, 1] parameter is fine), x.dtype.
     out: where to write (same shape/dtype, frame-dense channels-last; may be a slice of a bigger buffer); default a
-    new channels-last tensor. tail: [B, C, k, H, W]: also receives the last k output frames. out_norm: fp32 [B*T*H*W]
+    new channels-last tensor. tail: [B, C', k, H, W], C' <= C: also receives the last k output frames' first C'
+    channels (C' < C: a cache that leaves out x's zero padding channels). out_norm: fp32 [B*T*H*W]
     receives the per-pixel denominators max(||x||, 1e-12) (for tests). bias: C elements, fp32 or x.dtype: normalize
     round_to_dtype(x + bias) instead of x (a deferred conv bias, rounding point 0; x itself is not changed).
     precise: False (default): fast math at steps 3 and 6 (a reciprocal per pixel, tl.sigmoid), within the tested ulp
@@ -307,7 +310,7 @@ def vae_rms_norm(
         hw, t, tail_t0,
         x5.stride(0), x5.stride(2), out5.stride(0), out5.stride(2), tail_arg.stride(0), tail_arg.stride(2),
         float(channels or c) ** 0.5, NORM_EPS,
-        C=c, BLOCK_C=block_c, BLOCK_M=block_m, SILU=bool(silu), HAS_TAIL=tail5 is not None,
+        C=c, TAIL_C=tail5.shape[1] if tail5 is not None else c, BLOCK_C=block_c, BLOCK_M=block_m, SILU=bool(silu), HAS_TAIL=tail5 is not None,
         HAS_NORM=out_norm is not None, HAS_BIAS=bias is not None, PRECISE=bool(precise),
         INTERPRET=interpreting(_vae_norm_kernel),
         num_warps=warps, **launch_options(_vae_norm_kernel),
@@ -326,7 +329,7 @@ def _write(y: torch.Tensor, x: torch.Tensor, out, tail) -> torch.Tensor:
     out.copy_(y)
     if tail is not None:
         y5, tail5 = _as_5d("y", y), _as_5d("tail", tail)
-        tail5.copy_(y5[:, :, y5.shape[2] - tail5.shape[2]:])
+        tail5.copy_(y5[:, : tail5.shape[1], y5.shape[2] - tail5.shape[2]:])
     return out
 
 
