@@ -342,8 +342,8 @@ for dt in ("fp16", "bf16"):
            "stb": "i64", "stt": "i64", "scale": "fp32", "eps": "fp32"}
     for precise, silu, bias in itertools.product((True, False), (False, True), (False, True)):  # bias fastest
         block_c, block_m, warps = vn._blocks(96, precise)  # what the wrapper launches
-        c = _compile(vn._vae_norm_kernel, sig, {"C": 96, "BLOCK_C": block_c, "BLOCK_M": block_m, "SILU": silu,
-                     "HAS_TAIL": True, "HAS_NORM": False, "HAS_BIAS": bias, "PRECISE": precise,
+        c = _compile(vn._vae_norm_kernel, sig, {"C": 96, "TAIL_C": 96, "BLOCK_C": block_c, "BLOCK_M": block_m,
+                     "SILU": silu, "HAS_TAIL": True, "HAS_NORM": False, "HAS_BIAS": bias, "PRECISE": precise,
                      "INTERPRET": False}, warps)
         ptx = c.asm["ptx"]
         ops = _opcodes(ptx)
