@@ -1413,3 +1413,63 @@ def test_gpu_fuse_bias_is_bit_exact_w2_chunk(dtype):
             n_diff = int((a != b).sum())
             print(f"fuse_bias {dtype} pair={pair} stripes={stripe_mib}: {name} {n_diff} of {a.numel()} differ")
             assert n_diff == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# residual.pad_copy_: a real-width cache into the front of a channel-padded conv input buffer
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shift", [0, 1])
+def test_pad_copy_is_the_eager_copy_and_zero_fill(dtype, shift):
+    """Into the first 2 frames of a wider buffer (a time slice), frames rotated by `shift`, padding zeroed, the
+    frames behind untouched; bit-exact to the reference (a pure copy); C' = C copies everything."""
+    from fastremover.fast.kernels import residual
+
+    g = gen(31 + shift)
+    for c_src, c, h, w in ((12, 16, 3, 5), (40, 48, 2, 37), (16, 16, 2, 3)):
+        src = video(g, 2, c_src, 2, h, w, dtype=dtype)
+        buf = torch.full((2, c, 3, h, w), float("nan"), dtype=dtype, device=DEV).contiguous(memory_format=CL3)
+        ref = buf.clone(memory_format=CL3)
+        out = residual.pad_copy_(buf[:, :, :2], src, shift)
+        residual.pad_copy_reference_(ref[:, :, :2], src, shift)
+        assert out.data_ptr() == buf.data_ptr() and torch.equal(buf[:, :, :2], ref[:, :, :2])
+        assert torch.equal(buf[:, :c_src, 0], src[:, :, shift]) and torch.equal(buf[:, :c_src, 1], src[:, :, 1 - shift])
+        assert torch.count_nonzero(buf[:, c_src:, :2]) == 0 and torch.isnan(buf[:, :, 2:].float()).all()
+
+
+def test_pad_copy_rejects_bad_arguments():
+    from fastremover.fast.kernels import residual
+
+    g = gen(5)
+    src, dst = video(g, 1, 12, 2, 3, 4), video(g, 1, 16, 2, 3, 4)
+    with pytest.raises(ValueError, match="src must be"):
+        residual.pad_copy_(dst, video(g, 1, 20, 2, 3, 4))  # wider than dst
+    with pytest.raises(ValueError, match="src must be"):
+        residual.pad_copy_(dst, video(g, 1, 12, 1, 3, 4))  # other frame count
+    with pytest.raises(ValueError, match="channels-last"):
+        residual.pad_copy_(dst, src.contiguous())
+    with pytest.raises(ValueError, match="dtype"):
+        residual.pad_copy_(dst, src.to(F16))
+    with pytest.raises(ValueError, match="shift"):
+        residual.pad_copy_(dst, src, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_pad_copy_at_the_w2_decode_shape():
+    """The decoder's padded level at W2: a 96-channel 2-frame cache into a 128-channel buffer, bit-exact to the
+    reference, and its time next to torch's strided copy + fill (printed)."""
+    from fastremover.fast.kernels import residual
+    from fastremover.timing import cuda_time_ms
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    src = torch.randn(1, 96, 2, 480, 832, device="cuda", generator=g).half().contiguous(memory_format=CL3)
+    buf = torch.empty(1, 128, 3, 480, 832, device="cuda", dtype=F16).contiguous(memory_format=CL3)
+    ref = torch.empty_like(buf, memory_format=CL3)
+    for shift in (0, 1):
+        residual.pad_copy_(buf[:, :, :2], src, shift)
+        residual.pad_copy_reference_(ref[:, :, :2], src, shift)
+        assert torch.equal(buf[:, :, :2], ref[:, :, :2])
+    ms = cuda_time_ms(lambda: residual.pad_copy_(buf[:, :, :2], src, 1), iters=20)
+    ms_ref = cuda_time_ms(lambda: residual.pad_copy_reference_(ref[:, :, :2], src, 1), iters=20)
+    print(f"pad copy [1, 96->128, 2, 480, 832] fp16: kernel {ms:.3f} ms, torch roll + copy + fill {ms_ref:.3f} ms")

@@ -321,10 +321,12 @@ class FastWanVAE:
         if self.kernels == "triton":
             from fastremover.fast.kernels.residual import add_bias_ as add_bias_fn
             from fastremover.fast.kernels.residual import add_frames as add_fn
+            from fastremover.fast.kernels.residual import pad_copy_ as pad_copy_fn
             from fastremover.fast.kernels.vae_norm import vae_rms_norm as norm_fn
         else:
             from fastremover.fast.kernels.residual import add_bias_reference_ as add_bias_fn
             from fastremover.fast.kernels.residual import add_frames_reference as add_fn
+            from fastremover.fast.kernels.residual import pad_copy_reference_ as pad_copy_fn
             from fastremover.fast.kernels.vae_norm import vae_rms_norm_reference as norm_fn
         self._norm_fn = norm_fn
         self._add_fn = add_fn  # y += shortcut on channels-last views (torch's add takes its slow strided path there)
@@ -332,6 +334,7 @@ class FastWanVAE:
         # bits of ATen's conv-then-add_ (its cuDNN path) without its slow strided add. Elsewhere the conv adds it.
         self._bias_kernel = self.kernels == "triton" and self.device.type == "cuda"
         self._add_bias = add_bias_fn
+        self._pad_copy = pad_copy_fn  # a real-width cache into the front of a padded conv input buffer
         self._conv: dict[nn.Module, _Conv] = {}
         self._gamma: dict[nn.Module, torch.Tensor] = {}
         with torch.no_grad():
@@ -803,13 +806,13 @@ class FastWanVAE:
         if stripes > 1:
             return self._causal_striped(conv, c, st, cache, older, bchw, fill, stripes, keep_bias)
         buf = torch.empty((b, ch, front + n, h, w), **kw)
-        if cc < ch:
-            buf[:, cc:, :front].zero_()
-        if older == 0:
-            buf[:, :cc, :front].copy_(cache)
+        if cc < ch:  # the older slot first, zeros in the padding channels
+            self._pad_copy(buf[:, :, :front], cache, older)
+        elif older == 0:
+            buf[:, :, :front].copy_(cache)
         else:
-            buf[:, :cc, :1].copy_(cache[:, :, 1:])
-            buf[:, :cc, 1:front].copy_(cache[:, :, :1])
+            buf[:, :, :1].copy_(cache[:, :, 1:])
+            buf[:, :, 1:front].copy_(cache[:, :, :1])
         if n >= front:
             fill(buf[:, :, front:], cache)
             st.older[conv] = 0

@@ -270,3 +270,78 @@ def add_bias_reference_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         raise ValueError("y must be a 4-D or 5-D fp16/bf16/fp32 tensor")
     _check_bias(bias, y)
     return y.copy_(add_bias(y, bias))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Channel-padding copy (the fast VAE's causal caches into its conv input buffers)
+#
+# With `FastWanVAE(pad_channels=...)` a conv input buffer is C channels wide (e.g. 128) while the conv's cache keeps
+# only the C' real ones (96): the cached frames go into the buffer's front with zeros in channels C'..C-1. torch's
+# strided copy + fill of that took as long as the padding saved (H200, W2 decode: 0.935 s vs 0.936 unpadded); here one
+# program writes BLOCK_W whole pixels (C lanes, the last C - C' zero) of one (b, t, h) row. A pure copy: bit-exact.
+
+
+@triton.jit
+def _pad_copy_kernel(
+    S, D, T, H, W, SHIFT, TS,
+    ssb, sst, ssh, sdb, sdt, sdh,
+    CS: tl.constexpr, CD: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = (r % H).to(tl.int64)
+    bt = r // H
+    t = bt % T
+    b = (bt // T).to(tl.int64)
+    ts = ((t + SHIFT) % TS).to(tl.int64)  # the source frame (a ring's older slot first)
+    px = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    inside = (px < W)[:, None]
+    v = tl.load(S + b * ssb + ts * sst + h * ssh + px[:, None] * CS + cols[None, :],
+                mask=inside & (cols < CS)[None, :], other=0.0)
+    tl.store(D + b * sdb + t.to(tl.int64) * sdt + h * sdh + px[:, None] * CD + cols[None, :], v,
+             mask=inside & (cols < CD)[None, :])
+
+
+def _check_pad_copy(dst: torch.Tensor, src: torch.Tensor, shift: int) -> None:
+    for name, t in (("dst", dst), ("src", src)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be a 5-D fp16/bf16/fp32 tensor")
+        if not _row_dense(t) or (t.shape[3] > 1 and t.stride(3) != t.shape[4] * t.shape[1]):
+            raise ValueError(f"{name} must be channels-last (or a time slice of such a tensor), got strides "
+                             f"{t.stride()}")
+    b, c, t_, h, w = dst.shape
+    if (src.shape[0], src.shape[2], src.shape[3], src.shape[4]) != (b, t_, h, w) or not 1 <= src.shape[1] <= c:
+        raise ValueError(f"src must be [B, C' <= {c}, T, H, W] with dst's other sizes {tuple(dst.shape)}, got "
+                         f"{tuple(src.shape)}")
+    if src.dtype != dst.dtype or src.device != dst.device:
+        raise ValueError("src and dst must have one dtype and device")
+    if not isinstance(shift, int) or isinstance(shift, bool) or not 0 <= shift < max(t_, 1):
+        raise ValueError(f"shift must be an int in [0, {t_}), got {shift!r}")
+
+
+def pad_copy_(dst: torch.Tensor, src: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """dst[:, :C'] = src with its frames rotated by `shift` (frame t of dst takes src frame (t + shift) % T), and
+    dst[:, C':] = 0. dst [B, C, T, H, W], src [B, C', T, H, W], C' <= C, one dtype, both channels-last with dense
+    (H, W, C) frames (a time slice of a channels-last buffer is fine). Returns dst."""
+    _check_pad_copy(dst, src, shift)
+    check_device(_pad_copy_kernel, dst=dst, src=src)
+    b, c, t_, h, w = dst.shape
+    if dst.numel():
+        block_c = triton.next_power_of_2(c)
+        block_w = max(1, min(triton.next_power_of_2(w), 4096 // block_c))
+        grid = (b * t_ * h, triton.cdiv(w, block_w))
+        _pad_copy_kernel[grid](
+            src, dst, t_, h, w, shift, t_,
+            src.stride(0), src.stride(2), src.stride(3), dst.stride(0), dst.stride(2), dst.stride(3),
+            CS=src.shape[1], CD=c, BLOCK_W=block_w, BLOCK_C=block_c, num_warps=4,
+        )
+    return dst
+
+
+def pad_copy_reference_(dst: torch.Tensor, src: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """Eager torch, same signature as `pad_copy_`."""
+    _check_pad_copy(dst, src, shift)
+    c_src = src.shape[1]
+    dst[:, :c_src].copy_(src.roll(-shift, dims=2) if shift else src)
+    dst[:, c_src:].zero_()
+    return dst
