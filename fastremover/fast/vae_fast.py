@@ -8,16 +8,25 @@ frames; decode: one latent frame), with these changes:
   channels-last views of it), and so is every weight, so cuDNN never converts layouts around a conv. The 3-channel
   ends (encoder conv_in, decoder conv_out) are zero-padded to 8 channels on CUDA (`pad_rgb`), a width cuDNN's NHWC
   tensor-core kernels take; the padding adds exact zeros.
-* Channel padding (`pad_channels`, 64 on CUDA): an activation whose channel count is above 64 and not a multiple of
-  it is stored zero-padded to the next multiple - in Wan 2.1 the 96-channel full-resolution level (encoder level 0,
-  decoder's last level and head) runs as 128 channels. cuDNN's fp16 channels-last conv runs the 96-channel 3x3x3
-  convs at ~280 TFLOP/s against ~620 at 192/384; the same conv with input and output zero-padded to 128 takes 1.034
-  vs 1.419 ms (4 frames of 480x832) and 0.585 vs 0.748 ms (3 frames), 33 % more FLOPs included
-  (bench/results/cudnn-conv-half-pad128-*.json). Conv weights get zero rows/columns (an attention block's q | k | v
-  and an upsampler's two time halves padded group by group), norms a zero gamma and the real C in their sqrt(C)
-  (`vae_rms_norm(channels=)`), so the padding channels hold exact zeros all the way (tests/test_vae_fast.py checks
-  the caches) and add exact zeros to every sum; the video and latent ends keep their widths. Not bit-identical to
-  pad_channels=0 on the GPU only because cuDNN picks another algorithm for the wider conv.
+* Channel padding (`pad_channels`, 64 on CUDA in fp16/bf16): an activation whose channel count is above 64 and not a
+  multiple of it is stored zero-padded to the next multiple - in Wan 2.1 the decoder's 96-channel full-resolution
+  level and head run as 128 channels. Why: cuDNN's fp16 channels-last conv runs the 96-channel 3x3x3 convs at ~280
+  TFLOP/s against ~620 at 192/384; the same conv with input and output zero-padded to 128 takes 1.034 vs 1.419 ms (4
+  frames of 480x832) and 0.585 vs 0.748 ms (3 frames), 33 % more FLOPs included
+  (bench/results/cudnn-conv-half-pad128-*.json). How: conv weights get zero rows/columns (an attention block's
+  q | k | v and an upsampler's two time halves padded group by group), norms a zero gamma and the real C in their
+  sqrt(C) (`vae_rms_norm(channels=)`), so the padding channels hold exact zeros all the way and add exact zeros to
+  every sum (tests/test_vae_fast.py checks every padded conv input); the video and latent ends keep their widths.
+  The causal caches keep the real channels only: the norm kernel writes its tail 96 wide, and `residual.pad_copy_`
+  puts the cached frames into the front of the 128-wide conv buffer with zeros behind (one pass: 0.100 ms at the W2
+  decode shape vs 2.29 ms for torch's roll + strided copy + fill, which had eaten the whole gain). Padded caches
+  would cost a third more cache memory for zeros: the decode's peak went from 56 % to 65 % of the reference's, over
+  issue #6's 60 %. Only the decoder is padded by default (`pad_encoder=True` pads the encoder too): the encoder's
+  gain (~50 ms) needs its 2-frame steps, whose wider transients put the encode's peak over 60 % as well
+  (bench/results/vae-w2-pad-ef*-*.json). H200, W2 (bench/results/vae-w2-pad-r3-*-999f070.json, 3 repeats): decode
+  0.961 -> 0.904 s, total 2.054 -> 1.998 s, peak 59.3 % of the reference's, PSNR unchanged (65.97 dB). Not
+  bit-identical to pad_channels=0 on the GPU only because cuDNN picks another algorithm for the wider conv. Off in
+  FP8 mode: the FP8 kernel is slower at 128 channels than at 96 (W2 2.05 vs 1.93 s).
 * Norms: `fastremover.fast.kernels.vae_norm` (one pass, fp32 statistics, same rounding points as eager) on CUDA, in
   its fast-math mode in every engine mode (a reciprocal per pixel and tl.sigmoid: 0.565 -> 0.125 ms per
   full-resolution call on the H200, within 3 ulps of eager or below one ulp of the frame's largest output, on
@@ -251,7 +260,8 @@ class FastWanVAE:
     full-resolution call) instead of its fast-math default (within a few ulps of eager on ~1e-4 of the elements, see
     fastremover/fast/kernels/vae_norm.py); no effect with kernels="torch" (the eager reference either way).
     pad_channels: store c-channel activations with c > pad_channels and not a multiple of it zero-padded to the next
-    multiple (see the module docstring); None: 64 on CUDA (96 -> 128), 0 (never) elsewhere.
+    multiple (see the module docstring); None: 64 on CUDA (96 -> 128) unless precision is fp8, 0 (never) elsewhere.
+    pad_encoder: pad the encoder too (default: the decoder only; the encoder's padded 2-frame steps cost memory).
     """
 
     def __init__(
@@ -1142,6 +1152,7 @@ def bench(argv: list[str] | None = None) -> int:
     p.add_argument("--stripe-mib", type=float, default=None,
                    help="also measure a variant with 1-frame convs/upsamplings in row stripes of about this size")
     p.add_argument("--no-pad-rgb", action="store_true")
+    p.add_argument("--pad-encoder", action="store_true", help="pad the encoder's channels too (pad_encoder=True)")
     p.add_argument("--pad-channels", type=int, nargs="+", default=None,
                    help="measure every variant at each of these pad_channels values (default: the VAE's default "
                         "only; 0 = no channel padding)")
@@ -1229,7 +1240,7 @@ def bench(argv: list[str] | None = None) -> int:
     for v in variants:
         fast = FastWanVAE(vae, device=device, dtype=dtype, precision=args.vae_precision,
                           encode_frames=args.encode_frames, decode_frames=args.decode_frames,
-                          pad_rgb=not args.no_pad_rgb, tap_head=not args.no_tap_head, **v)
+                          pad_rgb=not args.no_pad_rgb, tap_head=not args.no_tap_head, pad_encoder=args.pad_encoder, **v)
         name = (f"fast ({fast.describe()}, pair={v['pair']}, cudnn.benchmark={v['cudnn_benchmark']}, "
                 f"pad {fast.pad_channels}"
                 + (f", stripes {v['stripe_mib']} MiB)" if v.get("stripe_mib") else ")"))
@@ -1252,6 +1263,7 @@ def bench(argv: list[str] | None = None) -> int:
             "working_memory_ratio_vs_reference": _ratio(r["stage_peak_delta_gib"], r_ref["stage_peak_delta_gib"]),
             "fuse_bias": fast.fuse_bias,
             "pad_channels": fast.pad_channels,
+            "pad_encoder": fast.pad_encoder,
         })
         if args.fuse_bias:
             outs = tuple(t.cpu() for t in (za, zb, vid))
