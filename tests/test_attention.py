@@ -55,6 +55,8 @@ def test_quantize_qkv_smooth_v_centres_v_and_returns_its_mean():
     from fastremover.fast.attention import quantize_qkv
     from fastremover.fast.kernels.quant import quant_fp8_tensorwise_reference
 
+    from fastremover.fast.attention import quantize_qkv_reference
+
     q, k, v = qkv_views(40, v_bias=3.0, seed=4)
     plain = quantize_qkv(q, k, v)
     *got, v_mean = quantize_qkv(q, k, v, smooth_v=True)
@@ -62,6 +64,10 @@ def test_quantize_qkv_smooth_v_centres_v_and_returns_its_mean():
     v8, sv = quant_fp8_tensorwise_reference(v.reshape(40, -1), v_mean, 40)
     assert torch.equal(got[2].view(torch.uint8).flatten(), v8.view(torch.uint8).flatten())
     assert torch.equal(got[5], sv) and sv < plain[5]  # centring shrank V's range
+    ref = quantize_qkv_reference(q.contiguous(), k.contiguous(), v.contiguous(), smooth_v=True)
+    for a, b in zip((*got, v_mean), ref):  # the whole tuple against the eager reference
+        a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (a, b)
+        assert torch.equal(a, b)
     for a, b in zip(got[:2] + got[3:5], plain[:2] + plain[3:5]):  # q, k and their scales are untouched
         a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (a, b)
         assert torch.equal(a, b)

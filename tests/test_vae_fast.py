@@ -619,6 +619,26 @@ def test_padded_channels_match_eager(padded_model, kernels):
     assert not plain._norm_channels and rel_err(plain.decode(z), df) <= 1e-5
 
 
+@pytest.mark.parametrize("pad", [16, 32, 40, 56])
+def test_grouped_convs_are_padded_group_by_group_only(padded_model, pad):
+    """Widths where c stays but 2c / 3c would be padded (pad 40, 56: an upsampler's 2 x 36 time halves, the
+    attention's 3 x 36 q | k | v) or where c itself grows (16, 32): the grouped convs keep one group width per part,
+    and the decode matches eager."""
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, _, z, d = padded_model
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", pad_channels=pad)
+    attn = vae.decoder.mid_block.attentions[0]
+    width = fast._width(attn.to_qkv.in_channels, attn.to_qkv)
+    assert tuple(fast._conv[attn.to_qkv].weight.shape[:2]) == (3 * width, width)
+    up = next(m.upsamplers[0] for m in vae.decoder.up_blocks if m.upsamplers is not None
+              and m.upsamplers[0].mode == "upsample3d")
+    c = up.time_conv.in_channels
+    assert tuple(fast._conv[up.time_conv].weight.shape[:2]) == (2 * fast._width(c, up.time_conv),
+                                                                fast._width(c, up.time_conv))
+    assert rel_err(fast.decode(z), d) <= 1e-5
+
+
 def test_padded_channels_hold_exact_zeros(padded_model):
     """The padding channels of every padded conv input are exactly zero (what makes the padding free of error), the
     causal caches left out (they keep the real channels only); checked over a decode and an encode."""

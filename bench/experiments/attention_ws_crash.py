@@ -72,6 +72,9 @@ def main() -> None:
     def show(row):
         status = (f"ok cos {row['cos']:.5f} {row['ms']:.3f} ms" if "error" not in row else "ERROR " + row["error"])
         print(f"{row['config']:<24} S={row['S']:<6} out={row['out']} H={row['H']:<3} {status}", flush=True)
+        if args.out:  # after every case: an outer timeout keeps what has run
+            with open(args.out, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
 
     all_cases = [(name, *case) for name in names for case in cases]
     short = [c for c in all_cases if c[1] < 7290]
@@ -85,9 +88,6 @@ def main() -> None:
         if c[1] >= 7290:
             rows.append(run_case(*c))
             show(rows[-1])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

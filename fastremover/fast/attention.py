@@ -16,13 +16,14 @@ stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
   has a shared offset (a sum of same-sign terms; FA3's FP8 forward has the same issue: vLLM issue 23813,
   flash-attention PR 2250). `--bench --v-bias 1` shows it (H200, S = 32760: cosine 0.99641 plain, 1.00000 centred;
   bench/results/attention-vbias1-smoothv-*.json), and with centring the W2 fast mode reaches 48.6 dB (worst frame
-  47.3) at denoise 4.26 s (bench/results/w2-fast-2026-11-30-4efd5b2.json). The fastest 8-bit backend (784-856
+  47.3) at denoise 4.26 s (bench/results/w2-fast-2026-11-30-4a2054d.json). The fastest 8-bit backend (784-856
   TFLOP/s vs SDPA's 541-563; centring costs ~0.3 ms of 8.5 at S = 32760) and the `fast` mode's default.
 - `fp8-triton`: our own Triton FP8 flash kernel (fast/kernels/attention_fp8.py), the same quantization (V not
   centred: the kernel adds each key block's P @ V into an fp32 register accumulator, so a V offset costs it nothing;
   `smooth_v=True` is available), one pinned config. End to end at W2 47.2 dB at denoise 5.34 s
   (bench/results/w2-fast-fp8triton-2026-11-30-62048d2.json). Not faster than fp16 SDPA for now: without its
-  warp-specialized configs (out of autotuning: they crash or hang at small S, bench/results/attention-ws-crash-*.json)
+  warp-specialized configs (out of autotuning: an illegal address at S = 130, and no case at S <= 1000 passed,
+  bench/results/attention-ws-crash-*.json)
   it takes 11.79-12.1 ms at S = 32760 vs SDPA's 11.5-11.8 (8.95 ms with them, at 1697f8b). The fast mode's fallback
   when cuDNN's FP8 attention cannot run.
 A backend that cannot run here is an error naming why, never a silent fallback, so a bench row labelled fp8 always
@@ -87,7 +88,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k:
     return out + (v_mean,) if smooth_v else out
 
 
-def quantize_qkv_reference(q, k, v, *, smooth_k: bool = True):
+def quantize_qkv_reference(q, k, v, *, smooth_k: bool = True, smooth_v: bool = False):
     from fastremover.fast.kernels.quant import quant_fp8_tensorwise_reference
 
     b, s, h, d = q.shape
@@ -95,9 +96,12 @@ def quantize_qkv_reference(q, k, v, *, smooth_k: bool = True):
     kr = k.reshape(b * s, h * d)
     mean = torch.mean(kr.view(b, s, h * d), dim=1, dtype=torch.float32) if smooth_k else None
     k8, sk = quant_fp8_tensorwise_reference(kr, mean, s)
-    v8, sv = quant_fp8_tensorwise_reference(v.reshape(b * s, h * d))
+    vr = v.reshape(b * s, h * d)
+    v_mean = torch.mean(vr.view(b, s, h * d), dim=1, dtype=torch.float32) if smooth_v else None
+    v8, sv = quant_fp8_tensorwise_reference(vr, v_mean, s)
     shape = (b, s, h, d)
-    return q8.view(shape), k8.view(shape), v8.view(shape), sq, sk, sv
+    out = (q8.view(shape), k8.view(shape), v8.view(shape), sq, sk, sv)
+    return out + (v_mean,) if smooth_v else out
 
 
 def _add_v_mean(o: torch.Tensor, v_mean: torch.Tensor | None) -> torch.Tensor:

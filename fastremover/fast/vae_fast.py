@@ -8,18 +8,20 @@ frames; decode: one latent frame), with these changes:
   channels-last views of it), and so is every weight, so cuDNN never converts layouts around a conv. The 3-channel
   ends (encoder conv_in, decoder conv_out) are zero-padded to 8 channels on CUDA (`pad_rgb`), a width cuDNN's NHWC
   tensor-core kernels take; the padding adds exact zeros.
-* Channel padding (`pad_channels`, 64 on CUDA in fp16/bf16): an activation whose channel count is above 64 and not a
+* Channel padding (`pad_channels`, 64 on CUDA unless precision="fp8"): an activation whose channel count is above 64 and not a
   multiple of it is stored zero-padded to the next multiple - in Wan 2.1 the decoder's 96-channel full-resolution
   level and head run as 128 channels. Why: cuDNN's fp16 channels-last conv runs the 96-channel 3x3x3 convs at ~280
   TFLOP/s against ~620 at 192/384; the same conv with input and output zero-padded to 128 takes 1.034 vs 1.419 ms (4
-  frames of 480x832) and 0.585 vs 0.748 ms (3 frames), 33 % more FLOPs included
+  frames of 480x832) and 0.585 vs 0.748 ms (3 frames), although it does (128/96)^2 = 1.78x the FLOPs
   (bench/results/cudnn-conv-half-pad128-*.json). How: conv weights get zero rows/columns (an attention block's
   q | k | v and an upsampler's two time halves padded group by group), norms a zero gamma and the real C in their
   sqrt(C) (`vae_rms_norm(channels=)`), so the padding channels hold exact zeros all the way and add exact zeros to
-  every sum (tests/test_vae_fast.py checks every padded conv input); the video and latent ends keep their widths.
+  every sum (tests/test_vae_fast.py checks the padded input of every causal conv3d); the video and latent ends keep
+  their widths.
   The causal caches keep the real channels only: the norm kernel writes its tail 96 wide, and `residual.pad_copy_`
-  puts the cached frames into the front of the 128-wide conv buffer with zeros behind (one pass: 0.100 ms at the W2
-  decode shape vs 2.29 ms for torch's roll + strided copy + fill, which had eaten the whole gain). Padded caches
+  puts the cached frames into the front of the 128-wide conv buffer with zeros behind, in one pass (0.100 ms at the W2
+  decode shape; its eager reference, torch's roll + strided copy + zero fill, takes 2.29 ms). Torch's strided copies
+  + fill, used first, had eaten the whole gain: decode 0.935 vs 0.936 s unpadded (vae-w2-pad-compactcache-*.json). Padded caches
   would cost a third more cache memory for zeros: the decode's peak went from 56 % to 65 % of the reference's, over
   issue #6's 60 %. Only the decoder is padded by default (`pad_encoder=True` pads the encoder too): the encoder's
   gain (~50 ms) needs its 2-frame steps, whose wider transients put the encode's peak over 60 % as well
@@ -80,7 +82,7 @@ function at fp16/bf16 precision; tests/test_vae_fast.py checks CPU fp32 agreemen
 PSNR >= 45 dB at the real size.
 
 FP8 (`precision="fp8"`): the 3x3x3 causal convs the kernel supports (`conv3d_fp8.supported`: channels multiples of
-16) and where it pays (`fp8_pays`: on the H200 only the 96-channel full-resolution level (128 wide with the default pad_channels) beats cuDNN fp16, 1.29x at 4
+16) and where it pays (`fp8_pays`: on the H200 only the 96-channel full-resolution level beats cuDNN fp16, 1.29x at 4
 frames of 480x832; 192/384 channels run 0.56-1.07x, and the 384->32 conv_out has no config that fits) go to `fastremover.fast.kernels.conv3d_fp8.causal_conv3d_fp8(prev, x, weight_q, weight_scale, bias)` (it reads the
 2 cached frames and the new ones itself: no input buffer), with weights quantized once by its
 `quantize_conv_weight`; everything else stays in the model dtype. Without that module fp8 raises a FastRemoverError.
@@ -398,16 +400,20 @@ class FastWanVAE:
                 b = conv_out.bias.new_zeros(RGB_PAD)
                 b[: conv_out.bias.shape[0]] = conv_out.bias
                 conv_out.weight, conv_out.bias = w.contiguous(memory_format=CL3), b
+        grouped = set()  # convs whose outputs are equal groups, each padded on its own (never again as one block)
         for m in vae.modules():
             if isinstance(m, AttentionBlock):  # q, k, v each padded: [3c, c] -> [3W, W], chunk i at rows i*W..
                 self._pad_conv(m.to_qkv, parts=3)
+                grouped.add(m.to_qkv)
             elif isinstance(m, Resample) and m.mode == "upsample3d":  # [frame 2i | frame 2i+1] channel halves
                 self._pad_conv(m.time_conv, parts=2)
+                grouped.add(m.time_conv)
         # the video and latent ends keep their channel counts (their tensors come from / go to the caller)
         keep_in = {vae.encoder.conv_in, vae.decoder.conv_in, vae.quant_conv, vae.post_quant_conv}
         keep_out = {vae.encoder.conv_out, vae.decoder.conv_out, vae.quant_conv, vae.post_quant_conv}
         for m in self._conv:
-            self._pad_conv(m, keep_in=m in keep_in, keep_out=m in keep_out)
+            if m not in grouped:
+                self._pad_conv(m, keep_in=m in keep_in, keep_out=m in keep_out)
         if self.tap_head:
             # decoder conv_out as one conv2d giving the three temporal taps' partial outputs (see _decoder_head)
             conv = vae.decoder.conv_out
