@@ -94,10 +94,10 @@ def quantize_qkv_reference(q, k, v, *, smooth_k: bool = True, smooth_v: bool = F
     b, s, h, d = q.shape
     q8, sq = quant_fp8_tensorwise_reference(q.reshape(b * s, h * d))
     kr = k.reshape(b * s, h * d)
-    mean = torch.mean(kr.view(b, s, h * d), dim=1, dtype=torch.float32) if smooth_k else None
+    mean = _seq_mean(kr, b, s) if smooth_k else None
     k8, sk = quant_fp8_tensorwise_reference(kr, mean, s)
     vr = v.reshape(b * s, h * d)
-    v_mean = torch.mean(vr.view(b, s, h * d), dim=1, dtype=torch.float32) if smooth_v else None
+    v_mean = _seq_mean(vr, b, s) if smooth_v else None
     v8, sv = quant_fp8_tensorwise_reference(vr, v_mean, s)
     shape = (b, s, h, d)
     out = (q8.view(shape), k8.view(shape), v8.view(shape), sq, sk, sv)

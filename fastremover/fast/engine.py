@@ -3,8 +3,9 @@
     auto   exact where it can run, else eager (the default; no note when it picks eager)
     eager  the reference-order module (every device)
     exact  fused Triton kernels + torch SDPA + CUDA-graph loop, no quantization   (CUDA GPUs)
-    fast   exact + FP8 e4m3 W8A8 linears + 8-bit attention (our Triton FP8 kernel; fp16 SDPA with a note where it
-           cannot run; cuDNN's FP8 SDPA on request)                               (GPUs with FP8 tensor cores, sm_89+)
+    fast   exact + FP8 e4m3 W8A8 linears + 8-bit attention (cuDNN's FP8 SDPA with K and V centred; our Triton FP8
+           kernel with a note where it cannot build, fp16 SDPA with a note where neither runs)
+                                                                                  (GPUs with FP8 tensor cores, sm_89+)
 A mode the device cannot run falls back to the next safer one with a note (never silently): the pipeline's config
 records what is active, `fastremover info` and the bench JSON print it.
 """

@@ -869,11 +869,9 @@ class FastWanVAE:
             if bottom:
                 buf[:, :, :, -1:].zero_()
             body = buf[:, :, :, top : top + hi - lo]
-            cc = cache.shape[1]  # < ch: the cache leaves out the input's zero padding channels
-            if cc < ch:
-                body[:, cc:, :2].zero_()
-            body[:, :cc, :1].copy_(cache[:, :, older : older + 1, lo:hi])
-            body[:, :cc, 1:2].copy_(cache[:, :, 1 - older : 2 - older, lo:hi])
+            # the older slot first; zeros in the padding channels when the cache leaves them out (cc < ch)
+            cc = cache.shape[1]
+            self._pad_copy(body[:, :, :2], cache[:, :, :, lo:hi], older)
             fill(body[:, :, 2:], None, rows=(lo, hi))
             end = h if r1 == h else r1 - 1
             cache[:, :, older : older + 1, done:end].copy_(body[:, :cc, 2:, done - lo : end - lo])

@@ -37,6 +37,7 @@ from fastremover.fast.kernels._common import (
     round_through,
     round_to,
 )
+from fastremover.fast.kernels.vae_norm import _check_frame_dense
 from fastremover.fast.kernels.vae_norm import add_bias  # the one eager "conv bias add" (fp32 opmath, one rounding)
 
 
@@ -306,9 +307,7 @@ def _check_pad_copy(dst: torch.Tensor, src: torch.Tensor, shift: int) -> None:
     for name, t in (("dst", dst), ("src", src)):
         if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be a 5-D fp16/bf16/fp32 tensor")
-        if not _row_dense(t) or (t.shape[3] > 1 and t.stride(3) != t.shape[4] * t.shape[1]):
-            raise ValueError(f"{name} must be channels-last (or a time slice of such a tensor), got strides "
-                             f"{t.stride()}")
+        _check_frame_dense(name, t)
     b, c, t_, h, w = dst.shape
     if (src.shape[0], src.shape[2], src.shape[3], src.shape[4]) != (b, t_, h, w) or not 1 <= src.shape[1] <= c:
         raise ValueError(f"src must be [B, C' <= {c}, T, H, W] with dst's other sizes {tuple(dst.shape)}, got "
