@@ -3,7 +3,7 @@ one `FastTransformer.forward_step` at a workload's token count, or (--vae) one e
 of the fast VAE at the workload's size.
 
     python -m fastremover.bench.profile_step --workload w2 --modes exact fast [--attention fp8] [--out FILE]
-    python -m fastremover.bench.profile_step --vae [--workload w2] [--out FILE]
+    python -m fastremover.bench.profile_step --vae [--workload w2] [--vae-precision fp8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -124,15 +124,17 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", nargs="+", default=["exact", "fast"])
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--vae", action="store_true", help="profile the fast VAE instead of a denoise step")
+    parser.add_argument("--vae-precision", default="auto", choices=("auto", "fp16", "fp8"),
+                        help="with --vae: the fast VAE's conv precision")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.vae:
-        results = profile_vae(args.workload)
+        results = profile_vae(args.workload, args.vae_precision)
         for stage, r in results.items():
             print(f"\nfast VAE {stage}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms_by_group"].items()))
             for k in r["top"]:
                 print(f"   {k['ms']:8.2f} ms x{k['count']:<5} {k['name']}")
-        payload = {"gpu": torch.cuda.get_device_name(), "vae": results}
+        payload = {"gpu": torch.cuda.get_device_name(), "vae_precision": args.vae_precision, "vae": results}
     else:
         model = real_model()
         results = [profile(model, args.workload, mode, args.attention) for mode in args.modes]
