@@ -73,11 +73,13 @@ def test_fp8_mode_is_close_but_not_identical():
     assert not torch.equal(got, expect)  # identical output would mean the quantized path did not run
 
 
-def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch, batch):
     """The fast transformer's cuDNN-FP8 path centres V, takes the attention output as e4m3 codes of (o - m) / sv and
-    adds W_o m after the O projection. With cuDNN's kernel faked by its dequantized math (codes in, codes out) and V
-    given a large shared offset (to_v biases + 4), the step matches the fp8 mode's generic path (fp32 attention,
-    then the O projection's own row quantization) far closer than the same path with the fold's mean zeroed."""
+    adds W_o m with the O projection (batch 1: in the GEMM's bias; more batches: an add per batch after it). With
+    cuDNN's kernel faked by its dequantized math (codes in, codes out) and V given a large shared offset (to_v
+    biases + 4), the step matches the fp8 mode's generic path (fp32 attention, then the O projection's own row
+    quantization) far closer than the same path with the fold's mean zeroed."""
     from fastremover.fast import attention as attn_mod
     from fastremover.fast import transformer_fast
 
@@ -85,7 +87,7 @@ def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch
     with torch.no_grad():
         for blk in model.blocks:
             blk.attn1.to_v.bias.add_(4.0)
-    x, t = inputs(10), torch.tensor([500.0])
+    x, t = inputs(10, shape=(batch, 48, 3, 8, 12)), torch.tensor([500.0])
 
     def fake_sdpa_fp8(q8, k8, v8, sq, sk, sv):
         q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
@@ -93,14 +95,20 @@ def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch
         return (o / sv).to(torch.float8_e4m3fn).contiguous()
 
     generic = FastTransformer(model, fp8=True, use_triton=False)
-    cond = generic.conditioning(t, batch=1)
+    cond = generic.conditioning(t, batch=batch)
     with torch.no_grad():
         expect = generic.forward_step(x, cond, 0)
     monkeypatch.setattr(transformer_fast, "sdpa_fp8", fake_sdpa_fp8)
     codes = FastTransformer(model, fp8=True, use_triton=False)
     codes.fp8_attention_codes = True  # the cuDNN path, with the fake kernel (the real one needs a Hopper GPU)
+    biases = []
+    o_proj = codes.fp8_blocks[0]["o"]
+    real_forward = o_proj.forward
+    monkeypatch.setattr(o_proj, "forward", lambda *a, **k: biases.append(k.get("bias")) or real_forward(*a, **k))
     with torch.no_grad():
         got = codes.forward_step(x, cond, 0)
+    assert (biases[0] is not None) == (batch == 1)  # batch 1: b_o + W_o m went in as the GEMM's bias
+    with torch.no_grad():
         real_quantize = transformer_fast.quantize_qkv
 
         def quantize_without_mean(*a, **k):
@@ -126,6 +134,11 @@ def test_fp8_linear_matches_dequantized_math():
     expect = (q.float() * s) @ (fp8.codes.float() * fp8.scale.t()).t() + lin.bias
     assert rel_err(y, expect) < 1e-5
     assert cos(y, lin(x)) > 0.999
+    # a per-call bias replaces the layer's own one: the same GEMM plus the other vector
+    other = torch.randn(48)
+    assert rel_err(fp8(q, s, bias=other) - other, fp8(q, s) - fp8.bias) < 1e-6
+    with pytest.raises(ValueError, match="bias override"):
+        fp8(q, s, bias=torch.zeros(47))
 
 
 def test_fast_denoiser_cpu_matches_eager_loop():

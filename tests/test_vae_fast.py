@@ -437,7 +437,7 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
     from fastremover.fast import vae_fast
     from fastremover.fast.vae_fast import FastWanVAE, _Stream
 
-    calls = []
+    calls, accs = [], []
 
     class FakeFP8:
         @staticmethod
@@ -449,8 +449,9 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
             return weight.clone(), torch.ones(weight.shape[0])
 
         @staticmethod
-        def causal_conv3d_fp8(prev, x, w_q, w_scale, bias):
+        def causal_conv3d_fp8(prev, x, w_q, w_scale, bias, *, precise_acc):
             assert prev.is_contiguous(memory_format=CL3) and x.is_contiguous(memory_format=CL3)
+            accs.append(precise_acc)
             calls.append(torch.cat([prev, x], dim=2).clone())
             return F.conv3d(torch.cat([prev, x], dim=2), w_q, bias, padding=(0, 1, 1))
 
@@ -474,6 +475,11 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
     z = torch.randn(1, 16, 3, 2, 3)
     ref = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch").decode(z)
     torch.testing.assert_close(fast.decode(z), ref, rtol=1e-5, atol=1e-5)
+    assert set(accs) == {True}  # promotion on by default; fp8_precise_acc=False hands the kernel False
+    imprecise = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_precise_acc=False)
+    assert imprecise.describe() == "fast-fp8+imprecise-acc"
+    imprecise.decode(z)
+    assert accs[-1] is False
 
 
 def test_fp8_unavailable_is_a_clear_error(monkeypatch):
@@ -1360,7 +1366,7 @@ def test_fuse_bias_skips_fp8_convs(monkeypatch):
         quantize_conv_weight = staticmethod(lambda w: (w.clone(), torch.ones(w.shape[0])))
 
         @staticmethod
-        def causal_conv3d_fp8(prev, x, w_q, w_scale, bias):
+        def causal_conv3d_fp8(prev, x, w_q, w_scale, bias, *, precise_acc=True):
             return F.conv3d(torch.cat([prev, x], dim=2), w_q, bias, padding=(0, 1, 1))
 
     monkeypatch.setattr("fastremover.fast.vae_fast.fp8_conv_available", lambda: True)

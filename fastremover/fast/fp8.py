@@ -54,9 +54,16 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.codes.shape[0]
 
-    def forward(self, x_codes: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        """x_codes [M, K] e4m3, x_scale [M, 1] fp32 -> [M, N] in out_dtype."""
+    def forward(self, x_codes: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x_codes [M, K] e4m3, x_scale [M, 1] fp32 -> [M, N] in out_dtype. bias: [N], replaces the layer's own bias
+        for this call (the fast transformer passes bias + W m to fold a per-call constant into the GEMM epilogue)."""
+        if bias is None:
+            bias = self.bias
+        elif bias.shape != (self.out_features,):
+            raise ValueError(f"Fp8Linear: bias override must have shape [{self.out_features}], got {list(bias.shape)}")
+        else:
+            bias = bias.to(self.mm_dtype)
         y = torch._scaled_mm(
-            x_codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, bias=self.bias, out_dtype=self.mm_dtype
+            x_codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, bias=bias, out_dtype=self.mm_dtype
         )
         return y if self.mm_dtype == self.out_dtype else y.to(self.out_dtype)

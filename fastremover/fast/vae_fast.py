@@ -264,6 +264,9 @@ class FastWanVAE:
     pad_channels: store c-channel activations with c > pad_channels and not a multiple of it zero-padded to the next
     multiple (see the module docstring); None: 64 on CUDA (96 -> 128) unless precision is fp8, 0 (never) elsewhere.
     pad_encoder: pad the encoder too (default: the decoder only; the encoder's padded 2-frame steps cost memory).
+    fp8_precise_acc: with precision fp8, the conv kernel's precise_acc (promote the tensor cores' partial sums to fp32
+    every K chunk, see conv3d_fp8); False: no promotion (faster, larger error; measured with the bench's
+    --fp8-imprecise-acc).
     """
 
     def __init__(
@@ -286,6 +289,7 @@ class FastWanVAE:
         precise_norm: bool = False,
         pad_channels: int | None = None,
         pad_encoder: bool = False,
+        fp8_precise_acc: bool = True,
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -324,6 +328,7 @@ class FastWanVAE:
             pad_channels = PAD_CHANNELS if self.device.type == "cuda" and self.precision != "fp8" else 0
         self.pad_channels = pad_channels
         self.pad_encoder = bool(pad_encoder)
+        self.fp8_precise_acc = bool(fp8_precise_acc)
         self._encoder_modules: set = set()
         self._norm_channels: dict[nn.Module, int] = {}  # norms whose input carries padding: their real C
         self._fp8 = None
@@ -488,7 +493,8 @@ class FastWanVAE:
         appended with fuse_bias=False, "+precise-norm" with precise_norm=True (neither the default)."""
         name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
         return (f"fast-{'fp8' if self._fp8 is not None else name}" + ("" if self.fuse_bias else "+unfused-bias")
-                + ("+precise-norm" if self.precise_norm else ""))
+                + ("+precise-norm" if self.precise_norm else "")
+                + ("+imprecise-acc" if self._fp8 is not None and not self.fp8_precise_acc else ""))
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
         c = self.config.in_channels
@@ -895,7 +901,8 @@ class FastWanVAE:
         x = torch.empty((b, ch, n, h, w), device=self.device, dtype=self.dtype, memory_format=CL3)
         fill(x, None)
         fill.release()
-        y = self._fp8.causal_conv3d_fp8(cache, x, c.fp8[0], c.fp8[1], c.bias)  # cache: zeros before frame 0
+        y = self._fp8.causal_conv3d_fp8(cache, x, c.fp8[0], c.fp8[1], c.bias,  # cache: zeros before frame 0
+                                        precise_acc=self.fp8_precise_acc)
         if not y.is_contiguous(memory_format=CL3):
             y = y.contiguous(memory_format=CL3)
         if n >= CACHE_T:
@@ -1157,6 +1164,8 @@ def bench(argv: list[str] | None = None) -> int:
                    help="also measure a variant with 1-frame convs/upsamplings in row stripes of about this size")
     p.add_argument("--no-pad-rgb", action="store_true")
     p.add_argument("--pad-encoder", action="store_true", help="pad the encoder's channels too (pad_encoder=True)")
+    p.add_argument("--fp8-imprecise-acc", action="store_true",
+                   help="with --vae-precision fp8: also measure every variant with fp8_precise_acc=False")
     p.add_argument("--pad-channels", type=int, nargs="+", default=None,
                    help="measure every variant at each of these pad_channels values (default: the VAE's default "
                         "only; 0 = no channel padding)")
@@ -1239,6 +1248,8 @@ def bench(argv: list[str] | None = None) -> int:
         variants = [w for v in variants for w in ({**v, "fuse_bias": False}, {**v, "fuse_bias": True})]
     if args.pad_channels:
         variants = [{**v, "pad_channels": pc} for pc in args.pad_channels for v in variants]  # fuse_bias twins adjacent
+    if args.fp8_imprecise_acc:
+        variants = [w for v in variants for w in (v, {**v, "fp8_precise_acc": False})]
     z_gpu = z_dec.to(device)
     unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:
@@ -1268,6 +1279,7 @@ def bench(argv: list[str] | None = None) -> int:
             "fuse_bias": fast.fuse_bias,
             "pad_channels": fast.pad_channels,
             "pad_encoder": fast.pad_encoder,
+            "fp8_precise_acc": fast.fp8_precise_acc,
         })
         if args.fuse_bias:
             outs = tuple(t.cpu() for t in (za, zb, vid))
