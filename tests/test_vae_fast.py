@@ -475,11 +475,11 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
     z = torch.randn(1, 16, 3, 2, 3)
     ref = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch").decode(z)
     torch.testing.assert_close(fast.decode(z), ref, rtol=1e-5, atol=1e-5)
-    assert set(accs) == {True}  # promotion on by default; fp8_precise_acc=False hands the kernel False
-    imprecise = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_precise_acc=False)
-    assert imprecise.describe() == "fast-fp8+imprecise-acc"
-    imprecise.decode(z)
-    assert accs[-1] is False
+    assert set(accs) == {False}  # no promotion by default; fp8_precise_acc=True hands the kernel True
+    precise = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_precise_acc=True)
+    assert precise.describe() == "fast-fp8+precise-acc"
+    precise.decode(z)
+    assert accs[-1] is True
 
 
 def test_fp8_unavailable_is_a_clear_error(monkeypatch):
