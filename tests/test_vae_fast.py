@@ -533,6 +533,30 @@ def test_fast_vae_matches_eager(tiny, frames, pad_rgb, tap_head):
     assert df.abs().max() <= 1.0
 
 
+def test_frames_per_step_auto_policy(tiny):
+    """encode_frames / decode_frames "auto" (the default): on CUDA whole chunks (None) for frames of at most
+    SMALL_FRAME_PIXELS, else 2 / 1; on the CPU always 2 / 1; explicit values pass through; bad values are refused."""
+    from fastremover.fast import vae_fast
+    from fastremover.fast.vae_fast import SMALL_FRAME_PIXELS, FastWanVAE
+
+    vae = tiny[0]
+    fast = FastWanVAE(vae, device="cpu", dtype=F32)
+    assert fast.encode_frames == fast.decode_frames == "auto"
+    assert (fast.frames_per_step("encode", 240, 432), fast.frames_per_step("decode", 240, 432)) == (2, 1)
+    fast.device = torch.device("cuda")  # the policy only reads the device type (nothing runs here)
+    assert 240 * 432 <= SMALL_FRAME_PIXELS < 480 * 832
+    assert (fast.frames_per_step("encode", 240, 432), fast.frames_per_step("decode", 240, 432)) == (None, None)
+    assert (fast.frames_per_step("encode", 480, 832), fast.frames_per_step("decode", 480, 832)) == (2, 1)
+    fixed = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=3, decode_frames=None)
+    fixed.device = torch.device("cuda")
+    assert (fixed.frames_per_step("encode", 240, 432), fixed.frames_per_step("decode", 480, 832)) == (3, None)
+    for bad in ("all", 0, 1.5, True):
+        with pytest.raises(ValueError, match="decode_frames"):
+            FastWanVAE(vae, device="cpu", dtype=F32, decode_frames=bad)
+    assert vae_fast._frames_arg("all") is None and vae_fast._frames_arg("auto") == "auto"
+    assert vae_fast._frames_arg("2") == 2
+
+
 def test_fast_vae_odd_frame_counts_and_history(tiny):
     from fastremover.fast.vae_fast import FastWanVAE
 

@@ -43,7 +43,9 @@ frames; decode: one latent frame), with these changes:
   clone of the tail. The buffers are transient (the caching allocator recycles them), so memory holds 2 frames per
   conv, like the eager cache, not 2+n.
 * Memory: the full-resolution levels (encoder level 0; decoder's last two levels and its head) run
-  `encode_frames` (2) / `decode_frames` (1) frames at a time: every causal conv is a stream, so splitting a chunk in
+  `encode_frames` (2) / `decode_frames` (1) frames at a time ("auto", the default: whole chunks for small frames on
+  CUDA, where the short kernels of the 1-frame loop wait on the CPU's launches; see SMALL_FRAME_PIXELS): every causal
+  conv is a stream, so splitting a chunk in
   time changes nothing but the size of the transient activations (the decoder splits inside the last upsampler
   before those levels, between its temporal and spatial part, so the frames waiting are small ones). A conv's
   producer input is released before the conv allocates its output; residual adds are in place; the last residual
@@ -123,6 +125,15 @@ KERNELS = ("auto", "triton", "torch")
 FP8_MODULE = "fastremover.fast.kernels.conv3d_fp8"
 RGB_PAD = 8  # conv_in / conv_out channel padding on CUDA
 PAD_CHANNELS = 64  # default pad_channels on CUDA: activations of 96 channels are stored as 128
+# encode_frames / decode_frames "auto" (the default): on CUDA, frames of at most SMALL_FRAME_PIXELS run the
+# full-resolution levels in whole chunks, larger ones AUTO_ENCODE_FRAMES / AUTO_DECODE_FRAMES at a time (memory: the
+# W2 peak bar). At small frames the many short kernels of the 1-frame decode loop leave the GPU waiting on the CPU's
+# launches (H200, W1 432x240: 0.255 s of CPU time for a 0.255 s decode; whole chunks 0.195 s; bench/experiments/
+# w1_decode_gap.py), and the larger steps cost little memory in absolute terms there. On the CPU (no launch
+# overhead to hide) "auto" is the memory-bounded steps at every size.
+SMALL_FRAME_PIXELS = 160 * 1024  # W1's 432x240 = 103,680 px; W2's 832x480 = 399,360 px
+AUTO_ENCODE_FRAMES = 2
+AUTO_DECODE_FRAMES = 1
 
 Progress = Callable[[int, int], None]
 # write(start, stop, out): put input frames [start, stop) of the encoder's input stream(s) into out [B, 3, n, H, W]
@@ -247,7 +258,8 @@ class FastWanVAE:
     convs; needs fastremover.fast.kernels.conv3d_fp8 and an sm_89+ GPU). kernels: "auto" (Triton on CUDA, the torch
     reference elsewhere), "triton" (also the interpreter on the CPU), "torch".
     encode_frames / decode_frames: frames per step of the full-resolution levels (encoder level 0; decoder's last
-    two levels and head); None: whole chunks. Fewer frames: lower peak memory, a few more cache copies.
+    two levels and head); None: whole chunks. Fewer frames: lower peak memory, a few more cache copies. "auto"
+    (default): whole chunks for small frames on CUDA, else 2 / 1 (see SMALL_FRAME_PIXELS and `frames_per_step`).
     pair / pair_budget_gib: encode_pair / encode_removal_inputs as one batch of 2 ("auto": see `pair_fits`), True,
     or False (two passes). pad_rgb: zero-pad the 3-channel convs to 8 channels (default: on CUDA). tap_head: the
     decoder's conv_out as per-tap partial sums (see `_decoder_head`). stripe_mib: run 1-frame causal-conv steps and
@@ -279,8 +291,8 @@ class FastWanVAE:
         dtype: torch.dtype | None = None,
         precision: str = "auto",
         kernels: str = "auto",
-        encode_frames: int | None = 2,
-        decode_frames: int | None = 1,
+        encode_frames: int | None | str = "auto",
+        decode_frames: int | None | str = "auto",
         pair: bool | str = "auto",
         pair_budget_gib: float = 2.0,
         pad_rgb: bool | None = None,
@@ -298,8 +310,8 @@ class FastWanVAE:
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r}: choose one of {KERNELS}")
         for name, v in (("encode_frames", encode_frames), ("decode_frames", decode_frames)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be None or a positive int, got {v!r}")
+            if v is not None and v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be 'auto', None or a positive int, got {v!r}")
         if pair not in ("auto", True, False):
             raise ValueError(f"pair must be 'auto', True or False, got {pair!r}")
         if pad_channels is not None and (not isinstance(pad_channels, int) or isinstance(pad_channels, bool)
@@ -590,8 +602,18 @@ class FastWanVAE:
             elif isinstance(block, Resample):
                 h, w = h // 2, w // 2
         cache += CACHE_T * enc.conv_out.in_channels * h * w
-        step = min(self.encode_frames or ENCODE_CHUNK_FRAMES, ENCODE_CHUNK_FRAMES)
+        step = self.frames_per_step("encode", height, width)
+        step = min(step or ENCODE_CHUNK_FRAMES, ENCODE_CHUNK_FRAMES)
         return batch * elt * (cache + 4 * (step + CACHE_T) * biggest)
+
+    def frames_per_step(self, op: str, height: int, width: int) -> int | None:
+        """Frames per step of the full-resolution levels for an `op` ("encode" / "decode") of height x width frames:
+        encode_frames / decode_frames, with "auto" resolved (see SMALL_FRAME_PIXELS). None: whole chunks."""
+        setting, default = ((self.encode_frames, AUTO_ENCODE_FRAMES) if op == "encode"
+                            else (self.decode_frames, AUTO_DECODE_FRAMES))
+        if setting != "auto":
+            return setting
+        return None if self.device.type == "cuda" and height * width <= SMALL_FRAME_PIXELS else default
 
     @torch.no_grad()
     def decode(self, z: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
@@ -647,7 +669,7 @@ class FastWanVAE:
         # Level 0 (full resolution, up to and including its Resample) runs encode_frames at a time when that Resample
         # is spatial only (Wan 2.1); its quarter-size outputs are gathered for level 1.
         first = next((i for i, m in enumerate(blocks) if isinstance(m, Resample)), None)
-        step = self.encode_frames
+        step = self.frames_per_step("encode", h, w)
         split = first is not None and blocks[first].mode == "downsample2d" and step is not None
         if split and e - s > step:
             head, blocks = blocks[: first + 1], blocks[first + 1 :]
@@ -728,7 +750,7 @@ class FastWanVAE:
                 if pending is not None:
                     x = self._resample_up_time(pending, x, st)
             n = x.shape[2]
-            step = min(self.decode_frames or n, n)
+            step = min(self.frames_per_step("decode", h * sc, w * sc) or n, n)
             pieces = [x[:, :, s0 : s0 + step] for s0 in range(0, n, step)] if step < n else [x]
             del x
             while pieces:
@@ -1140,6 +1162,16 @@ def _ratio(a: dict, b: dict) -> dict | None:
     return {k: round(a[k] / b[k], 4) for k in a if b.get(k)} or None
 
 
+def _frames_arg(text: str) -> int | None | str:
+    """--encode-frames / --decode-frames: "auto", "all" (whole chunks: None) or a positive int."""
+    if text in ("auto", "all"):
+        return None if text == "all" else text
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def bench(argv: list[str] | None = None) -> int:
     import argparse
     import json
@@ -1156,8 +1188,8 @@ def bench(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--precision", choices=["fp16", "bf16"], default="fp16")
     p.add_argument("--vae-precision", choices=list(PRECISIONS), default="auto")
-    p.add_argument("--encode-frames", type=int, default=2)
-    p.add_argument("--decode-frames", type=int, default=1)
+    p.add_argument("--encode-frames", type=_frames_arg, default="auto", help="'auto' (default), 'all' or N")
+    p.add_argument("--decode-frames", type=_frames_arg, default="auto", help="'auto' (default), 'all' or N")
     p.add_argument("--pair", choices=["auto", "on", "off", "both"], default="both",
                    help="batch-2 encode of the two inputs: measure auto/on/off, or both on and off (default)")
     p.add_argument("--cudnn-benchmark", action="store_true", help="also measure with torch.backends.cudnn.benchmark")
@@ -1267,7 +1299,9 @@ def bench(argv: list[str] | None = None) -> int:
         mse = ((vid.float().cpu() - video_ref) / 2).pow(2).mean().item()
         r.update({
             "pair_batch": fast.pair_fits(1, args.frames, args.height, args.width),
-            "encode_frames": args.encode_frames, "decode_frames": args.decode_frames,
+            "encode_frames": fast.frames_per_step("encode", args.height, args.width),  # None: whole chunks
+            "decode_frames": fast.frames_per_step("decode", args.height, args.width),
+            "frames_setting": [args.encode_frames, args.decode_frames],
             "fp8_convs": fast.fp8_convs,
             "psnr_db": round(10 * math.log10(1 / mse), 3) if mse > 0 else math.inf,
             "psnr_min_frame_db": round(float(psnr.min()), 3),
