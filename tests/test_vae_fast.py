@@ -534,8 +534,9 @@ def test_fast_vae_matches_eager(tiny, frames, pad_rgb, tap_head):
 
 
 def test_frames_per_step_auto_policy(tiny):
-    """encode_frames / decode_frames "auto" (the default): on CUDA whole chunks (None) for frames of at most
-    SMALL_FRAME_PIXELS, else 2 / 1; on the CPU always 2 / 1; explicit values pass through; bad values are refused."""
+    """encode_frames / decode_frames "auto" (the default): the decode on CUDA in whole chunks (None) for frames of at
+    most SMALL_FRAME_PIXELS, else 1; the encode 2 at every size; on the CPU always 2 / 1; explicit values pass
+    through; bad values are refused."""
     from fastremover.fast import vae_fast
     from fastremover.fast.vae_fast import SMALL_FRAME_PIXELS, FastWanVAE
 
@@ -545,7 +546,7 @@ def test_frames_per_step_auto_policy(tiny):
     assert (fast.frames_per_step("encode", 240, 432), fast.frames_per_step("decode", 240, 432)) == (2, 1)
     fast.device = torch.device("cuda")  # the policy only reads the device type (nothing runs here)
     assert 240 * 432 <= SMALL_FRAME_PIXELS < 480 * 832
-    assert (fast.frames_per_step("encode", 240, 432), fast.frames_per_step("decode", 240, 432)) == (None, None)
+    assert (fast.frames_per_step("encode", 240, 432), fast.frames_per_step("decode", 240, 432)) == (2, None)
     assert (fast.frames_per_step("encode", 480, 832), fast.frames_per_step("decode", 480, 832)) == (2, 1)
     fixed = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=3, decode_frames=None)
     fixed.device = torch.device("cuda")

@@ -43,9 +43,9 @@ frames; decode: one latent frame), with these changes:
   clone of the tail. The buffers are transient (the caching allocator recycles them), so memory holds 2 frames per
   conv, like the eager cache, not 2+n.
 * Memory: the full-resolution levels (encoder level 0; decoder's last two levels and its head) run
-  `encode_frames` (2) / `decode_frames` (1) frames at a time ("auto", the default: whole chunks for small frames on
-  CUDA, where the short kernels of the 1-frame loop wait on the CPU's launches; see SMALL_FRAME_PIXELS): every causal
-  conv is a stream, so splitting a chunk in
+  `encode_frames` (2) / `decode_frames` (1) frames at a time (decode_frames "auto", the default: whole chunks for
+  small frames on CUDA, where the short kernels of the 1-frame loop wait on the CPU's launches; see
+  SMALL_FRAME_PIXELS): every causal conv is a stream, so splitting a chunk in
   time changes nothing but the size of the transient activations (the decoder splits inside the last upsampler
   before those levels, between its temporal and spatial part, so the frames waiting are small ones). A conv's
   producer input is released before the conv allocates its output; residual adds are in place; the last residual
@@ -125,12 +125,14 @@ KERNELS = ("auto", "triton", "torch")
 FP8_MODULE = "fastremover.fast.kernels.conv3d_fp8"
 RGB_PAD = 8  # conv_in / conv_out channel padding on CUDA
 PAD_CHANNELS = 64  # default pad_channels on CUDA: activations of 96 channels are stored as 128
-# encode_frames / decode_frames "auto" (the default): on CUDA, frames of at most SMALL_FRAME_PIXELS run the
-# full-resolution levels in whole chunks, larger ones AUTO_ENCODE_FRAMES / AUTO_DECODE_FRAMES at a time (memory: the
-# W2 peak bar). At small frames the many short kernels of the 1-frame decode loop leave the GPU waiting on the CPU's
-# launches (H200, W1 432x240: 0.255 s of CPU time for a 0.255 s decode; whole chunks 0.195 s; bench/experiments/
-# w1_decode_gap.py), and the larger steps cost little memory in absolute terms there. On the CPU (no launch
-# overhead to hide) "auto" is the memory-bounded steps at every size.
+# decode_frames "auto" (the default): on CUDA, frames of at most SMALL_FRAME_PIXELS run the decoder's
+# full-resolution levels in whole chunks, larger ones AUTO_DECODE_FRAMES at a time (memory: the W2 peak bar). At small
+# frames the many short kernels of the 1-frame decode loop leave the GPU waiting on the CPU's launches (H200, W1
+# 432x240: 0.255 s of CPU time for a 0.255 s decode, whole chunks 0.195 s, bench/experiments/w1_decode_gap.py; in
+# the W1 pipeline the decode stage went from 0.41-0.55 s to 0.20-0.21 s), and whole chunks cost little memory in
+# absolute terms there. encode_frames "auto" is AUTO_ENCODE_FRAMES at every size: whole-chunk encodes at W1 gained
+# nothing with the batch-2 encode (0.241 -> 0.236 s) and lost without it (0.257 -> 0.333 s; vae-w1-auto-*.json). On
+# the CPU (no launch overhead to hide) "auto" is the memory-bounded steps at every size.
 SMALL_FRAME_PIXELS = 160 * 1024  # W1's 432x240 = 103,680 px; W2's 832x480 = 399,360 px
 AUTO_ENCODE_FRAMES = 2
 AUTO_DECODE_FRAMES = 1
@@ -259,7 +261,8 @@ class FastWanVAE:
     reference elsewhere), "triton" (also the interpreter on the CPU), "torch".
     encode_frames / decode_frames: frames per step of the full-resolution levels (encoder level 0; decoder's last
     two levels and head); None: whole chunks. Fewer frames: lower peak memory, a few more cache copies. "auto"
-    (default): whole chunks for small frames on CUDA, else 2 / 1 (see SMALL_FRAME_PIXELS and `frames_per_step`).
+    (default): encode 2; decode whole chunks for small frames on CUDA, else 1 (see SMALL_FRAME_PIXELS and
+    `frames_per_step`).
     pair / pair_budget_gib: encode_pair / encode_removal_inputs as one batch of 2 ("auto": see `pair_fits`), True,
     or False (two passes). pad_rgb: zero-pad the 3-channel convs to 8 channels (default: on CUDA). tap_head: the
     decoder's conv_out as per-tap partial sums (see `_decoder_head`). stripe_mib: run 1-frame causal-conv steps and
@@ -613,7 +616,8 @@ class FastWanVAE:
                             else (self.decode_frames, AUTO_DECODE_FRAMES))
         if setting != "auto":
             return setting
-        return None if self.device.type == "cuda" and height * width <= SMALL_FRAME_PIXELS else default
+        small = self.device.type == "cuda" and height * width <= SMALL_FRAME_PIXELS
+        return None if op == "decode" and small else default
 
     @torch.no_grad()
     def decode(self, z: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
