@@ -88,6 +88,8 @@ def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch
         for blk in model.blocks:
             blk.attn1.to_v.bias.add_(4.0)
     x, t = inputs(10, shape=(batch, 48, 3, 8, 12)), torch.tensor([500.0])
+    if batch == 2:
+        x[1].add_(10.0)  # the batches' V means then differ: a mean applied to the wrong batch shows
 
     def fake_sdpa_fp8(q8, k8, v8, sq, sk, sv):
         q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
@@ -117,9 +119,21 @@ def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch
 
         monkeypatch.setattr(transformer_fast, "quantize_qkv", quantize_without_mean)
         unfolded = codes.forward_step(x, cond, 0)
+        if batch == 2:  # each batch's own mean, not the other's
+
+            def quantize_swapped_means(*a, **k):
+                *rest, v_mean = real_quantize(*a, **k)
+                return (*rest, v_mean.flip(0))
+
+            monkeypatch.setattr(transformer_fast, "quantize_qkv", quantize_swapped_means)
+            swapped = codes.forward_step(x, cond, 0)
     err, err_unfolded = rel_err(got, expect), rel_err(unfolded, expect)
     print(f"codes path vs generic: rel. error {err:.4f}; without the fold {err_unfolded:.4f}")
     assert err < 0.1 and err < 0.2 * err_unfolded, (err, err_unfolded)
+    if batch == 2:
+        err_swapped = rel_err(swapped, expect)
+        print(f"with the batches' means swapped: {err_swapped:.4f}")
+        assert err < 0.5 * err_swapped, (err, err_swapped)
     assert attn_mod.quantize_qkv is real_quantize  # (the monkeypatch targeted the transformer's import only)
 
 

@@ -558,6 +558,26 @@ def test_frames_per_step_auto_policy(tiny):
     assert vae_fast._frames_arg("2") == 2
 
 
+def test_frames_per_step_gets_full_resolution_sizes(tiny, monkeypatch):
+    """encode and decode ask the step policy with the frames' full-resolution height x width (a latent-sized
+    question would put W2 decodes into whole chunks and break the memory bar)."""
+    from fastremover.fast.vae_fast import FastWanVAE
+
+    vae, x, z, _ = tiny
+    asked = []
+    real = FastWanVAE.frames_per_step
+    monkeypatch.setattr(FastWanVAE, "frames_per_step",
+                        lambda self, op, h, w: asked.append((op, h, w)) or real(self, op, h, w))
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, pair=False)
+    fast.encode(x)
+    fast.decode(z)
+    full = tuple(x.shape[3:])
+    assert {a[0] for a in asked} == {"encode", "decode"}
+    assert all((h, w) == full for _, h, w in asked), (asked, full)
+    with pytest.raises(ValueError, match="op must be"):
+        fast.frames_per_step("both", *full)
+
+
 def test_fast_vae_odd_frame_counts_and_history(tiny):
     from fastremover.fast.vae_fast import FastWanVAE
 

@@ -2,8 +2,9 @@
 than the same fast VAE alone (0.24-0.27 s, vae-w1-pad-*.json)? One process, exact mode, W1 synthetic inputs:
 
   pipe.decode(latents)                   the pipeline's decode stage (denormalize + decode_auto)
-  vae.decode(denormalize(latents))       the fast VAE directly, same latents
-  the same with decode_frames 2 / None   fewer, larger kernels (a CPU-bound loop would gain)
+  vae.decode(denormalize(latents))       the fast VAE directly, same latents (its default decode_frames: "auto"
+                                         since 406c55c, i.e. whole chunks at W1; 1 when this was first run)
+  the same with decode_frames 1 / 2 / None   1-frame steps vs fewer, larger kernels (a CPU-bound loop gains)
   CPU time per call                      process time of the Python thread; near the wall time = CPU-bound
 
     python bench/experiments/w1_decode_gap.py --out result.json
@@ -59,13 +60,14 @@ def main(argv=None) -> int:
     res = {"gpu": torch.cuda.get_device_name(), "workload": args.workload, "mode": args.mode,
            "vae": type(vae).__name__, "latents": list(latents.shape)}
     res["pipeline_decode"] = timed(lambda: pipe.decode(latents))
-    res["vae_decode_direct"] = timed(lambda: vae.decode(z))
+    res["vae_decode_direct"] = timed(lambda: vae.decode(z))  # the pipeline's VAE with its own (default) steps
     if isinstance(vae, FastWanVAE):
-        for frames in (2, None):
+        res["vae_decode_frames_setting"] = str(vae.decode_frames)
+        for frames in (1, 2, None):
             other = FastWanVAE(models.vae, device=vae.device, dtype=vae.dtype, decode_frames=frames)
             other.decode(z)
             res[f"vae_decode_frames_{frames}"] = timed(lambda: other.decode(z))
-            res[f"vae_decode_frames_{frames}_equal"] = bool(torch.equal(other.decode(z), vae.decode(z)))
+            res[f"vae_decode_frames_{frames}_equal_to_default"] = bool(torch.equal(other.decode(z), vae.decode(z)))
     pipe.remove(inputs.frames, inputs.mask, options)
     res["pipeline_decode_after_another_request"] = timed(lambda: pipe.decode(latents))
     print(json.dumps(res, indent=1))

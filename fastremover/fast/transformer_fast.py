@@ -152,9 +152,9 @@ class FastTransformer(nn.Module):
                 *(t.unflatten(1, (heads, -1)).view(b, s, heads, -1) for t in (q, k, v)), smooth_v=True)
             o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of (o - m) / sv
             o_proj = self.fp8_blocks[index]["o"]
-            w_m = F.linear(v_mean.to(self.dtype), attn.to_out[0].weight, attn.to_out[0].bias)  # [B, D]: b_o + W_o m
             row_scale = sv.view(1, 1).expand(b * s, 1).contiguous()
             if b == 1:  # one batch: b_o + W_o m is the GEMM's bias (added in its fp32 epilogue, no extra pass)
+                w_m = F.linear(v_mean.to(self.dtype), attn.to_out[0].weight, attn.to_out[0].bias)  # [1, D]
                 o = o_proj(o8.view(b * s, -1), row_scale, bias=w_m[0])
             else:  # the GEMM's bias is one row for all batches: add W_o m per batch after it
                 o = o_proj(o8.view(b * s, -1), row_scale)

@@ -132,7 +132,9 @@ PAD_CHANNELS = 64  # default pad_channels on CUDA: activations of 96 channels ar
 # the W1 pipeline the decode stage went from 0.41-0.55 s to 0.20-0.21 s), and whole chunks cost little memory in
 # absolute terms there. encode_frames "auto" is AUTO_ENCODE_FRAMES at every size: whole-chunk encodes at W1 gained
 # nothing with the batch-2 encode (0.241 -> 0.236 s) and lost without it (0.257 -> 0.333 s; vae-w1-auto-*.json). On
-# the CPU (no launch overhead to hide) "auto" is the memory-bounded steps at every size.
+# the CPU (no launch overhead to hide) "auto" is the memory-bounded steps at every size. Whole chunks are the same
+# math as 1-frame steps but not the same bits (cuDNN picks other algorithms for other frame counts), and `stripe_mib`
+# (row stripes of 1-frame steps) then has no 1-frame decode steps to stripe.
 SMALL_FRAME_PIXELS = 160 * 1024  # W1's 432x240 = 103,680 px; W2's 832x480 = 399,360 px
 AUTO_ENCODE_FRAMES = 2
 AUTO_DECODE_FRAMES = 1
@@ -612,6 +614,8 @@ class FastWanVAE:
     def frames_per_step(self, op: str, height: int, width: int) -> int | None:
         """Frames per step of the full-resolution levels for an `op` ("encode" / "decode") of height x width frames:
         encode_frames / decode_frames, with "auto" resolved (see SMALL_FRAME_PIXELS). None: whole chunks."""
+        if op not in ("encode", "decode"):
+            raise ValueError(f"frames_per_step: op must be 'encode' or 'decode', got {op!r}")
         setting, default = ((self.encode_frames, AUTO_ENCODE_FRAMES) if op == "encode"
                             else (self.decode_frames, AUTO_DECODE_FRAMES))
         if setting != "auto":
@@ -1215,6 +1219,8 @@ def bench(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.fp8_precise_acc and args.vae_precision != "fp8":
+        p.error("--fp8-precise-acc needs --vae-precision fp8")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("the VAE bench needs a CUDA GPU (or --device cpu --preset tiny for a smoke run)", flush=True)
         return 2
