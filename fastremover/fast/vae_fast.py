@@ -745,6 +745,7 @@ class FastWanVAE:
         pre = blocks[split_at - 1] if split_at else None
         pending = pre.upsamplers[0] if pre is not None and pre.upsamplers is not None else None
         frame = 0
+        frames_per_step = self.frames_per_step("decode", h * sc, w * sc)  # None: whole chunks
         for i in range(t_lat):
             zi = z[:, :, i : i + 1]
             x = self._causal(dec.conv_in, st, 1, (b, zi.shape[1], h, w), self._copy_fill(zi))
@@ -758,7 +759,7 @@ class FastWanVAE:
                 if pending is not None:
                     x = self._resample_up_time(pending, x, st)
             n = x.shape[2]
-            step = min(self.frames_per_step("decode", h * sc, w * sc) or n, n)
+            step = min(frames_per_step or n, n)
             pieces = [x[:, :, s0 : s0 + step] for s0 in range(0, n, step)] if step < n else [x]
             del x
             while pieces:
