@@ -11,6 +11,9 @@
 #   tests-attention-fp8
 #   kernels          kernel micro-benchmarks: fused elementwise, attention backends, FP8 conv3d, fast VAE, profiles
 #   bench:ARGS       one `fastremover bench ARGS` (each mode's JSON is written as soon as that mode finishes)
+#   conv:ARGS        the FP8 conv3d kernel bench (`conv3d_fp8 --bench ARGS`, JSON in $OUT/conv3d.json)
+#   vae:ARGS         the fast VAE bench (`vae_fast --bench ARGS`, JSON in $OUT/vae.json)
+#   pytest:ARGS      pytest ARGS (log appended to $OUT/pytest.log)
 # Budget: a W2 bench with two modes takes ~5 min (reference + 2 modes x (warm-up + repeats) + hash runs + the VAE
 # FLOP pass + first-call compiles); give it its own call with a 550 s timeout.
 set -uo pipefail
@@ -34,6 +37,16 @@ for phase in "$@"; do
       python3 -m fastremover.fast.vae_fast --bench --pair off --out "$OUT/vae-w2.json" 2>&1 | tail -5
       python3 -m fastremover.bench.profile_step --workload w2 --modes exact fast --out "$OUT/profile-w2.json" 2>&1 | tail -30
       python3 -m fastremover.bench.profile_step --vae --out "$OUT/profile-vae-w2.json" 2>&1 | tail -34 ;;
+    conv:*)
+      # shellcheck disable=SC2086
+      python3 -m fastremover.fast.kernels.conv3d_fp8 --bench ${phase#conv:} --out "$OUT/conv3d.json" 2>&1 | tail -60 ;;
+    vae:*)
+      # shellcheck disable=SC2086
+      python3 -m fastremover.fast.vae_fast --bench ${phase#vae:} --out "$OUT/vae.json" 2>&1 | tail -12 ;;
+    pytest:*)
+      # shellcheck disable=SC2086
+      python3 -m pytest -q -s -p no:cacheprovider ${phase#pytest:} 2>&1 | tee -a "$OUT/pytest.log" \
+        | grep -E "passed|failed|FAILED|Error|cos |err|config" | tail -40 ;;
     bench:*)
       # shellcheck disable=SC2086
       python3 -m fastremover.cli bench ${phase#bench:} --out "$OUT" 2>&1 | grep -v -E '^\s*$' | tail -16 ;;

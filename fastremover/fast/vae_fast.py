@@ -121,6 +121,7 @@ from fastremover.models.vae import (
 CL3 = torch.channels_last_3d
 CL2 = torch.channels_last
 PRECISIONS = ("auto", "fp16", "fp8")
+FP8_LAYERS = ("auto", "all")  # with precision fp8: the convs where fp8_pays, or every 3x3x3 causal conv it supports
 KERNELS = ("auto", "triton", "torch")
 FP8_MODULE = "fastremover.fast.kernels.conv3d_fp8"
 RGB_PAD = 8  # conv_in / conv_out channel padding on CUDA
@@ -286,6 +287,8 @@ class FastWanVAE:
     bench/results/vae-w2-fp8-acc-2026-11-30-7cb1b77.json) the FP8 VAE took 1.830 s without promotion against
     1.914 s with it, at the same 43.30 dB (min frame 40.15 vs 40.09 dB); per conv the error grows from ~1.3e-4 to
     ~6.8e-4 of the sum of absolute products (bound 2^-9, GPU tests), cosine vs fp16 unchanged (0.99930).
+    fp8_layers: with precision fp8, "auto" puts the convs where `fp8_pays` on the FP8 kernel, "all" every 3x3x3
+    causal conv the kernel supports (for measuring).
     """
 
     def __init__(
@@ -309,6 +312,7 @@ class FastWanVAE:
         pad_channels: int | None = None,
         pad_encoder: bool = False,
         fp8_precise_acc: bool = False,
+        fp8_layers: str = "auto",
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -348,6 +352,9 @@ class FastWanVAE:
         self.pad_channels = pad_channels
         self.pad_encoder = bool(pad_encoder)
         self.fp8_precise_acc = bool(fp8_precise_acc)
+        if fp8_layers not in FP8_LAYERS:
+            raise ValueError(f"fp8_layers must be one of {FP8_LAYERS}, got {fp8_layers!r}")
+        self.fp8_layers = fp8_layers
         self._encoder_modules: set = set()
         self._norm_channels: dict[nn.Module, int] = {}  # norms whose input carries padding: their real C
         self._fp8 = None
@@ -457,7 +464,7 @@ class FastWanVAE:
                 if (isinstance(m, CausalConv3d) and tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1)
                         and m.front_frames == CACHE_T and c.weight.shape[1] == self._width(m.in_channels, m)
                         and self._fp8.supported(*c.weight.shape[1::-1])
-                        and fp8_pays(*c.weight.shape[1::-1])):
+                        and (self.fp8_layers == "all" or fp8_pays(*c.weight.shape[1::-1]))):
                     c.fp8 = tuple(self._fp8.quantize_conv_weight(c.weight))
             self.fp8_convs = sum(c.fp8 is not None for c in self._conv.values())
 
@@ -513,7 +520,8 @@ class FastWanVAE:
         name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
         return (f"fast-{'fp8' if self._fp8 is not None else name}" + ("" if self.fuse_bias else "+unfused-bias")
                 + ("+precise-norm" if self.precise_norm else "")
-                + ("+precise-acc" if self._fp8 is not None and self.fp8_precise_acc else ""))
+                + ("+precise-acc" if self._fp8 is not None and self.fp8_precise_acc else "")
+                + ("+all-layers" if self._fp8 is not None and self.fp8_layers == "all" else ""))
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
         c = self.config.in_channels
@@ -1209,6 +1217,8 @@ def bench(argv: list[str] | None = None) -> int:
     p.add_argument("--pad-encoder", action="store_true", help="pad the encoder's channels too (pad_encoder=True)")
     p.add_argument("--fp8-precise-acc", action="store_true",
                    help="with --vae-precision fp8: also measure every variant with fp8_precise_acc=True")
+    p.add_argument("--fp8-layers", nargs="+", choices=list(FP8_LAYERS), default=None,
+                   help="with --vae-precision fp8: measure every variant with each of these fp8_layers values")
     p.add_argument("--pad-channels", type=int, nargs="+", default=None,
                    help="measure every variant at each of these pad_channels values (default: the VAE's default "
                         "only; 0 = no channel padding)")
@@ -1222,6 +1232,8 @@ def bench(argv: list[str] | None = None) -> int:
         p.error("--repeats must be >= 1")
     if args.fp8_precise_acc and args.vae_precision != "fp8":
         p.error("--fp8-precise-acc needs --vae-precision fp8")
+    if args.fp8_layers and args.vae_precision != "fp8":
+        p.error("--fp8-layers needs --vae-precision fp8")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("the VAE bench needs a CUDA GPU (or --device cpu --preset tiny for a smoke run)", flush=True)
         return 2
@@ -1295,6 +1307,8 @@ def bench(argv: list[str] | None = None) -> int:
         variants = [{**v, "pad_channels": pc} for pc in args.pad_channels for v in variants]  # fuse_bias twins adjacent
     if args.fp8_precise_acc:
         variants = [w for v in variants for w in (v, {**v, "fp8_precise_acc": True})]
+    if args.fp8_layers:
+        variants = [{**v, "fp8_layers": fl} for fl in args.fp8_layers for v in variants]
     z_gpu = z_dec.to(device)
     unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:
@@ -1327,6 +1341,7 @@ def bench(argv: list[str] | None = None) -> int:
             "pad_channels": fast.pad_channels,
             "pad_encoder": fast.pad_encoder,
             "fp8_precise_acc": fast.fp8_precise_acc,
+            "fp8_layers": fast.fp8_layers,
         })
         if args.fuse_bias:
             outs = tuple(t.cpu() for t in (za, zb, vid))

@@ -121,6 +121,7 @@ CACHE_FRAMES = 2  # frames a 3-tap causal conv needs from before the chunk
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 P_OFF_BIAS = 1 << 62  # see _conv3d_fp8_kernel's P_OFF
 QUANT_MODES = ("pass", "fused")
+KERNELS = ("auto", "tma", "pointer")
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Device code
@@ -290,6 +291,102 @@ def _conv_epilogue(acc, n, sa, WS, BIAS, Y, out_rows, row_ok, COUT, HAS_BIAS: tl
              mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _quant_stream_kernel(P, X, S, SA, n_p, n_x, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """S[b] = RNE_sat_e4m3(v * RN(1 / SA[0])) over prev[b] ++ x[b] (each batch's flat NDHWC storage, prev's frames
+    first): the fp8 stream the TMA kernel reads. Grid (programs, B); n_p / n_x elements per batch."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inv = tl.math.div_rn(1.0, tl.load(SA))
+    s_base = b * (n_p + n_x)
+    for i in range(pid, tl.cdiv(n_p, BLOCK), nprog):
+        idx = tl.cast(i, tl.int64) * BLOCK + offs
+        m = idx < n_p
+        tl.store(S + s_base + idx, _to_e4m3(load_f32(P + b * n_p + idx, m, INTERPRET) * inv, INTERPRET), mask=m)
+    for i in range(pid, tl.cdiv(n_x, BLOCK), nprog):
+        idx = tl.cast(i, tl.int64) * BLOCK + offs
+        m = idx < n_x
+        tl.store(S + s_base + n_p + idx, _to_e4m3(load_f32(X + b * n_x + idx, m, INTERPRET) * inv, INTERPRET),
+                 mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "H", "W", "NP"])
+def _conv3d_fp8_tma_kernel(
+    XD, WD0, WD1, WS, BIAS, SA, YD0, YD1,
+    T, H, W, NP, CIN, COUT,
+    BH: tl.constexpr, BW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PROMOTE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """y[b, t, h0:h0+BH, w0:w0+BW, n:n+BLOCK_N0(+BLOCK_N1)] for one BH x BW pixel patch of one output frame.
+
+    XD: tensor descriptor of the fp8 stream [B, NP + T, H, W, CIN] (prev's NP frames, then x's T), box
+    [1, 1, BH, BW, BLOCK_K]. Tap (kt, kh, kw) of the patch is ONE box load at (b, NP + t + kt - 2, h0 + kh - 1,
+    w0 + kw - 1, c0): the TMA unit zero-fills every element outside the tensor, which is exactly the conv's zero
+    padding - spatially (h or w out of [0, H) / [0, W)) and causally (a frame index < 0: the zeros before the stream
+    when fewer than 2 frames are cached). No masks, no address arithmetic per element, no padded copy.
+    WD0 / WD1: the weight [COUT, 27*CIN] e4m3 (K-major), boxes [BLOCK_N0 / BLOCK_N1, BLOCK_K].
+    YD0 / YD1: y [B, T, H, W, COUT] (x's dtype), boxes [1, 1, BH, BW, BLOCK_N0 / BLOCK_N1]; the TMA store drops the
+    rows of a patch that hang over the frame's edge.
+    Same K order (tap, channel chunk), accumulation (tensor cores, promoted every BLOCK_K with PROMOTE) and epilogue
+    rounding as _conv3d_fp8_kernel; only the summation order inside the tensor cores' chunks can differ."""
+    BM: tl.constexpr = BH * BW
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(COUT, BLOCK_N0 + BLOCK_N1)
+    pid_n = pid % n_blocks
+    pid_m = pid // n_blocks
+    tiles_w = tl.cdiv(W, BW)
+    tiles_h = tl.cdiv(H, BH)
+    w0 = (pid_m % tiles_w) * BW
+    h0 = ((pid_m // tiles_w) % tiles_h) * BH
+    bt = pid_m // (tiles_w * tiles_h)
+    t = bt % T
+    b = bt // T
+    n_start = pid_n * (BLOCK_N0 + BLOCK_N1)
+    acc0 = tl.zeros([BM, BLOCK_N0], dtype=tl.float32)
+    if BLOCK_N1 > 0:
+        acc1 = tl.zeros([BM, BLOCK_N1], dtype=tl.float32)
+    n_chunks = tl.cdiv(CIN, BLOCK_K)  # a tail chunk reads zeros past CIN (and weights of the next tap: x 0)
+    for it in range(0, 27 * n_chunks):  # (tap, channel chunk), tap = (kt, kh, kw)
+        tap = it // n_chunks
+        c0 = (it - tap * n_chunks) * BLOCK_K
+        kt = tap // 9
+        kh = (tap // 3) % 3
+        kw = tap % 3
+        a = XD.load([b, NP + t + kt - 2, h0 + kh - 1, w0 + kw - 1, c0]).reshape(BM, BLOCK_K)
+        k = tap * CIN + c0
+        b0 = WD0.load([n_start, k])
+        if PROMOTE > 0:
+            acc0 = tl.dot(a, b0.T, acc0, max_num_imprecise_acc=PROMOTE)
+        else:
+            acc0 = tl.dot(a, b0.T, acc0)
+        if BLOCK_N1 > 0:
+            b1 = WD1.load([n_start + BLOCK_N0, k])
+            if PROMOTE > 0:
+                acc1 = tl.dot(a, b1.T, acc1, max_num_imprecise_acc=PROMOTE)
+            else:
+                acc1 = tl.dot(a, b1.T, acc1)
+    sa = tl.load(SA)
+    out_ty: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
+    y0 = _scale_bias(acc0, n_start + tl.arange(0, BLOCK_N0), sa, WS, BIAS, COUT, HAS_BIAS, INTERPRET)
+    YD0.store([b, t, h0, w0, n_start], round_to(y0, out_ty, INTERPRET).reshape(1, 1, BH, BW, BLOCK_N0))
+    if BLOCK_N1 > 0:
+        y1 = _scale_bias(acc1, n_start + BLOCK_N0 + tl.arange(0, BLOCK_N1), sa, WS, BIAS, COUT, HAS_BIAS, INTERPRET)
+        YD1.store([b, t, h0, w0, n_start + BLOCK_N0],
+                  round_to(y1, out_ty, INTERPRET).reshape(1, 1, BH, BW, BLOCK_N1))
+
+
+@triton.jit
+def _scale_bias(acc, n, sa, WS, BIAS, COUT, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 RN(RN(acc * RN(sa * ws[n])) + bias[n]) (no FMA: enable_fp_fusion=False), _conv_epilogue's value."""
+    n_ok = n < COUT
+    y = acc * (sa * tl.load(WS + n, mask=n_ok, other=0.0))[None, :]
+    if HAS_BIAS:
+        y = y + load_f32(BIAS + n, n_ok, INTERPRET)[None, :]
+    return y
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Configs and autotuning
 
@@ -366,6 +463,77 @@ def default_config(cin: int, cout: int, m: int, in_fp8: bool = True) -> ConvConf
     return candidate_configs(cin, cout, m, in_fp8)[0]
 
 
+# TMA kernel (_conv3d_fp8_tma_kernel): fp32 accumulator registers per thread at most. It keeps no A tile in registers
+# (both operands go from shared memory to the tensor cores), so it affords more than the pointer kernel. Offline sm_90
+# compile: 128 regs never spilled; 192 did not at BLOCK_K 32 / 64 but did at 128 (256 px x 96 ch on 4 warps), 256 did.
+TMA_ACC_REGS_MAX = 128
+TMA_SMEM_BUDGET = 192 * 1024  # bytes of the pipelined A + B stages (offline compile: shared = (stages - 1) x stage
+#                               + ~24 KB of barriers and epilogue staging; the H200 gives a program 227 KB)
+TMA_TILE_WIDTHS = (64, 32, 16, 8)  # pixels of a patch along W
+TMA_MAX_STAGES = 6  # a K step is short (BLOCK_K = 32 at 96 channels): keep several TMA loads in flight
+
+
+@dataclass(frozen=True)
+class TmaConfig:
+    """Launch shape of _conv3d_fp8_tma_kernel: a bh x bw pixel patch x (block_n0 + block_n1) channels per program."""
+
+    bh: int
+    bw: int
+    block_n0: int
+    block_n1: int
+    num_warps: int
+    num_stages: int
+
+
+def tma_tile_width(w: int) -> int:
+    """The patch width (64 / 32 / 16 / 8 pixels) that wastes the fewest columns on frames w wide (ties: the wider):
+    832 -> 64, 416 -> 32, 208 -> 16, 104 -> 8 (13 patches across each)."""
+    return min(TMA_TILE_WIDTHS, key=lambda bw: (triton.cdiv(w, bw) * bw, -bw))
+
+
+def tma_candidate_configs(cin: int, cout: int, h: int, w: int, m: int, limit: int | None = 4) -> list[TmaConfig]:
+    """Configs to time for the TMA kernel, best guess first (at most `limit`). Columns per program as for the pointer
+    kernel (exact power-of-two blocks); 128- or 256-pixel patches of tma_tile_width(w) columns; 4 or 8 warps within
+    TMA_ACC_REGS_MAX; stages (<= TMA_MAX_STAGES) within TMA_SMEM_BUDGET."""
+    bk = block_k_for(cin)
+    bw = tma_tile_width(w)
+    widths = [wd for wd in dict.fromkeys(([cout] if cout <= 256 else []) + [192, 128, 96, 64, 32, 16])
+              if cout % wd == 0 and _split(wd) and wd >= min(cout, 64)]
+    cands = []
+    for wd in widths:
+        n0, n1 = _split(wd)
+        for bm in (128, 256):
+            for warps in (4, 8):
+                if bm * wd > TMA_ACC_REGS_MAX * 32 * warps or (warps == 8 and bm * wd <= 128 * 96):
+                    continue
+                per_stage = bm * bk + wd * bk
+                stages = min(TMA_MAX_STAGES, 1 + TMA_SMEM_BUDGET // per_stage)
+                if stages >= 2:
+                    cands.append(TmaConfig(bm // bw, bw, n0, n1, warps, stages))
+    few_tiles = m < 128 * 132 * 2  # under two waves of 128-pixel patches: prefer them to 256
+    cands.sort(key=lambda c: ((c.bh * c.bw == 256) == few_tiles, -(c.bh * c.bw * (c.block_n0 + c.block_n1)),
+                              c.num_warps))
+    return cands if limit is None else cands[:limit]
+
+
+def tma_supported(cin: int, cout: int) -> bool:
+    """Channel counts the TMA kernel takes: those of the pointer kernel (a channel tail past the last full BLOCK_K
+    chunk reads zeros: the box hangs over the tensor's channel extent)."""
+    return supported(cin, cout)
+
+
+def tma_available(device: torch.device) -> bool:
+    """The TMA kernel can run on `device`: Triton's host-side tensor descriptors exist, and it is an sm_90+ GPU or
+    the interpreter runs the kernels."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    if interpreting(_conv3d_fp8_tma_kernel):
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 _TUNED: dict[tuple, ConvConfig] = {}
 
 
@@ -375,16 +543,23 @@ def _tune_key(cin: int, cout: int, m: int, in_dtype: torch.dtype, promote: int, 
     return (cin, cout, 1 << max(0, (m - 1).bit_length()), in_dtype, promote, has_bias, device.index)
 
 
+def tuned_config(kernel: str, cin: int, cout: int, m: int, w: int, promote: int, has_bias: bool,
+                 device: torch.device):
+    """The config autotuning picked for a conv ("tma" or "pointer" kernel, fp8 GEMM input), None before its first
+    call."""
+    key = _tune_key(cin, cout, m, FP8, promote, has_bias, device)
+    return _TUNED.get(("tma",) + key + (w,) if kernel == "tma" else key)
+
+
 def _tuning_enabled() -> bool:
     return os.environ.get("FASTREMOVER_CONV3D_FP8_TUNE", "1") != "0"
 
 
-def _pick_config(key: tuple, cin: int, cout: int, m: int, launch) -> ConvConfig:
+def _pick_config(key: tuple, cands: list, launch):
     """Cached best config for `key`; times the candidates with `launch(config)` the first time (GPU only)."""
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
-    cands = candidate_configs(cin, cout, m, in_fp8=key[3] == FP8)
     if not _tuning_enabled() or len(cands) == 1:
         cfg = cands[0]
     else:
@@ -537,7 +712,8 @@ def causal_conv3d_fp8(
     quantize: str = "pass",
     precise_acc: bool = True,
     out_dtype: torch.dtype | None = None,
-    config: ConvConfig | None = None,
+    config: ConvConfig | TmaConfig | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """The causal 3x3x3 conv (padding 1, stride 1) of the stream zeros(2 - P) ++ prev ++ x, with fp8 operands.
 
@@ -552,7 +728,9 @@ def causal_conv3d_fp8(
     quantize  "pass": quantize prev/x in one elementwise pass, GEMM on fp8 loads; "fused": quantize in the GEMM loop.
     precise_acc  promote the tensor-core partial sums to fp32 every BLOCK_K (see the module doc); False: Triton's
           sm_90 default (no promotion).
-    config  a ConvConfig to launch with (skips autotuning).
+    config  a ConvConfig (pointer kernel) or TmaConfig (TMA kernel) to launch with (skips autotuning).
+    kernel  "auto": the TMA kernel (_conv3d_fp8_tma_kernel) on an sm_90+ GPU with quantize="pass", else the pointer
+          kernel (_conv3d_fp8_kernel); "tma" / "pointer" force one (ValueError where "tma" cannot run).
     Returns y [B, Cout, T, H, W] channels_last_3d. Raises ValueError for Cin/Cout not multiples of 16 (use cuDNN)."""
     in_fp8 = isinstance(x, torch.Tensor) and x.dtype == FP8
     _check_prev_x(prev, x, (FP8,) if in_fp8 else ACT_DTYPES)
@@ -600,6 +778,18 @@ def causal_conv3d_fp8(
         raise ValueError(f"B*T*H*W = {m} output pixels: the kernel indexes pixels in int32 (split the chunk)")
     if m == 0:
         return y
+    promote = block_k_for(cin) if precise_acc else 0
+    if _use_tma(kernel, quantize, cin, cout, x.device, y):
+        if in_fp8:  # already-quantized frames: the kernel reads one stream tensor
+            stream = (torch.cat([prev.view(torch.uint8), x.view(torch.uint8)], dim=2).contiguous(
+                memory_format=torch.channels_last_3d).view(FP8) if prev is not None else x)
+        else:
+            stream = quantize_stream(prev, x, act_scale)
+        n_prev = prev.shape[2] if prev is not None else 0
+        _conv_tma(stream, n_prev, w_q, w_scale, bias, act_scale, y, promote, config)
+        return y
+    if isinstance(config, TmaConfig):
+        raise ValueError("a TmaConfig needs the TMA kernel (kernel='tma' or 'auto' where it runs)")
     if not in_fp8 and quantize == "pass":
         prev, x = quantize_activation(prev, x, act_scale)
         in_fp8 = True
@@ -608,7 +798,6 @@ def causal_conv3d_fp8(
     p_off = (P_OFF_BIAS + (prev.data_ptr() - x.data_ptr()) // x.element_size()) if prev is not None else P_OFF_BIAS
     interp = interpreting(_conv3d_fp8_kernel)
     bk = block_k_for(cin)
-    promote = bk if precise_acc else 0
 
     def launch(c: ConvConfig):
         grid = (triton.cdiv(m, c.block_m) * triton.cdiv(cout, c.block_n0 + c.block_n1),)
@@ -625,9 +814,94 @@ def causal_conv3d_fp8(
             config = default_config(cin, cout, m, x.dtype == FP8)
         else:
             key = _tune_key(cin, cout, m, x.dtype, promote, bias is not None, x.device)
-            config = _pick_config(key, cin, cout, m, launch)
+            config = _pick_config(key, candidate_configs(cin, cout, m, x.dtype == FP8), launch)
     launch(config)
     return y
+
+
+def _use_tma(kernel: str, quantize: str, cin: int, cout: int, device: torch.device, y: torch.Tensor) -> bool:
+    """Which kernel runs: "tma" (refused with a clear error where it cannot), "pointer", or "auto" = TMA on an sm_90+
+    GPU for quantize="pass" (the TMA kernel reads fp8 only) and a 16-byte aligned output, else the pointer kernel."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "pointer":
+        return False
+    ok = tma_supported(cin, cout) and y.data_ptr() % 16 == 0
+    if kernel == "tma":
+        if quantize != "pass":
+            raise ValueError("kernel='tma' reads fp8 frames: it needs quantize='pass'")
+        if not tma_available(device):
+            raise ValueError("kernel='tma' needs Triton tensor descriptors and an sm_90+ GPU (or TRITON_INTERPRET=1)")
+        if not ok:
+            raise ValueError("kernel='tma' needs Cin/Cout multiples of 16 and a 16-byte aligned out")
+        return True
+    return (quantize == "pass" and ok and not interpreting(_conv3d_fp8_tma_kernel) and device.type == "cuda"
+            and tma_available(device))
+
+
+def quantize_stream(prev: torch.Tensor | None, x: torch.Tensor, act_scale: torch.Tensor) -> torch.Tensor:
+    """(prev, x) fp16/bf16 -> the e4m3 stream prev ++ x [B, Cin, P + T, H, W] channels_last_3d, codes
+    RNE_sat(v * RN(1 / act_scale)) (those of quantize_activation); one launch."""
+    _check_prev_x(prev, x, ACT_DTYPES)
+    check_device(_quant_stream_kernel, x=x, prev=prev, act_scale=act_scale)
+    _check_scale("act_scale", act_scale, x.device)
+    interp = interpreting(_quant_stream_kernel)
+    b, c, t, h, w = x.shape
+    n_prev = prev.shape[2] if prev is not None else 0
+    s = torch.empty((b, c, n_prev + t, h, w), dtype=FP8, device=x.device, memory_format=torch.channels_last_3d)
+    n_p = n_prev * h * w * c  # per batch element
+    n_x = t * h * w * c
+    block = 4096
+    nprog = max(1, min(triton.cdiv(n_p + n_x, block), 4 * _grid_cap(x.device, interp) // max(1, b)))
+    _quant_stream_kernel[(nprog, b)](prev if prev is not None else x, x, s, act_scale, n_p, n_x, BLOCK=block,
+                                     INTERPRET=interp, num_warps=8, **launch_options(_quant_stream_kernel))
+    return s
+
+
+def _frames_last(v: torch.Tensor) -> torch.Tensor:
+    """[B, C, T, H, W] channels_last_3d -> the same memory as a contiguous [B, T, H, W, C] view."""
+    return v.permute(0, 2, 3, 4, 1)
+
+
+def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+              act_scale: torch.Tensor, y: torch.Tensor, promote: int, config: TmaConfig | None = None) -> None:
+    """y = the conv of the e4m3 stream [B, Cin, n_prev + T, H, W] (channels_last_3d) by the TMA kernel (autotuned
+    on the first call per key unless `config` is given)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if config is not None and not isinstance(config, TmaConfig):
+        raise ValueError(f"the TMA kernel takes a TmaConfig, got {type(config).__name__}")
+    b, cin, _, h, w = stream.shape
+    cout, t = y.shape[1], y.shape[2]
+    s5, y5 = _frames_last(stream), _frames_last(y)
+    bk = block_k_for(cin)
+    interp = interpreting(_conv3d_fp8_tma_kernel)
+
+    def desc(v, box):
+        return TensorDescriptor(v, list(v.shape), list(v.stride()), box)
+
+    def launch(c: TmaConfig):
+        n1 = c.block_n1 or c.block_n0  # an unused second block still needs a valid descriptor
+        grid = (b * t * triton.cdiv(h, c.bh) * triton.cdiv(w, c.bw) * triton.cdiv(cout, c.block_n0 + c.block_n1),)
+        _conv3d_fp8_tma_kernel[grid](
+            desc(s5, [1, 1, c.bh, c.bw, bk]), desc(w_q, [c.block_n0, bk]), desc(w_q, [n1, bk]), w_scale,
+            bias if bias is not None else w_scale, act_scale,
+            desc(y5, [1, 1, c.bh, c.bw, c.block_n0]), desc(y5, [1, 1, c.bh, c.bw, n1]),
+            t, h, w, n_prev, cin, cout,
+            BH=c.bh, BW=c.bw, BLOCK_K=bk, BLOCK_N0=c.block_n0, BLOCK_N1=c.block_n1, HAS_BIAS=bias is not None,
+            PROMOTE=promote, OUT_BF16=y.dtype == torch.bfloat16, INTERPRET=interp,
+            num_warps=c.num_warps, num_stages=c.num_stages, **launch_options(_conv3d_fp8_tma_kernel),
+        )
+
+    m = b * t * h * w
+    if config is None:
+        cands = tma_candidate_configs(cin, cout, h, w, m)
+        if interp:
+            config = cands[0]
+        else:
+            key = ("tma",) + _tune_key(cin, cout, m, FP8, promote, bias is not None, y.device) + (w,)
+            config = _pick_config(key, cands, launch)
+    launch(config)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -713,11 +987,14 @@ BENCH_SHAPES = [
 
 
 def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None = None, budget_s: float = 40.0,
-          variants: bool = True, device: str = "cuda") -> list[dict]:
+          variants: bool = True, device: str = "cuda", sweep: bool = False, kernel: str = "auto") -> list[dict]:
     """Time FP8 conv (activation scale + [quantize pass] + GEMM) vs cuDNN fp16 F.conv3d (channels_last_3d, on the
     already concatenated stream) per shape; print and return rows (and write JSON to out_path).
     variants=True also times quantize="fused" and precise_acc=False with the tuned config of the default (no extra
-    tuning) and reports their error against the reference. Stops adding shapes past budget_s seconds.
+    tuning) and reports their error against the reference. The default kernel ("auto": TMA on sm_90+) is timed
+    against the pointer kernel. sweep=True also times the TMA GEMM with every candidate config (and other stage
+    counts for the first three). kernel: the causal_conv3d_fp8 kernel to time as "fp8" ("auto" / "tma" / "pointer").
+    Stops adding shapes past budget_s seconds.
     device="cpu" (tiny shapes, TRITON_INTERPRET=1) only exercises the code path (the tests do); its times mean
     nothing."""
     import triton.testing
@@ -763,13 +1040,15 @@ def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None 
                 return F.conv3d(stream, wh, bh, padding=(0, 1, 1))
 
             def fp8(**kw):
-                return causal_conv3d_fp8(prev, x, w_q, w_s, bias, **kw)
+                return causal_conv3d_fp8(prev, x, w_q, w_s, bias, **{"kernel": kernel, **kw})
 
             y16 = cudnn()
-            y8 = fp8()  # autotunes (first call for this key)
+            y8 = fp8()  # autotunes (first call for this key): the default kernel ("auto")
             m = t * h * w
-            cfg = _TUNED.get(_tune_key(cin, cout, m, FP8, block_k_for(cin), True, x.device)) or default_config(
-                cin, cout, m)
+            promote = block_k_for(cin)
+            kname = "tma" if _use_tma(kernel, "pass", cin, cout, x.device, y8) else "pointer"
+            cfg = tuned_config(kname, cin, cout, m, w, promote, True, x.device) or (
+                tma_candidate_configs(cin, cout, h, w, m)[0] if kname == "tma" else default_config(cin, cout, m))
             t16 = timed(cudnn)
             prev_bm = torch.backends.cudnn.benchmark
             try:
@@ -780,8 +1059,18 @@ def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None 
                 torch.backends.cudnn.benchmark = prev_bm
             t8 = timed(lambda: fp8(config=cfg))
             sa = activation_scale(prev, x)
-            pq, xq = quantize_activation(prev, x, sa)
-            t_gemm = timed(lambda: causal_conv3d_fp8(pq, xq, w_q, w_s, bias, sa, out_dtype=dtype, config=cfg))
+            if kname == "tma":
+                s8 = quantize_stream(prev, x, sa)
+                y_g = torch.empty_like(y8)
+                t_gemm = timed(lambda: _conv_tma(s8, prev.shape[2], w_q, w_s, bias, sa, y_g, promote, cfg))
+                yp = fp8(kernel="pointer")  # the pointer kernel for comparison (tunes)
+                cfg_p = tuned_config("pointer", cin, cout, m, w, promote, True, x.device) or default_config(
+                    cin, cout, m)
+                tp = timed(lambda: fp8(kernel="pointer", config=cfg_p))
+            else:
+                pq, xq = quantize_activation(prev, x, sa)
+                t_gemm = timed(lambda: causal_conv3d_fp8(pq, xq, w_q, w_s, bias, sa, out_dtype=dtype, config=cfg))
+                yp, cfg_p, tp = y8, cfg, t8
             # error vs the reference on output frame 0 (it reads both cached frames; the fp64 reference of all frames
             # would cost seconds per shape), with the scale of the whole chunk
             y_ref, s_abs = causal_conv3d_fp8_reference(prev, x[:, :, :1], w_q, w_s, bias, sa, return_abs_sum=True)
@@ -791,17 +1080,31 @@ def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None 
                 return float(((y[:, :, :1].float() - y_ref.float()).abs() / s_abs).max())
 
             err = err_over_s(y8)
-            row = {"cin": cin, "cout": cout, "t": t, "h": h, "w": w, "cudnn_fp16_ms": t16,
+            row = {"cin": cin, "cout": cout, "t": t, "h": h, "w": w, "kernel": kname, "cudnn_fp16_ms": t16,
                    "cudnn_fp16_benchmark_ms": t16b, "fp8_ms": t8, "fp8_gemm_only_ms": t_gemm,
                    "ratio_cudnn_over_fp8": t16 / t8, "ratio_cudnn_benchmark_over_fp8": t16b / t8,
                    "cudnn_tflops": flops / t16 / 1e9, "cudnn_benchmark_tflops": flops / t16b / 1e9,
                    "fp8_tflops": flops / t8 / 1e9, "cos_vs_fp16": cosine(y8, y16), "max_err_over_S_frame0": err,
-                   "config": asdict(cfg), "variants": {}}
-            if variants and time.time() - t_start < budget_s:
-                for name, kw in (("fused", {"quantize": "fused"}), ("imprecise_acc", {"precise_acc": False})):
+                   "config": asdict(cfg), "pointer_ms": tp, "pointer_tflops": flops / tp / 1e9,
+                   "pointer_config": asdict(cfg_p), "pointer_max_err_over_S_frame0": err_over_s(yp),
+                   "variants": {}, "sweep": []}
+            if sweep and kname == "tma":
+                tried = tma_candidate_configs(cin, cout, h, w, m, limit=None)
+                tried += [TmaConfig(c.bh, c.bw, c.block_n0, c.block_n1, c.num_warps, st) for c in tried[:3]
+                          for st in (3, 4, 8) if st != c.num_stages]
+                for c in tried:
                     try:
-                        yv = fp8(config=cfg, **kw)
-                        tv = timed(lambda: fp8(config=cfg, **kw))
+                        _conv_tma(s8, prev.shape[2], w_q, w_s, bias, sa, y_g, promote, c)
+                        tc = timed(lambda: _conv_tma(s8, prev.shape[2], w_q, w_s, bias, sa, y_g, promote, c))
+                        row["sweep"].append({"config": asdict(c), "gemm_ms": tc, "tflops": flops / tc / 1e9})
+                    except Exception as e:  # e.g. out of shared memory: report, keep sweeping
+                        row["sweep"].append({"config": asdict(c), "error": f"{type(e).__name__}: {e}"[:300]})
+            if variants and time.time() - t_start < budget_s:
+                for name, kw in (("fused", {"quantize": "fused", "config": cfg_p, "kernel": "pointer"}),
+                                 ("imprecise_acc", {"precise_acc": False, "config": cfg})):
+                    try:
+                        yv = fp8(**kw)
+                        tv = timed(lambda: fp8(**kw))
                         row["variants"][name] = {"ms": tv, "tflops": flops / tv / 1e9,
                                                  "max_err_over_S_frame0": err_over_s(yv),
                                                  "cos_vs_fp16": cosine(yv, y16)}
@@ -813,13 +1116,18 @@ def bench(shapes=None, dtype: torch.dtype = torch.float16, out_path: str | None 
             print(f"{cin:>4d}->{cout:<4d} {t:>2d} {h:>3d}x{w:<4d} {t16:9.3f} {t16b:9.3f} {t8:8.3f} {t16b / t8:6.2f} "
                   f"{flops / t16b / 1e9:10.0f} {flops / t8 / 1e9:9.0f} {t_gemm:8.3f} {row['cos_vs_fp16']:9.6f} "
                   f"{err:8.1e} {cfg}")
+            print(f"{'':>14s} kernel {kname}; pointer kernel {tp:8.3f} ms {flops / tp / 1e9:6.0f} TF/s  err/S "
+                  f"{row['pointer_max_err_over_S_frame0']:.1e}  {cfg_p}")
+            for v in sorted(row["sweep"], key=lambda v: v.get("gemm_ms", 1e9)):
+                print(f"{'':>14s} sweep {v['config']}: " + (f"{v['gemm_ms']:8.3f} ms {v['tflops']:6.0f} TF/s"
+                                                           if "gemm_ms" in v else v["error"]))
             for name, v in row["variants"].items():
                 if "error" in v:
                     print(f"{'':>14s} {name}: {v['error']}")
                 else:
                     print(f"{'':>14s} {name:14s} {v['ms']:8.3f} ms {v['tflops']:6.0f} TF/s  err/S "
                           f"{v['max_err_over_S_frame0']:.1e}  cos {v['cos_vs_fp16']:.6f}")
-            x = prev = stream = y16 = y8 = pq = xq = None
+            x = prev = stream = y16 = y8 = yp = s8 = y_g = pq = xq = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     elapsed = time.time() - t_start
@@ -881,6 +1189,54 @@ def codegen_check(quick: bool = False, verbose: bool = True) -> list[str]:
                 if verbose:
                     print(f"{name}: QGMMA {n_q}, STL/LDL {n_spill}, FADD {n_fadd}, LDGSTS.128 {n_async}, "
                           f"scalar LDG {n_scalar}, shared {c.metadata.shared} B", flush=True)
+    problems += _codegen_check_tma(classes, quick, verbose)
+    return problems
+
+
+def _codegen_check_tma(classes, quick: bool, verbose: bool) -> list[str]:
+    """The TMA kernel's offline sm_90 compile: TMA loads (UTMALDG) and stores (UTMASTG), QGMMA, no spills, and no
+    shared-memory round trip of the A tile through registers (no LDS/STS in the K loop: the reshaped box goes to the
+    tensor cores as it is)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = _conv3d_fp8_tma_kernel
+    names = list(k.arg_names)
+    problems = []
+    for (cin, cout, m), (h, w) in zip(classes, ((480, 832), (240, 416), (120, 208))):
+        if quick and cin == 192:
+            continue
+        bk = block_k_for(cin)
+        cfgs = tma_candidate_configs(cin, cout, h, w, m)
+        for cfg in cfgs[:1] if quick else cfgs:
+            n1 = cfg.block_n1 or cfg.block_n0
+            sig = {"XD": f"tensordesc<fp8e4nv[1, 1, {cfg.bh}, {cfg.bw}, {bk}]>",
+                   "WD0": f"tensordesc<fp8e4nv[{cfg.block_n0}, {bk}]>", "WD1": f"tensordesc<fp8e4nv[{n1}, {bk}]>",
+                   "WS": "*fp32", "BIAS": "*fp32", "SA": "*fp32",
+                   "YD0": f"tensordesc<fp16[1, 1, {cfg.bh}, {cfg.bw}, {cfg.block_n0}]>",
+                   "YD1": f"tensordesc<fp16[1, 1, {cfg.bh}, {cfg.bw}, {n1}]>",
+                   "T": "i32", "H": "i32", "W": "i32", "NP": "i32", "CIN": "i32", "COUT": "i32"}
+            consts = dict(BH=cfg.bh, BW=cfg.bw, BLOCK_K=bk, BLOCK_N0=cfg.block_n0, BLOCK_N1=cfg.block_n1,
+                          HAS_BIAS=True, PROMOTE=bk, OUT_BF16=False, INTERPRET=False)
+            sig.update({c: "constexpr" for c in consts})
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("WS", "BIAS", "SA", "CIN", "COUT")}
+            src = ASTSource(fn=k, signature={n: sig[n] for n in names}, constexprs=consts, attrs=attrs)
+            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(k)}
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            sass = c.asm["sass"]
+            counts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("QGMMA", "UTMALDG", "UTMASTG", "LDS", "STS")}
+            n_spill = len(re.findall(r"\b(?:STL|LDL)\b", sass))
+            name = f"TMA Cin={cin} Cout={cout} {cfg}"
+            if not counts["QGMMA"] or not counts["UTMALDG"] or not counts["UTMASTG"]:
+                problems.append(f"{name}: missing fp8 wgmma or TMA load/store: {counts}")
+            if n_spill:
+                problems.append(f"{name}: {n_spill} spill instructions (STL/LDL)")
+            if counts["LDS"] or counts["STS"]:
+                problems.append(f"{name}: shared-memory loads/stores through registers: {counts}")
+            if verbose:
+                print(f"{name}: {counts}, STL/LDL {n_spill}, shared {c.metadata.shared} B", flush=True)
     return problems
 
 
@@ -891,6 +1247,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     ap.add_argument("--budget", type=float, default=40.0, help="stop starting new shapes after this many seconds")
     ap.add_argument("--no-variants", action="store_true", help="skip the fused / imprecise-acc variants")
+    ap.add_argument("--sweep", action="store_true", help="time every TMA candidate config")
+    ap.add_argument("--shapes", default=None,
+                    help="'all' (default: BENCH_SHAPES) or comma-separated indices into BENCH_SHAPES, e.g. 0,1,4")
     ap.add_argument("--codegen", action="store_true", help="offline sm_90 compile + SASS check (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="with --codegen: default configs only")
     a = ap.parse_args(argv)
@@ -908,8 +1267,9 @@ def main(argv=None) -> int:
         return 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bench(dtype=torch.float16 if a.dtype == "fp16" else torch.bfloat16, out_path=a.out, budget_s=a.budget,
-              variants=not a.no_variants)
+        shapes = None if a.shapes in (None, "all") else [BENCH_SHAPES[int(i)] for i in a.shapes.split(",")]
+        bench(shapes=shapes, dtype=torch.float16 if a.dtype == "fp16" else torch.bfloat16, out_path=a.out,
+              budget_s=a.budget, variants=not a.no_variants, sweep=a.sweep)
     return 0
 
 
