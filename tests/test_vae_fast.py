@@ -440,6 +440,8 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
     calls, accs = [], []
 
     class FakeFP8:
+        tma_available = staticmethod(lambda device: False)  # the dynamic-scale path (causal_conv3d_fp8)
+
         @staticmethod
         def supported(cin, cout):
             return cin % 16 == 0 and cout % 16 == 0
@@ -459,7 +461,7 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
     monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
     fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8")
-    assert fast.describe() == "fast-fp8" and fast.fp8_convs > 0
+    assert fast.describe() == "fast-fp8+dynamic-scales" and fast.fp8_convs > 0  # no TMA kernel: dynamic scales
     conv = vae.decoder.up_blocks[0].resnets[0].conv1
     assert fast._conv[conv].fp8 is not None
     st, cache = _Stream(), CausalCache()
@@ -477,7 +479,7 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
     torch.testing.assert_close(fast.decode(z), ref, rtol=1e-5, atol=1e-5)
     assert set(accs) == {False}  # no promotion by default; fp8_precise_acc=True hands the kernel True
     precise = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_precise_acc=True)
-    assert precise.describe() == "fast-fp8+precise-acc"
+    assert precise.describe() == "fast-fp8+precise-acc+dynamic-scales"
     precise.decode(z)
     assert accs[-1] is True
 
@@ -1407,6 +1409,7 @@ def test_fuse_bias_skips_fp8_convs(monkeypatch):
     from fastremover.fast.vae_fast import FastWanVAE
 
     class FakeFP8:
+        tma_available = staticmethod(lambda device: False)
         supported = staticmethod(lambda cin, cout: cin % 16 == 0 and cout % 16 == 0)
         quantize_conv_weight = staticmethod(lambda w: (w.clone(), torch.ones(w.shape[0])))
 

@@ -122,6 +122,8 @@ CL3 = torch.channels_last_3d
 CL2 = torch.channels_last
 PRECISIONS = ("auto", "fp16", "fp8")
 FP8_LAYERS = ("auto", "all")  # with precision fp8: the convs where fp8_pays, or every 3x3x3 causal conv it supports
+FP8_SCALES = ("auto", "static", "dynamic")  # FP8 activation scales: see FastWanVAE's fp8_scales
+FP8 = torch.float8_e4m3fn
 KERNELS = ("auto", "triton", "torch")
 FP8_MODULE = "fastremover.fast.kernels.conv3d_fp8"
 RGB_PAD = 8  # conv_in / conv_out channel padding on CUDA
@@ -145,10 +147,26 @@ Progress = Callable[[int, int], None]
 FrameSource = Callable[[int, int, torch.Tensor], None]
 
 
-def fp8_pays(cin: int, cout: int) -> bool:
+def fp8_pays(cin: int, cout: int, static: bool = False) -> bool:
     """Whether the FP8 conv kernel beats cuDNN fp16 channels-last for this conv (H200 measurement,
-    bench/results/conv3d-fp8-*.json): the 64-128-channel convs of the full-resolution level, nothing wider."""
-    return 64 <= cin <= 128 and 64 <= cout <= 128
+    bench/results/conv3d-fp8-*.json). static=True (a residual block's conv with a static activation scale, read by the
+    TMA kernel): every one - its GEMM alone is 1.5-2.4x cuDNN at 96 / 192 / 384 channels and the amax and quantization
+    passes are gone (conv3d-fp8-tma-*.json). Dynamic scales: the 64-128-channel convs of the full-resolution level
+    only (at 384 channels of 60x104 the amax and quantization passes made it slower than cuDNN)."""
+    return static or (64 <= cin <= 128 and 64 <= cout <= 128)
+
+
+def static_act_scale(gamma: torch.Tensor, channels: int) -> float:
+    """A static e4m3 activation scale for the output of the VAE's channel RMS norm + SiLU, which is bounded:
+    |F.normalize(x)_c| <= 1, so |norm_c| <= sqrt(C) |gamma_c| and |silu(v)| <= max(v, 0.2785) (SiLU's minimum is
+    -0.2785). bound = max(sqrt(C) max|gamma| (1 + 2^-5), 0.28): the margin covers the norm kernel's four roundings
+    to the dtype (each at most 2^-8 relative in bf16, 2^-11 in fp16); the scale is bound / 448, so no code can
+    overflow (the conversion saturates anyway). Against a per-chunk amax scale it only costs precision below the e4m3 normal
+    range (|v| < bound 2^-6 / 448, about 3.5e-4 at bound 10), where the codes' absolute error stays below
+    bound 2^-9 / 448 (subnormal spacing)."""
+    g = float(gamma.detach().float().abs().max())
+    bound = max(channels**0.5 * g * (1 + 2.0**-5), 0.28)
+    return bound / 448.0
 
 
 def fp8_conv_available() -> bool:
@@ -169,6 +187,9 @@ class _Conv:
     padding: tuple  # the conv's own (spatial) padding; causal time padding comes from the cache
     front: int = 0  # cached frames in front of each chunk (2 for the 3-tap causal convs, 0 otherwise)
     fp8: tuple | None = None  # (weight_q, weight_scale) for the FP8 conv kernel
+    # FP8 convs fed by a norm + SiLU: its static activation scale (see `static_act_scale`) and that norm module
+    act_scale: torch.Tensor | None = None
+    act_norm: nn.Module | None = None
 
 
 class _Fill:
@@ -177,12 +198,13 @@ class _Fill:
     those rows (striped convs). `release()` drops src, so the producer's input can be freed before the conv
     allocates its output (the caller drops its own reference first)."""
 
-    def __init__(self, src, write, rows_ok: bool = True):
-        self.src, self.write, self.rows_ok = src, write, rows_ok
+    def __init__(self, src, write, rows_ok: bool = True, norm: nn.Module | None = None):
+        self.src, self.write, self.rows_ok, self.norm = src, write, rows_ok, norm
 
-    def __call__(self, view, tail=None, rows: tuple | None = None) -> None:
+    def __call__(self, view, tail=None, rows: tuple | None = None, **kw) -> None:
+        """kw: quant_scale= for a norm fill writing e4m3 codes (static-scale FP8 convs)."""
         src = self.src if rows is None else self.src[:, :, :, rows[0] : rows[1]]
-        self.write(src, view, tail)
+        self.write(src, view, tail, **kw)
 
     def release(self) -> None:
         self.src = None
@@ -313,6 +335,7 @@ class FastWanVAE:
         pad_encoder: bool = False,
         fp8_precise_acc: bool = False,
         fp8_layers: str = "auto",
+        fp8_scales: str = "auto",
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -355,12 +378,20 @@ class FastWanVAE:
         if fp8_layers not in FP8_LAYERS:
             raise ValueError(f"fp8_layers must be one of {FP8_LAYERS}, got {fp8_layers!r}")
         self.fp8_layers = fp8_layers
+        if fp8_scales not in FP8_SCALES:
+            raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {fp8_scales!r}")
+        self.fp8_scales = fp8_scales
         self._encoder_modules: set = set()
         self._norm_channels: dict[nn.Module, int] = {}  # norms whose input carries padding: their real C
         self._fp8 = None
         self.fp8_convs = 0
         if self.precision == "fp8":
             self._fp8 = self._load_fp8()
+            tma = self._fp8.tma_available(self.device)
+            if fp8_scales == "static" and not tma:
+                raise FastRemoverError("fp8_scales='static' needs the TMA FP8 conv kernel (an sm_90+ GPU)")
+            self.fp8_scales = "static" if fp8_scales == "auto" and tma else (
+                "dynamic" if fp8_scales == "auto" else fp8_scales)
         if self.kernels == "triton":
             from fastremover.fast.kernels.residual import add_bias_ as add_bias_fn
             from fastremover.fast.kernels.residual import add_frames as add_fn
@@ -460,12 +491,21 @@ class FastWanVAE:
         z = self.config.z_dim
         q.weight, q.bias = q.weight[:z].contiguous(memory_format=CL3), q.bias[:z].contiguous()
         if self._fp8 is not None:
+            # a residual block's convs read norm + SiLU outputs: bounded, so a static scale (fp8_scales "static")
+            feeds = {r.conv1: r.norm1 for r in vae.modules() if isinstance(r, ResidualBlock)}
+            feeds.update({r.conv2: r.norm2 for r in vae.modules() if isinstance(r, ResidualBlock)})
+            static = self.fp8_scales == "static"
             for m, c in self._conv.items():
                 if (isinstance(m, CausalConv3d) and tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1)
                         and m.front_frames == CACHE_T and c.weight.shape[1] == self._width(m.in_channels, m)
                         and self._fp8.supported(*c.weight.shape[1::-1])
-                        and (self.fp8_layers == "all" or fp8_pays(*c.weight.shape[1::-1]))):
+                        and (self.fp8_layers == "all" or fp8_pays(*c.weight.shape[1::-1], static and m in feeds))):
                     c.fp8 = tuple(self._fp8.quantize_conv_weight(c.weight))
+                    if static and m in feeds:
+                        norm = feeds[m]
+                        scale = static_act_scale(self._gamma[norm], self._norm_channels.get(norm, m.in_channels))
+                        c.act_scale = torch.full((1,), scale, dtype=torch.float32, device=self.device)
+                        c.act_norm = norm
             self.fp8_convs = sum(c.fp8 is not None for c in self._conv.values())
 
     def _width(self, c: int, module: nn.Module | None = None) -> int:
@@ -521,7 +561,8 @@ class FastWanVAE:
         return (f"fast-{'fp8' if self._fp8 is not None else name}" + ("" if self.fuse_bias else "+unfused-bias")
                 + ("+precise-norm" if self.precise_norm else "")
                 + ("+precise-acc" if self._fp8 is not None and self.fp8_precise_acc else "")
-                + ("+all-layers" if self._fp8 is not None and self.fp8_layers == "all" else ""))
+                + ("+all-layers" if self._fp8 is not None and self.fp8_layers == "all" else "")
+                + ("+dynamic-scales" if self._fp8 is not None and self.fp8_scales == "dynamic" else ""))
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
         c = self.config.in_channels
@@ -788,18 +829,23 @@ class FastWanVAE:
     # ------------------------------------------------------------------------------------------------------------------
     # Blocks
 
-    def _norm(self, x: torch.Tensor, norm: nn.Module, silu: bool, out=None, tail=None, bias=None) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, norm: nn.Module, silu: bool, out=None, tail=None, bias=None,
+              quant_scale=None) -> torch.Tensor:
         """bias: a bias deferred from the conv that produced x (`_deferred`): normalize x + bias. The norm runs in its
-        default fast-math mode unless precise_norm (the keyword is only passed then, like bias)."""
+        default fast-math mode unless precise_norm (the keyword is only passed then, like bias). quant_scale: write
+        e4m3 codes of that scale (out and tail e4m3)."""
         kw = {"precise": True} if self.precise_norm else {}
         if bias is not None:
             kw["bias"] = bias
+        if quant_scale is not None:
+            kw["quant_scale"] = quant_scale
         if norm in self._norm_channels:
             kw["channels"] = self._norm_channels[norm]
         return self._norm_fn(x, self._gamma[norm], silu=silu, out=out, tail=tail, **kw)
 
     def _norm_fill(self, x: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None = None) -> "_Fill":
-        return _Fill(x, lambda src, view, tail: self._norm(src, norm, True, out=view, tail=tail, bias=bias))
+        return _Fill(x, lambda src, view, tail, **kw: self._norm(src, norm, True, out=view, tail=tail, bias=bias,
+                                                                 **kw), norm=norm)
 
     def _add(self, y: torch.Tensor, s: torch.Tensor, out=None, bias=None) -> torch.Tensor:
         """y + s (in place, or into out); bias: deferred from the conv that produced y, added to y first."""
@@ -850,6 +896,8 @@ class FastWanVAE:
         front = c.front
         if front != CACHE_T:
             raise AssertionError(f"causal conv with {front} front frames")
+        if c.act_scale is not None:
+            return self._causal_fp8_static(conv, c, st, n, bchw, fill)
         b, ch, h, w = bchw
         kw = dict(device=self.device, dtype=self.dtype, memory_format=CL3)
         # The cache keeps the real channels only (cc < ch when the input carries zero padding, `pad_channels`): the
@@ -863,6 +911,8 @@ class FastWanVAE:
             st.older[conv] = 0
         older = st.older[conv]
         if c.fp8 is not None:
+            if c.act_scale is not None:
+                raise AssertionError("static-scale FP8 conv with an fp16 cache")
             return self._causal_fp8(conv, c, st, cache, older, n, bchw, fill)
         keep_bias = not (defer and self._deferred(conv) is not None)
         stripes = self._stripes(b * ch * h * w, h) if n == 1 and fill.rows_ok and c.padding[1] == 1 else 1
@@ -952,6 +1002,36 @@ class FastWanVAE:
             cache[:, :, :1].copy_(cache[:, :, 1:])
             cache[:, :, 1:].copy_(x)
         return y
+
+    def _causal_fp8_static(self, conv, c: _Conv, st: _Stream, n: int, bchw: tuple, fill: _Fill) -> torch.Tensor:
+        """FP8 conv with a static activation scale (`static_act_scale`): the producing norm + SiLU writes e4m3 codes
+        straight into the stream buffer [older, newer cached frame, n new frames] and into the e4m3 cache (its tail),
+        and the TMA kernel reads that buffer: no amax pass, no quantization pass, and half the bytes of fp16 frames.
+        The cache slots rotate as in `_causal`."""
+        if fill.norm is None or fill.norm is not c.act_norm:
+            raise AssertionError("a static FP8 activation scale must come from the norm that writes the conv input")
+        b, ch, h, w = bchw
+        kw = dict(device=self.device, dtype=FP8, memory_format=CL3)
+        cache = st.cache.get(conv)
+        if cache is None:  # zero codes before the first frame
+            cache = st.cache[conv] = torch.empty((b, ch, CACHE_T, h, w), **kw).zero_()
+            st.older[conv] = 0
+        older = st.older[conv]
+        buf = torch.empty((b, ch, CACHE_T + n, h, w), **kw)
+        if older == 0:
+            buf[:, :, :CACHE_T].copy_(cache)
+        else:
+            buf[:, :, :1].copy_(cache[:, :, 1:])
+            buf[:, :, 1:CACHE_T].copy_(cache[:, :, :1])
+        if n >= CACHE_T:
+            fill(buf[:, :, CACHE_T:], cache, quant_scale=c.act_scale)
+            st.older[conv] = 0
+        else:
+            fill(buf[:, :, CACHE_T:], cache[:, :, older : older + 1], quant_scale=c.act_scale)
+            st.older[conv] = 1 - older
+        fill.release()
+        return self._fp8.conv3d_fp8_stream(buf, CACHE_T, c.fp8[0], c.fp8[1], c.bias, c.act_scale, self.dtype,
+                                           precise_acc=self.fp8_precise_acc)
 
     def _resblock(self, m: ResidualBlock, x: torch.Tensor, st: _Stream, padded_out: bool = False) -> torch.Tensor:
         """x + conv2(silu(norm2(conv1(silu(norm1(x)))))). padded_out: return a [B, C, T, H+1, W+1] tensor whose last
@@ -1219,6 +1299,8 @@ def bench(argv: list[str] | None = None) -> int:
                    help="with --vae-precision fp8: also measure every variant with fp8_precise_acc=True")
     p.add_argument("--fp8-layers", nargs="+", choices=list(FP8_LAYERS), default=None,
                    help="with --vae-precision fp8: measure every variant with each of these fp8_layers values")
+    p.add_argument("--fp8-scales", nargs="+", choices=list(FP8_SCALES), default=None,
+                   help="with --vae-precision fp8: measure every variant with each of these fp8_scales values")
     p.add_argument("--pad-channels", type=int, nargs="+", default=None,
                    help="measure every variant at each of these pad_channels values (default: the VAE's default "
                         "only; 0 = no channel padding)")
@@ -1232,8 +1314,8 @@ def bench(argv: list[str] | None = None) -> int:
         p.error("--repeats must be >= 1")
     if args.fp8_precise_acc and args.vae_precision != "fp8":
         p.error("--fp8-precise-acc needs --vae-precision fp8")
-    if args.fp8_layers and args.vae_precision != "fp8":
-        p.error("--fp8-layers needs --vae-precision fp8")
+    if (args.fp8_layers or args.fp8_scales) and args.vae_precision != "fp8":
+        p.error("--fp8-layers / --fp8-scales need --vae-precision fp8")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("the VAE bench needs a CUDA GPU (or --device cpu --preset tiny for a smoke run)", flush=True)
         return 2
@@ -1309,6 +1391,8 @@ def bench(argv: list[str] | None = None) -> int:
         variants = [w for v in variants for w in (v, {**v, "fp8_precise_acc": True})]
     if args.fp8_layers:
         variants = [{**v, "fp8_layers": fl} for fl in args.fp8_layers for v in variants]
+    if args.fp8_scales:
+        variants = [{**v, "fp8_scales": fs} for fs in args.fp8_scales for v in variants]
     z_gpu = z_dec.to(device)
     unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:
@@ -1342,6 +1426,7 @@ def bench(argv: list[str] | None = None) -> int:
             "pad_encoder": fast.pad_encoder,
             "fp8_precise_acc": fast.fp8_precise_acc,
             "fp8_layers": fast.fp8_layers,
+            "fp8_scales": fast.fp8_scales,
         })
         if args.fuse_bias:
             outs = tuple(t.cpu() for t in (za, zb, vid))

@@ -491,28 +491,31 @@ def tma_tile_width(w: int) -> int:
     return min(TMA_TILE_WIDTHS, key=lambda bw: (triton.cdiv(w, bw) * bw, -bw))
 
 
-def tma_candidate_configs(cin: int, cout: int, h: int, w: int, m: int, limit: int | None = 4) -> list[TmaConfig]:
-    """Configs to time for the TMA kernel, best guess first (at most `limit`). Columns per program as for the pointer
-    kernel (exact power-of-two blocks); 128- or 256-pixel patches of tma_tile_width(w) columns; 4 or 8 warps within
-    TMA_ACC_REGS_MAX; stages (<= TMA_MAX_STAGES) within TMA_SMEM_BUDGET."""
+def tma_candidate_configs(cin: int, cout: int, h: int, w: int, m: int, limit: int | None = 6) -> list[TmaConfig]:
+    """Configs to time for the TMA kernel, best guess first (at most `limit`), from the H200 sweep
+    (bench/results/conv3d-fp8-tma-sweep-*.json): one power-of-two column block of 128 or 64 where it divides Cout
+    (192 channels: 3 programs of 64 beat 128 + 64), else Cout as two blocks (96 = 64 + 32); 256-pixel patches with 8
+    warps for single blocks, 128-pixel ones for split blocks and for few pixels; registers within TMA_ACC_REGS_MAX;
+    each shape at 3 stages and at the most that fit TMA_SMEM_BUDGET (fewer stages leave shared memory for a second
+    program per SM: 192 channels ran 0.91 ms at 3 stages, 1.01 at 6)."""
     bk = block_k_for(cin)
     bw = tma_tile_width(w)
-    widths = [wd for wd in dict.fromkeys(([cout] if cout <= 256 else []) + [192, 128, 96, 64, 32, 16])
-              if cout % wd == 0 and _split(wd) and wd >= min(cout, 64)]
+    widths = [wd for wd in (128, 64) if cout % wd == 0] or [
+        wd for wd in dict.fromkeys(([cout] if cout <= 256 else []) + [192, 96, 32, 16])
+        if cout % wd == 0 and _split(wd) and wd >= min(cout, 16)]
+    few_tiles = m < 128 * 132 * 2  # under two waves of 128-pixel patches
     cands = []
     for wd in widths:
         n0, n1 = _split(wd)
-        for bm in (128, 256):
-            for warps in (4, 8):
+        tiles = (128, 256) if n1 or few_tiles else (256, 128)
+        for bm in tiles:
+            for warps in (8, 4) if bm == 256 else (4, 8):
                 if bm * wd > TMA_ACC_REGS_MAX * 32 * warps or (warps == 8 and bm * wd <= 128 * 96):
                     continue
-                per_stage = bm * bk + wd * bk
-                stages = min(TMA_MAX_STAGES, 1 + TMA_SMEM_BUDGET // per_stage)
-                if stages >= 2:
-                    cands.append(TmaConfig(bm // bw, bw, n0, n1, warps, stages))
-    few_tiles = m < 128 * 132 * 2  # under two waves of 128-pixel patches: prefer them to 256
-    cands.sort(key=lambda c: ((c.bh * c.bw == 256) == few_tiles, -(c.bh * c.bw * (c.block_n0 + c.block_n1)),
-                              c.num_warps))
+                most = min(TMA_MAX_STAGES, 1 + TMA_SMEM_BUDGET // (bm * bk + wd * bk))
+                for stages in dict.fromkeys((3, most) if most >= 3 else (most,)):
+                    if stages >= 2:
+                        cands.append(TmaConfig(bm // bw, bw, n0, n1, warps, stages))
     return cands if limit is None else cands[:limit]
 
 
@@ -856,6 +859,51 @@ def quantize_stream(prev: torch.Tensor | None, x: torch.Tensor, act_scale: torch
     _quant_stream_kernel[(nprog, b)](prev if prev is not None else x, x, s, act_scale, n_p, n_x, BLOCK=block,
                                      INTERPRET=interp, num_warps=8, **launch_options(_quant_stream_kernel))
     return s
+
+
+def conv3d_fp8_stream(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None, act_scale: torch.Tensor, out_dtype: torch.dtype, *,
+                      out: torch.Tensor | None = None, precise_acc: bool = True,
+                      config: TmaConfig | None = None) -> torch.Tensor:
+    """The causal conv of an already-quantized e4m3 stream by the TMA kernel: stream [B, Cin, n_prev + T, H, W]
+    channels_last_3d holds the n_prev (0..2) cached frames then the T new ones, as codes of act_scale (e.g. written
+    by vae_norm.vae_rms_norm(..., quant_scale=act_scale) straight into the stream's last T frames). Returns y
+    [B, Cout, T, H, W] of out_dtype, channels_last_3d: causal_conv3d_fp8 of the same codes, bit for bit.
+    ValueError where the TMA kernel cannot run (tma_available) or for bad arguments."""
+    check_tensor("stream", stream, ndim=5, dtypes=(FP8,), dims=" [B, C, T, H, W]", contiguous=False)
+    if not _is_cl3d(stream):
+        raise ValueError("stream must be contiguous in channels_last_3d memory (NDHWC)")
+    b, cin, f, h, w = stream.shape
+    if not isinstance(n_prev, int) or not 0 <= n_prev <= CACHE_FRAMES or n_prev >= f:
+        raise ValueError(f"n_prev must be 0..{CACHE_FRAMES} and below the stream's {f} frames, got {n_prev!r}")
+    if not isinstance(w_q, torch.Tensor) or w_q.dtype != FP8 or w_q.dim() != 2 or tuple(w_q.shape[1:]) != (
+            TAPS * cin,) or not w_q.is_contiguous():
+        raise ValueError(f"w_q must be a contiguous float8_e4m3fn [Cout, {TAPS * cin}] tensor (quantize_conv_weight)")
+    cout = w_q.shape[0]
+    if not tma_supported(cin, cout):
+        raise ValueError(f"conv3d_fp8 needs Cin and Cout multiples of 16 (got Cin={cin}, Cout={cout})")
+    if not isinstance(w_scale, torch.Tensor) or w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (cout,):
+        raise ValueError(f"w_scale must be fp32 [{cout}]")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (cout,)
+                             or bias.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+        raise ValueError(f"bias must be None or a float [{cout}] tensor")
+    if out_dtype not in ACT_DTYPES:
+        raise ValueError(f"out_dtype must be fp16 or bf16, got {out_dtype}")
+    check_device(_conv3d_fp8_tma_kernel, stream=stream, w_q=w_q, w_scale=w_scale, bias=bias, act_scale=act_scale,
+                 out=out)
+    _check_scale("act_scale", act_scale, stream.device)
+    if not tma_available(stream.device):
+        raise ValueError("conv3d_fp8_stream needs the TMA kernel: Triton tensor descriptors and an sm_90+ GPU")
+    shape = (b, cout, f - n_prev, h, w)
+    if out is not None:
+        if (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != out_dtype
+                or not _is_cl3d(out) or out.data_ptr() % 16):
+            raise ValueError(f"out must be a 16-byte aligned channels_last_3d {out_dtype} {shape} tensor")
+    y = out if out is not None else torch.empty(shape, dtype=out_dtype, device=stream.device,
+                                                memory_format=torch.channels_last_3d)
+    if y.numel():
+        _conv_tma(stream, n_prev, w_q, w_scale, bias, act_scale, y, block_k_for(cin) if precise_acc else 0, config)
+    return y
 
 
 def _frames_last(v: torch.Tensor) -> torch.Tensor:

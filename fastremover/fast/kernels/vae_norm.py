@@ -46,6 +46,11 @@ Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-f
                 fp32 exp and an IEEE division (np.divide), i.e. the precise formula's ingredients: the CPU tests
                 cannot see the GPU's approximation error, only the GPU tests do.
 
+    7. `quant_scale=` only: the dtype value v of step 6 (or 5) becomes the e4m3 code RNE_sat(v * RN(1 / s)), one
+       rounded fp32 product, then `cvt.rn.satfinite` (interpreter: _common.f32_to_fp8e4m3_rne, bit for bit); the
+       codes of conv3d_fp8.quantize_activation(v, s) for the kernel's own v (the CPU and GPU tests: torch.equal).
+       Used by the fast VAE's FP8 convs with a static scale (see fastremover/fast/vae_fast.py).
+
 Precise mode: steps 2-6 are bit-exact to the eager ops given the same denominator: `out_norm=` returns the kernel's
 fp32 denominators and `vae_rms_norm_given_denominator` is the eager composition from them; the GPU tests check
 torch.equal (the CPU interpreter: torch.equal without SiLU; with SiLU numpy's exp and torch's CPU exp may differ in
@@ -98,6 +103,7 @@ import triton.language as tl
 
 from fastremover.fast.kernels._common import (
     check_device,
+    f32_to_fp8e4m3_rne,
     interpreting,
     launch_options,
     load_f32,
@@ -113,6 +119,8 @@ except ImportError:  # pragma: no cover
 NORM_EPS = 1e-12  # F.normalize's default eps (the denominator is max(||x||, eps))
 MAX_CHANNELS = 4096
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 @triton.jit
@@ -126,13 +134,13 @@ def _exp_f32(v, INTERPRET: tl.constexpr):
 
 @triton.jit(do_not_specialize=["HW", "T", "TAIL_T0"])  # one compile per (C, flags, dtype), not per frame count
 def _vae_norm_kernel(
-    X, GAMMA, BIAS, Y, TAIL, NORM,
+    X, GAMMA, BIAS, Y, TAIL, NORM, QS,
     HW, T, TAIL_T0,
     sxb, sxt, syb, syt, stb, stt,
     scale, eps,
     C: tl.constexpr, TAIL_C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     SILU: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISE: tl.constexpr, INTERPRET: tl.constexpr,
+    PRECISE: tl.constexpr, QUANT: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     frame = tl.program_id(1)
     b = frame // T
@@ -149,7 +157,7 @@ def _vae_norm_kernel(
     x = load_f32(X + (b64 * sxb + t64 * sxt) + pix, mask, INTERPRET)
     if HAS_BIAS:  # step 0: the deferred conv bias, one fp32 add rounded to the dtype (masked lanes stay 0)
         bias = load_f32(BIAS + cols, cmask, INTERPRET)
-        x = round_through(x + bias[None, :], Y.dtype.element_ty, INTERPRET)
+        x = round_through(x + bias[None, :], X.dtype.element_ty, INTERPRET)
     ss = tl.sum(x * x, axis=1)
     denom = tl.maximum(tl.sqrt_rn(ss), eps, propagate_nan=tl.PropagateNan.ALL)
     if PRECISE:  # step 3: one IEEE division per element (~10 instructions each: the kernel's main cost)
@@ -157,16 +165,19 @@ def _vae_norm_kernel(
     else:  # step 3 fast: an IEEE reciprocal per pixel row a thread holds (sm_90, C=96, 16-divisible strides: 8
         # channels x 4 rows per thread, so 4 reciprocals for 32 elements), then a rounded fp32 product per element
         n = x * tl.math.div_rn(1.0, denom)[:, None]
-    n = round_through(n, Y.dtype.element_ty, INTERPRET)
-    n = round_through(n * scale, Y.dtype.element_ty, INTERPRET)
+    n = round_through(n, X.dtype.element_ty, INTERPRET)
+    n = round_through(n * scale, X.dtype.element_ty, INTERPRET)
     g = load_f32(GAMMA + cols, cmask, INTERPRET)
-    n = round_through(n * g[None, :], Y.dtype.element_ty, INTERPRET)
+    n = round_through(n * g[None, :], X.dtype.element_ty, INTERPRET)
     if SILU:
         if PRECISE:  # step 6: ATen's x / (1 + expf(-x))
             n = tl.math.div_rn(n, 1.0 + _exp_f32(-n, INTERPRET))
         else:  # step 6 fast: tl.sigmoid = 1 / (1 + exp(-x)), compiled: ex2.approx and div.full (approximate)
             n = n * tl.sigmoid(n)
-    out = round_to(n, Y.dtype.element_ty, INTERPRET)
+    out = round_to(n, X.dtype.element_ty, INTERPRET)
+    if QUANT:  # step 7: e4m3 codes of the dtype value, RNE_sat(v * RN(1 / s)) (conv3d_fp8's activation codes)
+        inv = tl.math.div_rn(1.0, tl.load(QS))
+        out = f32_to_fp8e4m3_rne(out.to(tl.float32) * inv, INTERPRET)
     tl.store(Y + (b64 * syb + t64 * syt) + pix, out, mask=mask)
     if HAS_TAIL:  # the tail holds the first TAIL_C channels (all C, or the real ones of a zero-padded x)
         if t >= TAIL_T0:
@@ -223,7 +234,7 @@ def _check_bias(bias, x5: torch.Tensor) -> None:
                          f"got {getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
 
 
-def _check_args(x, gamma, out, tail, out_norm, bias=None, channels=None):
+def _check_args(x, gamma, out, tail, out_norm, bias=None, channels=None, quant_scale=None):
     x5 = _as_5d("x", x)
     if x5.dtype not in DTYPES:
         raise ValueError(f"x must have dtype in {[str(d) for d in DTYPES]}, got {x5.dtype}")
@@ -234,17 +245,22 @@ def _check_args(x, gamma, out, tail, out_norm, bias=None, channels=None):
     if not isinstance(gamma, torch.Tensor) or gamma.numel() != c or gamma.dtype != x5.dtype:
         raise ValueError(f"gamma must be a {x5.dtype} tensor of {c} elements (any shape), got "
                          f"{getattr(gamma, 'dtype', type(gamma).__name__)} {tuple(getattr(gamma, 'shape', ()))}")
+    y_dtype = x5.dtype if quant_scale is None else FP8
+    if quant_scale is not None and (not isinstance(quant_scale, torch.Tensor) or quant_scale.dtype != torch.float32
+                                    or quant_scale.numel() != 1 or quant_scale.device != x5.device):
+        raise ValueError(f"quant_scale must be a one-element fp32 tensor on {x5.device}, got "
+                         f"{getattr(quant_scale, 'dtype', type(quant_scale).__name__)}")
     out5 = _as_5d("out", out)
     if out5 is not None:
-        if tuple(out5.shape) != tuple(x5.shape) or out5.dtype != x5.dtype:
-            raise ValueError(f"out must be {x5.dtype} {tuple(x.shape)}, got {out5.dtype} {tuple(out.shape)}")
+        if tuple(out5.shape) != tuple(x5.shape) or out5.dtype != y_dtype:
+            raise ValueError(f"out must be {y_dtype} {tuple(x.shape)}, got {out5.dtype} {tuple(out.shape)}")
         _check_frame_dense("out", out5)
     tail5 = _as_5d("tail", tail)
     if tail5 is not None:
         k = tail5.shape[2]
         if (tail5.shape[0] != b or not 1 <= tail5.shape[1] <= c or tail5.shape[3:] != x5.shape[3:]
-                or not 1 <= k <= t or tail5.dtype != x5.dtype):
-            raise ValueError(f"tail must be {x5.dtype} [B, C', k, H, W] with 1 <= C' <= {c}, 1 <= k <= {t} and x's "
+                or not 1 <= k <= t or tail5.dtype != y_dtype):
+            raise ValueError(f"tail must be {y_dtype} [B, C', k, H, W] with 1 <= C' <= {c}, 1 <= k <= {t} and x's "
                              f"other sizes {tuple(x5.shape)}, got {tail5.dtype} {tuple(tail5.shape)}")
         _check_frame_dense("tail", tail5)
     if out_norm is not None:
@@ -269,6 +285,7 @@ def vae_rms_norm(
     bias: torch.Tensor | None = None,
     precise: bool = False,
     channels: int | None = None,
+    quant_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(F.normalize(x.float(), dim=1).to(x.dtype) * sqrt(C) * gamma) (silu=False: without the silu).
 
@@ -282,12 +299,16 @@ def vae_rms_norm(
     precise: False (default): fast math at steps 3 and 6 (a reciprocal per pixel, tl.sigmoid), within the tested ulp
     bound of the module docstring; True: the eager ops' roundings, bit-exact given the denominator. channels: the C
     of sqrt(C) when x carries zero padding channels behind its real ones (default x's channel count; the padding adds
-    exact zeros to the sum of squares, and a zero gamma keeps its outputs zero). Returns out."""
-    x5, out5, tail5 = _check_args(x, gamma, out, tail, out_norm, bias, channels)
-    check_device(_vae_norm_kernel, x=x, gamma=gamma, out=out, tail=tail, out_norm=out_norm, bias=bias)
+    exact zeros to the sum of squares, and a zero gamma keeps its outputs zero). quant_scale: a one-element fp32
+    device tensor s: write float8_e4m3fn codes RNE_sat(y * RN(1 / s)) of the x.dtype result y instead of y (out and
+    tail then e4m3; the codes conv3d_fp8.quantize_activation gives for y and s; rounding point 7). Returns out."""
+    x5, out5, tail5 = _check_args(x, gamma, out, tail, out_norm, bias, channels, quant_scale)
+    check_device(_vae_norm_kernel, x=x, gamma=gamma, out=out, tail=tail, out_norm=out_norm, bias=bias,
+                 quant_scale=quant_scale)
     if out is None:
         fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        out = torch.empty(x.shape, dtype=x.dtype if quant_scale is None else FP8, device=x.device,
+                          memory_format=fmt)
         out5 = _as_5d("out", out)
     b, c, t, h, w = x5.shape
     hw = h * w
@@ -307,12 +328,14 @@ def vae_rms_norm(
     grid = (triton.cdiv(hw, block_m), b * t)
     _vae_norm_kernel[grid](
         x5, gamma_flat, bias_flat, out5, tail_arg, out_norm if out_norm is not None else x5,
+        quant_scale if quant_scale is not None else gamma_flat,
         hw, t, tail_t0,
         x5.stride(0), x5.stride(2), out5.stride(0), out5.stride(2), tail_arg.stride(0), tail_arg.stride(2),
         float(channels or c) ** 0.5, NORM_EPS,
         C=c, TAIL_C=tail5.shape[1] if tail5 is not None else c, BLOCK_C=block_c, BLOCK_M=block_m, SILU=bool(silu),
         HAS_TAIL=tail5 is not None,
         HAS_NORM=out_norm is not None, HAS_BIAS=bias is not None, PRECISE=bool(precise),
+        QUANT=quant_scale is not None,
         INTERPRET=interpreting(_vae_norm_kernel),
         num_warps=warps, **launch_options(_vae_norm_kernel),
     )
@@ -326,7 +349,7 @@ def _gamma_like(gamma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _write(y: torch.Tensor, x: torch.Tensor, out, tail) -> torch.Tensor:
     if out is None:
         fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        out = torch.empty(x.shape, dtype=y.dtype, device=x.device, memory_format=fmt)
     out.copy_(y)
     if tail is not None:
         y5, tail5 = _as_5d("y", y), _as_5d("tail", tail)
@@ -345,12 +368,14 @@ def vae_rms_norm_reference(
     bias: torch.Tensor | None = None,
     precise: bool = False,
     channels: int | None = None,
+    quant_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager torch, the composition of models/vae.py's RMSNorm (GPU path: F.normalize) + F.silu. Same signature as
     `vae_rms_norm` (also the CPU fallback of the fast VAE); bias: first x = add_bias(x, bias), as the conv's own
     bias add would have left it. precise is accepted and ignored: this is always the eager math (the oracle both
-    kernel modes are tested against), so the fast VAE's CPU fallback computes the same values in either mode."""
-    _check_args(x, gamma, out, tail, out_norm, bias, channels)
+    kernel modes are tested against), so the fast VAE's CPU fallback computes the same values in either mode.
+    quant_scale: the e4m3 codes of the result, RNE(clamp(y * RN(1 / s), +-448))."""
+    _check_args(x, gamma, out, tail, out_norm, bias, channels, quant_scale)
     if bias is not None:
         x = add_bias(x, bias)
     low = x.dtype in (torch.float16, torch.bfloat16)
@@ -360,6 +385,9 @@ def vae_rms_norm_reference(
         y = F.silu(y)
     if out_norm is not None:
         out_norm.copy_(_denominator(xf).flatten())
+    if quant_scale is not None:
+        s = quant_scale.float().reshape(1)
+        y = (y.float() * (torch.ones_like(s) / s)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return _write(y, x, out, tail)
 
 
