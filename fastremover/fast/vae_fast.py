@@ -121,7 +121,7 @@ from fastremover.models.vae import (
 CL3 = torch.channels_last_3d
 CL2 = torch.channels_last
 PRECISIONS = ("auto", "fp16", "fp8")
-FP8_LAYERS = ("auto", "all")  # with precision fp8: the convs where fp8_pays, or every 3x3x3 causal conv it supports
+FP8_MAX_CHANNELS = 128  # default fp8_max_channels: the 96-channel full-resolution level (see fp8_pays)
 FP8_SCALES = ("auto", "static", "dynamic")  # FP8 activation scales: see FastWanVAE's fp8_scales
 FP8 = torch.float8_e4m3fn
 KERNELS = ("auto", "triton", "torch")
@@ -147,13 +147,13 @@ Progress = Callable[[int, int], None]
 FrameSource = Callable[[int, int, torch.Tensor], None]
 
 
-def fp8_pays(cin: int, cout: int, static: bool = False) -> bool:
-    """Whether the FP8 conv kernel beats cuDNN fp16 channels-last for this conv (H200 measurement,
-    bench/results/conv3d-fp8-*.json). static=True (a residual block's conv with a static activation scale, read by the
-    TMA kernel): every one - its GEMM alone is 1.5-2.4x cuDNN at 96 / 192 / 384 channels and the amax and quantization
-    passes are gone (conv3d-fp8-tma-*.json). Dynamic scales: the 64-128-channel convs of the full-resolution level
-    only (at 384 channels of 60x104 the amax and quantization passes made it slower than cuDNN)."""
-    return static or (64 <= cin <= 128 and 64 <= cout <= 128)
+def fp8_pays(cin: int, cout: int, max_channels: int = FP8_MAX_CHANNELS) -> bool:
+    """Which 3x3x3 causal convs the FP8 kernel runs: both channel counts in [64, max_channels]. The lower end keeps
+    the latent-facing convs (decoder conv_in, 16 channels) in fp16. The default 128 is the 96-channel full-resolution
+    level: there FP8 pays most (its GEMM 1.9x cuDNN fp16 with the TMA kernel) and costs least. H200, W2, one bench
+    run (bench/results/vae-w2-fp8-levels-*.json): the deeper levels add many more convs in series, and with them in FP8
+    the PSNR against the fp16 VAE fell from 43.3 dB to about 32.6 dB for 0.04 s."""
+    return 64 <= min(cin, cout) and max(cin, cout) <= max_channels
 
 
 def static_act_scale(gamma: torch.Tensor, channels: int) -> float:
@@ -309,8 +309,13 @@ class FastWanVAE:
     bench/results/vae-w2-fp8-acc-2026-11-30-7cb1b77.json) the FP8 VAE took 1.830 s without promotion against
     1.914 s with it, at the same 43.30 dB (min frame 40.15 vs 40.09 dB); per conv the error grows from ~1.3e-4 to
     ~6.8e-4 of the sum of absolute products (bound 2^-9, GPU tests), cosine vs fp16 unchanged (0.99930).
-    fp8_layers: with precision fp8, "auto" puts the convs where `fp8_pays` on the FP8 kernel, "all" every 3x3x3
-    causal conv the kernel supports (for measuring).
+    fp8_max_channels: with precision fp8, the widest conv (channels) the FP8 kernel runs (`fp8_pays`; default 128,
+    the 96-channel level).
+    fp8_scales: with precision fp8, the activation scales. "static" (what "auto" picks where the TMA kernel runs):
+    a residual block's conv reads a norm + SiLU output, which is bounded, so its scale is fixed at load
+    (`static_act_scale`) and the norm writes e4m3 codes straight into the conv's stream buffer and cache; "dynamic":
+    one scale per conv call from the amax of its input (an amax pass and a quantization pass per call; the only
+    choice without the TMA kernel, and for convs not fed by a norm).
     """
 
     def __init__(
@@ -334,7 +339,7 @@ class FastWanVAE:
         pad_channels: int | None = None,
         pad_encoder: bool = False,
         fp8_precise_acc: bool = False,
-        fp8_layers: str = "auto",
+        fp8_max_channels: int = FP8_MAX_CHANNELS,
         fp8_scales: str = "auto",
     ):
         if precision not in PRECISIONS:
@@ -375,9 +380,9 @@ class FastWanVAE:
         self.pad_channels = pad_channels
         self.pad_encoder = bool(pad_encoder)
         self.fp8_precise_acc = bool(fp8_precise_acc)
-        if fp8_layers not in FP8_LAYERS:
-            raise ValueError(f"fp8_layers must be one of {FP8_LAYERS}, got {fp8_layers!r}")
-        self.fp8_layers = fp8_layers
+        if not isinstance(fp8_max_channels, int) or isinstance(fp8_max_channels, bool) or fp8_max_channels < 64:
+            raise ValueError(f"fp8_max_channels must be an int >= 64, got {fp8_max_channels!r}")
+        self.fp8_max_channels = fp8_max_channels
         if fp8_scales not in FP8_SCALES:
             raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {fp8_scales!r}")
         self.fp8_scales = fp8_scales
@@ -499,7 +504,7 @@ class FastWanVAE:
                 if (isinstance(m, CausalConv3d) and tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1)
                         and m.front_frames == CACHE_T and c.weight.shape[1] == self._width(m.in_channels, m)
                         and self._fp8.supported(*c.weight.shape[1::-1])
-                        and (self.fp8_layers == "all" or fp8_pays(*c.weight.shape[1::-1], static and m in feeds))):
+                        and fp8_pays(*c.weight.shape[1::-1], self.fp8_max_channels)):
                     c.fp8 = tuple(self._fp8.quantize_conv_weight(c.weight))
                     if static and m in feeds:
                         norm = feeds[m]
@@ -561,7 +566,8 @@ class FastWanVAE:
         return (f"fast-{'fp8' if self._fp8 is not None else name}" + ("" if self.fuse_bias else "+unfused-bias")
                 + ("+precise-norm" if self.precise_norm else "")
                 + ("+precise-acc" if self._fp8 is not None and self.fp8_precise_acc else "")
-                + ("+all-layers" if self._fp8 is not None and self.fp8_layers == "all" else "")
+                + (f"+max{self.fp8_max_channels}ch" if self._fp8 is not None
+                   and self.fp8_max_channels != FP8_MAX_CHANNELS else "")
                 + ("+dynamic-scales" if self._fp8 is not None and self.fp8_scales == "dynamic" else ""))
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
@@ -1297,8 +1303,8 @@ def bench(argv: list[str] | None = None) -> int:
     p.add_argument("--pad-encoder", action="store_true", help="pad the encoder's channels too (pad_encoder=True)")
     p.add_argument("--fp8-precise-acc", action="store_true",
                    help="with --vae-precision fp8: also measure every variant with fp8_precise_acc=True")
-    p.add_argument("--fp8-layers", nargs="+", choices=list(FP8_LAYERS), default=None,
-                   help="with --vae-precision fp8: measure every variant with each of these fp8_layers values")
+    p.add_argument("--fp8-max-channels", type=int, nargs="+", default=None,
+                   help="with --vae-precision fp8: measure every variant with each of these fp8_max_channels values")
     p.add_argument("--fp8-scales", nargs="+", choices=list(FP8_SCALES), default=None,
                    help="with --vae-precision fp8: measure every variant with each of these fp8_scales values")
     p.add_argument("--pad-channels", type=int, nargs="+", default=None,
@@ -1314,8 +1320,8 @@ def bench(argv: list[str] | None = None) -> int:
         p.error("--repeats must be >= 1")
     if args.fp8_precise_acc and args.vae_precision != "fp8":
         p.error("--fp8-precise-acc needs --vae-precision fp8")
-    if (args.fp8_layers or args.fp8_scales) and args.vae_precision != "fp8":
-        p.error("--fp8-layers / --fp8-scales need --vae-precision fp8")
+    if (args.fp8_max_channels or args.fp8_scales) and args.vae_precision != "fp8":
+        p.error("--fp8-max-channels / --fp8-scales need --vae-precision fp8")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("the VAE bench needs a CUDA GPU (or --device cpu --preset tiny for a smoke run)", flush=True)
         return 2
@@ -1389,8 +1395,8 @@ def bench(argv: list[str] | None = None) -> int:
         variants = [{**v, "pad_channels": pc} for pc in args.pad_channels for v in variants]  # fuse_bias twins adjacent
     if args.fp8_precise_acc:
         variants = [w for v in variants for w in (v, {**v, "fp8_precise_acc": True})]
-    if args.fp8_layers:
-        variants = [{**v, "fp8_layers": fl} for fl in args.fp8_layers for v in variants]
+    if args.fp8_max_channels:
+        variants = [{**v, "fp8_max_channels": mc} for mc in args.fp8_max_channels for v in variants]
     if args.fp8_scales:
         variants = [{**v, "fp8_scales": fs} for fs in args.fp8_scales for v in variants]
     z_gpu = z_dec.to(device)
@@ -1425,7 +1431,7 @@ def bench(argv: list[str] | None = None) -> int:
             "pad_channels": fast.pad_channels,
             "pad_encoder": fast.pad_encoder,
             "fp8_precise_acc": fast.fp8_precise_acc,
-            "fp8_layers": fast.fp8_layers,
+            "fp8_max_channels": fast.fp8_max_channels,
             "fp8_scales": fast.fp8_scales,
         })
         if args.fuse_bias:
