@@ -123,6 +123,7 @@ CL2 = torch.channels_last
 PRECISIONS = ("auto", "fp16", "fp8")
 FP8_MAX_CHANNELS = 128  # default fp8_max_channels: the 96-channel full-resolution level (see fp8_pays)
 FP8_SCALES = ("auto", "static", "dynamic")  # FP8 activation scales: see FastWanVAE's fp8_scales
+UPSAMPLE_CONVS = ("auto", "subpixel", "eager")  # the decoder's nearest 2x + 3x3 conv: see FastWanVAE's upsample_conv
 FP8 = torch.float8_e4m3fn
 KERNELS = ("auto", "triton", "torch")
 FP8_MODULE = "fastremover.fast.kernels.conv3d_fp8"
@@ -154,6 +155,17 @@ def fp8_pays(cin: int, cout: int, max_channels: int = FP8_MAX_CHANNELS) -> bool:
     run (bench/results/vae-w2-fp8-levels-*.json): the deeper levels add many more convs in series, and with them in FP8
     the PSNR against the fp16 VAE fell from 43.3 dB to about 32.6 dB for 0.04 s."""
     return 64 <= min(cin, cout) and max(cin, cout) <= max_channels
+
+
+def _load_upconv(device: torch.device, dtype: torch.dtype):
+    """The sub-pixel upsample conv module where it runs (CUDA sm_90+, fp16/bf16), else None."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from fastremover.fast.kernels import upsample_conv
+    except ImportError:
+        return None
+    return upsample_conv if upsample_conv.available(device) else None
 
 
 def static_act_scale(gamma: torch.Tensor, channels: int) -> float:
@@ -190,6 +202,7 @@ class _Conv:
     # FP8 convs fed by a norm + SiLU: its static activation scale (see `static_act_scale`) and that norm module
     act_scale: torch.Tensor | None = None
     act_norm: nn.Module | None = None
+    phase: torch.Tensor | None = None  # an upsampler's conv: its sub-pixel phase weights (upsample_conv.phase_weights)
 
 
 class _Fill:
@@ -310,7 +323,11 @@ class FastWanVAE:
     1.914 s with it, at the same 43.30 dB (min frame 40.15 vs 40.09 dB); per conv the error grows from ~1.3e-4 to
     ~6.8e-4 of the sum of absolute products (bound 2^-9, GPU tests), cosine vs fp16 unchanged (0.99930).
     fp8_max_channels: with precision fp8, the widest conv (channels) the FP8 kernel runs (`fp8_pays`; default 128,
-    the 96-channel level).
+    the 96-channel level); fp8_encoder_max_channels: the same for the encoder (None: fp8_max_channels).
+    upsample_conv: the decoder's upsamplers (nearest 2x, then a 3x3 conv). "auto" (default): the sub-pixel kernel
+    (fastremover.fast.kernels.upsample_conv: four 2x2 convs of the low-resolution frames, 2.25x fewer FLOPs, no
+    upsampled tensor) on an sm_90+ GPU in fp16/bf16, else "eager" (F.interpolate + cuDNN). Row-striped steps
+    (stripe_mib) stay eager.
     fp8_scales: with precision fp8, the activation scales. "static" (what "auto" picks where the TMA kernel runs):
     a residual block's conv reads a norm + SiLU output, which is bounded, so its scale is fixed at load
     (`static_act_scale`) and the norm writes e4m3 codes straight into the conv's stream buffer and cache; "dynamic":
@@ -340,7 +357,9 @@ class FastWanVAE:
         pad_encoder: bool = False,
         fp8_precise_acc: bool = False,
         fp8_max_channels: int = FP8_MAX_CHANNELS,
+        fp8_encoder_max_channels: int | None = None,
         fp8_scales: str = "auto",
+        upsample_conv: str = "auto",
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -383,9 +402,23 @@ class FastWanVAE:
         if not isinstance(fp8_max_channels, int) or isinstance(fp8_max_channels, bool) or fp8_max_channels < 64:
             raise ValueError(f"fp8_max_channels must be an int >= 64, got {fp8_max_channels!r}")
         self.fp8_max_channels = fp8_max_channels
+        if fp8_encoder_max_channels is not None and (not isinstance(fp8_encoder_max_channels, int) or isinstance(
+                fp8_encoder_max_channels, bool) or fp8_encoder_max_channels < 64):
+            raise ValueError(f"fp8_encoder_max_channels must be None or an int >= 64, got {fp8_encoder_max_channels!r}")
+        self.fp8_encoder_max_channels = (fp8_max_channels if fp8_encoder_max_channels is None
+                                         else fp8_encoder_max_channels)
         if fp8_scales not in FP8_SCALES:
             raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {fp8_scales!r}")
         self.fp8_scales = fp8_scales
+        if upsample_conv not in UPSAMPLE_CONVS:
+            raise ValueError(f"upsample_conv must be one of {UPSAMPLE_CONVS}, got {upsample_conv!r}")
+        self._upconv = None
+        if upsample_conv != "eager":
+            self._upconv = _load_upconv(self.device, self.dtype)
+            if self._upconv is None and upsample_conv == "subpixel":
+                raise FastRemoverError("upsample_conv='subpixel' needs the sub-pixel conv kernel: an sm_90+ GPU, "
+                                       "fp16/bf16")
+        self.upsample_conv = "subpixel" if self._upconv is not None else "eager"
         self._encoder_modules: set = set()
         self._norm_channels: dict[nn.Module, int] = {}  # norms whose input carries padding: their real C
         self._fp8 = None
@@ -504,7 +537,8 @@ class FastWanVAE:
                 if (isinstance(m, CausalConv3d) and tuple(m.kernel_size) == (3, 3, 3) and tuple(m.stride) == (1, 1, 1)
                         and m.front_frames == CACHE_T and c.weight.shape[1] == self._width(m.in_channels, m)
                         and self._fp8.supported(*c.weight.shape[1::-1])
-                        and fp8_pays(*c.weight.shape[1::-1], self.fp8_max_channels)):
+                        and fp8_pays(*c.weight.shape[1::-1], self.fp8_encoder_max_channels
+                                     if m in self._encoder_modules else self.fp8_max_channels)):
                     c.fp8 = tuple(self._fp8.quantize_conv_weight(c.weight))
                     if static and m in feeds:
                         norm = feeds[m]
@@ -512,6 +546,12 @@ class FastWanVAE:
                         c.act_scale = torch.full((1,), scale, dtype=torch.float32, device=self.device)
                         c.act_norm = norm
             self.fp8_convs = sum(c.fp8 is not None for c in self._conv.values())
+        if self.upsample_conv == "subpixel":
+            for m in vae.modules():
+                if isinstance(m, Resample) and m.mode.startswith("up"):
+                    c = self._conv[m.resample[1]]
+                    if self._upconv.supported(c.weight.shape[1], c.weight.shape[0]):
+                        c.phase = self._upconv.phase_weights(c.weight, self.dtype)
 
     def _width(self, c: int, module: nn.Module | None = None) -> int:
         """The stored channel count of a c-channel activation (of `module`'s): c rounded up to a multiple of
@@ -568,7 +608,10 @@ class FastWanVAE:
                 + ("+precise-acc" if self._fp8 is not None and self.fp8_precise_acc else "")
                 + (f"+max{self.fp8_max_channels}ch" if self._fp8 is not None
                    and self.fp8_max_channels != FP8_MAX_CHANNELS else "")
-                + ("+dynamic-scales" if self._fp8 is not None and self.fp8_scales == "dynamic" else ""))
+                + (f"+enc{self.fp8_encoder_max_channels}ch" if self._fp8 is not None
+                   and self.fp8_encoder_max_channels != self.fp8_max_channels else "")
+                + ("+dynamic-scales" if self._fp8 is not None and self.fp8_scales == "dynamic" else "")
+                + ("+eager-upsample" if self.device.type == "cuda" and self.upsample_conv == "eager" else ""))
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
         c = self.config.in_channels
@@ -1116,6 +1159,10 @@ class FastWanVAE:
             frames = _frames_2d(x)
             n, c, h, w = frames.shape
             stripes = self._stripes(n * c * 4 * h * w, 2 * h)
+            if stripes == 1 and conv.phase is not None:  # nearest 2x + 3x3 conv as one sub-pixel conv
+                if not frames.is_contiguous(memory_format=CL2):
+                    frames = frames.contiguous(memory_format=CL2)
+                return _frames_5d(self._upconv.upsample_conv2x(frames, conv.phase, conv.bias), b)
             if stripes == 1:
                 up = F.interpolate(frames, scale_factor=2.0, mode="nearest-exact")  # exact in the model dtype
                 del frames
@@ -1305,6 +1352,10 @@ def bench(argv: list[str] | None = None) -> int:
                    help="with --vae-precision fp8: also measure every variant with fp8_precise_acc=True")
     p.add_argument("--fp8-max-channels", type=int, nargs="+", default=None,
                    help="with --vae-precision fp8: measure every variant with each of these fp8_max_channels values")
+    p.add_argument("--fp8-encoder-max-channels", type=int, nargs="+", default=None,
+                   help="with --vae-precision fp8: measure every variant with each of these fp8_encoder_max_channels")
+    p.add_argument("--upsample-conv", nargs="+", choices=list(UPSAMPLE_CONVS), default=None,
+                   help="measure every variant with each of these upsample_conv values")
     p.add_argument("--fp8-scales", nargs="+", choices=list(FP8_SCALES), default=None,
                    help="with --vae-precision fp8: measure every variant with each of these fp8_scales values")
     p.add_argument("--pad-channels", type=int, nargs="+", default=None,
@@ -1320,7 +1371,7 @@ def bench(argv: list[str] | None = None) -> int:
         p.error("--repeats must be >= 1")
     if args.fp8_precise_acc and args.vae_precision != "fp8":
         p.error("--fp8-precise-acc needs --vae-precision fp8")
-    if (args.fp8_max_channels or args.fp8_scales) and args.vae_precision != "fp8":
+    if (args.fp8_max_channels or args.fp8_encoder_max_channels or args.fp8_scales) and args.vae_precision != "fp8":
         p.error("--fp8-max-channels / --fp8-scales need --vae-precision fp8")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("the VAE bench needs a CUDA GPU (or --device cpu --preset tiny for a smoke run)", flush=True)
@@ -1397,8 +1448,12 @@ def bench(argv: list[str] | None = None) -> int:
         variants = [w for v in variants for w in (v, {**v, "fp8_precise_acc": True})]
     if args.fp8_max_channels:
         variants = [{**v, "fp8_max_channels": mc} for mc in args.fp8_max_channels for v in variants]
+    if args.fp8_encoder_max_channels:
+        variants = [{**v, "fp8_encoder_max_channels": mc} for mc in args.fp8_encoder_max_channels for v in variants]
     if args.fp8_scales:
         variants = [{**v, "fp8_scales": fs} for fs in args.fp8_scales for v in variants]
+    if args.upsample_conv:
+        variants = [{**v, "upsample_conv": uc} for uc in args.upsample_conv for v in variants]
     z_gpu = z_dec.to(device)
     unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:
@@ -1432,7 +1487,9 @@ def bench(argv: list[str] | None = None) -> int:
             "pad_encoder": fast.pad_encoder,
             "fp8_precise_acc": fast.fp8_precise_acc,
             "fp8_max_channels": fast.fp8_max_channels,
+            "fp8_encoder_max_channels": fast.fp8_encoder_max_channels,
             "fp8_scales": fast.fp8_scales,
+            "upsample_conv": fast.upsample_conv,
         })
         if args.fuse_bias:
             outs = tuple(t.cpu() for t in (za, zb, vid))
