@@ -267,6 +267,71 @@ def test_conv_matches_reference(dtype, b, cin, cout, t, h, w, n_prev, has_bias, 
         assert torch.equal(y3, y)
 
 
+@pytest.mark.parametrize("dtype,b,cin,cout,t,h,w,n_prev,has_bias,quantize,bm", CASES)
+def test_tma_kernel_matches_reference_and_pointer_kernel(dtype, b, cin, cout, t, h, w, n_prev, has_bias, quantize, bm):
+    """The TMA kernel (one box load per tap, the TMA unit's zero fill as the conv's padding) on the same cases: within
+    the bound of the reference, and in the interpreter bit-identical to the pointer kernel (both sum each BLOCK_K chunk
+    with numpy's fp32 matmul and the chunks in the same order). Also through quantize_stream + conv3d_fp8_stream, and
+    with a residual added in the epilogue (the bits of torch.add after the conv)."""
+    c = mod()
+    g = gen(300 + cin + cout + t)
+    x = act(g, b, cin, t, h, w, dtype)
+    prev = act(g, b, cin, n_prev, h, w, dtype, scale=2.0) if n_prev else None
+    weight, bias = conv_weights(g, cout, cin, bias=has_bias)
+    w_q, w_s = c.quantize_conv_weight(weight)
+    out = poisoned((b, cout, t, h, w), dtype)
+    y = c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, out=out, kernel="tma")
+    assert y is out
+    y_ref, s_abs = c.causal_conv3d_fp8_reference(prev, x, w_q, w_s, bias, return_abs_sum=True)
+    assert_within(y, y_ref, s_abs, bias, interp_rel(cin) if INTERPRET else GPU_REL, "tma vs reference")
+    sa = c.activation_scale(prev, x)
+    stream = c.quantize_stream(prev, x, sa)
+    pq, xq = c.quantize_activation(prev, x, sa)
+    expect = torch.cat([pq, xq], dim=2) if prev is not None else xq
+    assert stream.shape == (b, cin, n_prev + t, h, w) and stream.is_contiguous(memory_format=CL)
+    assert torch.equal(stream.view(torch.uint8), expect.view(torch.uint8)), "stream codes"
+    y2 = c.conv3d_fp8_stream(stream, n_prev, w_q, w_s, bias, sa, dtype)
+    assert torch.equal(y2, y)
+    r = act(g, b, cout, t, h, w, dtype)
+    y3 = c.conv3d_fp8_stream(stream, n_prev, w_q, w_s, bias, sa, dtype, residual=r)
+    assert torch.equal(y3, torch.add(y, r))
+    if INTERPRET:
+        assert torch.equal(y, c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, kernel="pointer")), "tma != pointer"
+
+
+def test_tma_configs_and_kernel_choice(raise_value_errors):
+    c = mod()
+    assert [c.tma_tile_width(v) for v in (832, 416, 208, 104, 70, 7)] == [64, 32, 16, 8, 8, 8]
+    for cin, cout, h, w in ((96, 96, 480, 832), (192, 192, 240, 416), (384, 384, 120, 208), (384, 384, 60, 104),
+                            (384, 32, 60, 104), (16, 48, 7, 10)):
+        for t in (1, 4):
+            cands = c.tma_candidate_configs(cin, cout, h, w, t * h * w)
+            assert 1 <= len(cands) <= 6 and len(set(cands)) == len(cands)
+            for cfg in cands:
+                width = cfg.block_n0 + cfg.block_n1
+                assert cout % width == 0 and cfg.bw == c.tma_tile_width(w)
+                assert all(n == 0 or (n >= 16 and n & (n - 1) == 0) for n in (cfg.block_n0, cfg.block_n1))
+                assert cfg.bh * cfg.bw * width <= c.TMA_ACC_REGS_MAX * 32 * cfg.num_warps
+                assert 2 <= cfg.num_stages <= c.TMA_MAX_STAGES
+    g = gen(8)
+    x, prev = act(g, 1, 16, 2, 5, 6), act(g, 1, 16, 2, 5, 6)
+    weight, bias = conv_weights(g, 16, 16)
+    w_q, w_s = c.quantize_conv_weight(weight)
+    sa = c.activation_scale(prev, x)
+    stream = c.quantize_stream(prev, x, sa)
+    raise_value_errors([
+        (lambda: c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, kernel="tma", quantize="fused"), "quantize='pass'"),
+        (lambda: c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, kernel="bogus"), "kernel must be"),
+        (lambda: c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, kernel="pointer",
+                                     config=c.tma_candidate_configs(16, 16, 5, 6, 60)[0]), "TmaConfig"),
+        (lambda: c.conv3d_fp8_stream(stream, 3, w_q, w_s, bias, sa, F16), "n_prev"),
+        (lambda: c.conv3d_fp8_stream(stream.float(), 2, w_q, w_s, bias, sa, F16), "dtype"),
+        (lambda: c.conv3d_fp8_stream(stream, 2, w_q, w_s, bias, sa, F32), "out_dtype"),
+        (lambda: c.conv3d_fp8_stream(stream, 2, w_q, w_s, bias, sa, F16, residual=x[:, :, :1]), "residual"),
+        (lambda: c.conv3d_fp8_stream(stream, 2, w_q, w_s, bias, sa, F16, residual=x.contiguous()), "residual"),
+    ])
+
+
 def test_reference_reads_prev_and_pads_with_zeros():
     """The cached frames matter (changing them changes output frames 0-1 only) and a missing cache is zeros."""
     c = mod()
@@ -471,8 +536,19 @@ def test_gpu_real_shapes(cin, cout, t, h, w, n_prev):
           f"cos vs fp16 cuDNN {cos:.6f}")
     assert cos >= 0.999, f"seed {seed}: cosine vs fp16 F.conv3d {cos}"
     m = t * h * w
-    cfg = c._TUNED.get(c._tune_key(cin, cout, m, FP8, c.block_k_for(cin), True, x.device))  # the tuned config
-    print(f"config {cfg}")
+    cfg = c.tuned_config("tma", cin, cout, m, w, c.block_k_for(cin), True, x.device)
+    assert isinstance(cfg, c.TmaConfig), "the default kernel on sm_90 is the TMA kernel"
+    print(f"TMA config {cfg}")
+    yp = c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, sa, kernel="pointer")
+    rp = assert_within(yp, y_ref, s_abs, bias, GPU_REL, f"seed {seed} pointer kernel")
+    print(f"pointer kernel: max diff/bound {rp:.3f}")
+    # the stream form with a residual added in the epilogue: the bits of the conv followed by torch.add
+    stream = c.quantize_stream(prev, x, sa)
+    r = torch.randn(y.shape, device="cuda", generator=g).half().contiguous(memory_format=CL)
+    y_s = c.conv3d_fp8_stream(stream, n_prev, w_q, w_s, bias, sa, F16)
+    assert torch.equal(y_s, y), f"seed {seed}: conv3d_fp8_stream differs from causal_conv3d_fp8"
+    assert torch.equal(c.conv3d_fp8_stream(stream, n_prev, w_q, w_s, bias, sa, F16, residual=r), torch.add(y, r))
+    cfg = c.tuned_config("pointer", cin, cout, m, w, c.block_k_for(cin), True, x.device)
     yf = c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, sa, quantize="fused", config=cfg)
     rf = assert_within(yf, y_ref, s_abs, bias, GPU_REL, f"seed {seed} fused")
     yi = c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, sa, precise_acc=False, config=cfg)

@@ -217,6 +217,61 @@ def test_norm_on_zero_padded_channels(dtype, precise):
             vn().vae_rms_norm(xp, gp, channels=bad)
 
 
+@pytest.mark.parametrize("precise", [False, True], ids=["fast", "precise"])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_norm_writes_fp8_codes(dtype, precise):
+    """quant_scale=s: e4m3 codes RNE_sat(y * RN(1 / s)) of the kernel's own dtype output y, bit-exact
+    (conv3d_fp8.quantize_activation_reference of y), into a stream-buffer slice and the tail; the torch reference
+    computes the same codes from its own y. A scale too small for y saturates to +-448 instead of NaN."""
+    from fastremover.fast.kernels.conv3d_fp8 import quantize_activation_reference
+
+    fp8 = torch.float8_e4m3fn
+    g = gen(21)
+    b, c, n, h, w = 2, 48, 3, 4, 6
+    x = video(g, b, c, n, h, w, dtype=dtype, scale=3.0)
+    gamma = gamma_of(g, c, dtype)
+    y = vn().vae_rms_norm(x, gamma, precise=precise)
+    for s in (torch.tensor([0.013], device=DEV), torch.tensor([y.float().abs().max().item() / 448 / 4], device=DEV)):
+        codes = quantize_activation_reference(y, s)
+        buf = torch.zeros((b, c, 2 + n, h, w), dtype=fp8, device=DEV).contiguous(memory_format=CL3)
+        tail = torch.zeros((b, c, 2, h, w), dtype=fp8, device=DEV).contiguous(memory_format=CL3)
+        out = vn().vae_rms_norm(x, gamma, precise=precise, out=buf[:, :, 2:], tail=tail, quant_scale=s)
+        assert out.dtype == fp8 and out.data_ptr() == buf[:, :, 2:].data_ptr()
+        u8 = torch.uint8
+        assert torch.equal(buf[:, :, 2:].view(u8), codes.view(u8))
+        assert torch.equal(tail.view(u8), codes[:, :, n - 2:].view(u8))
+        assert not buf[:, :, :2].view(u8).any(), "the cached frames in front were overwritten"
+        assert not torch.isnan(out.float()).any()
+        ref = vn().vae_rms_norm_reference(x, gamma, quant_scale=s)
+        assert torch.equal(ref.view(u8), quantize_activation_reference(vn().vae_rms_norm_reference(x, gamma), s).view(u8))
+    assert out.float().abs().max() == 448  # the second scale is too small: saturated codes
+    with pytest.raises(ValueError, match="out must be"):
+        vn().vae_rms_norm(x, gamma, out=torch.empty_like(x), quant_scale=s)
+    with pytest.raises(ValueError, match="quant_scale"):
+        vn().vae_rms_norm(x, gamma, quant_scale=s.double())
+
+
+def test_static_act_scale_bounds_the_norm_output():
+    """static_act_scale's bound holds for the worst case (all of a pixel's energy in the channel of the largest
+    gamma) and for random inputs; the codes of the norm output never saturate."""
+    from fastremover.fast.vae_fast import static_act_scale
+
+    g = gen(22)
+    c = 48
+    for dtype in (F16, BF16, F32):
+        gamma = gamma_of(g, c, dtype)
+        gamma[7] = -3.5  # the largest |gamma|, negative
+        s = static_act_scale(gamma, c)
+        x = video(g, 1, c, 2, 5, 5, dtype=dtype, scale=4.0)
+        x[:, :, 0] = 0
+        x[:, 7, 0] = -1.0  # one-hot pixels: |norm| = sqrt(C) * 3.5 exactly (before roundings), SiLU passes it
+        y = vn().vae_rms_norm(x, gamma)
+        bound = s * 448
+        assert y.float().abs().max() <= bound and y.float().abs().max() >= 0.95 * bound
+        assert (y.float().abs() * (1.0 / s)).max() <= 448  # no code would need saturation
+    assert static_act_scale(torch.full((4,), 1e-6), 4) == 0.28 / 448  # SiLU's negative range sets the floor
+
+
 def test_norm_rejects_bad_arguments():
     g = gen(3)
     x = video(g, 1, 16, 2, 3, 3, dtype=F16)
@@ -429,6 +484,74 @@ def test_conv_buffers_hold_the_eager_stream():
         stream = F.pad(stream, (0, 0, 0, 0, 2 - (0 if prev is None else prev.shape[2]), 0))
         assert torch.equal(seen[-1], stream), f"chunk {i} of {n} frames: conv input differs from the eager stream"
         assert y.shape == (2, conv.out_channels, n, h, w) and y.is_contiguous(memory_format=CL3)
+
+
+def test_fp8_static_scales_stream_cache_and_residual(monkeypatch):
+    """fp8_scales "static" (where the TMA kernel runs): a residual block's conv gets the static scale of the norm that
+    feeds it; that norm writes e4m3 codes into the stream buffer [older, newer cached frame, new frames], which equals
+    the eager causal stream's codes chunk after chunk (the e4m3 cache slots rotating), and conv2 receives the block's
+    shortcut as its epilogue residual (no separate add). A fake fp8 module stands in for conv3d_fp8."""
+    from fastremover.fast import vae_fast
+    from fastremover.fast.kernels.conv3d_fp8 import quantize_activation_reference
+    from fastremover.fast.vae_fast import FastWanVAE, _Stream, static_act_scale
+
+    fp8, u8 = torch.float8_e4m3fn, torch.uint8
+    seen = []
+
+    class FakeFP8:
+        tma_available = staticmethod(lambda device: True)
+        supported = staticmethod(lambda cin, cout: cin % 16 == 0 and cout % 16 == 0)
+        quantize_conv_weight = staticmethod(lambda w: (w.clone(), torch.ones(w.shape[0])))
+
+        @staticmethod
+        def conv3d_fp8_stream(stream, n_prev, w_q, w_scale, bias, act_scale, out_dtype, *, precise_acc,
+                              residual=None):
+            assert stream.dtype == fp8 and n_prev == 2 and stream.is_contiguous(memory_format=CL3)
+            seen.append((stream.clone(), residual))
+            y = F.conv3d(stream.float() * act_scale, w_q, bias, padding=(0, 1, 1)).to(out_dtype)
+            return (y if residual is None else y + residual).contiguous(memory_format=CL3)
+
+    monkeypatch.setattr(vae_fast, "fp8_conv_available", lambda: True)
+    monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
+    vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8")
+    assert fast.fp8_scales == "static" and fast.describe() == "fast-fp8" and fast.fp8_convs > 0
+    r = vae.decoder.up_blocks[0].resnets[0]  # 64 -> 64 channels: on FP8 (fp8_pays), identity shortcut
+    c = fast._conv[r.conv1]
+    assert c.fp8 is not None and c.act_norm is r.norm1
+    assert c.act_scale.item() == pytest.approx(static_act_scale(fast._gamma[r.norm1], 64), rel=1e-7)
+    assert fast._conv[r.conv2].act_norm is r.norm2
+    st, cache = _Stream(), CausalCache()
+    g = gen(31)
+    for n in (1, 1, 2, 1, 4):
+        x = video(g, 1, 64, n, 2, 3, device="cpu", scale=2.0)
+        fast._causal(r.conv1, st, n, (1, 64, 2, 3), fast._norm_fill(x, r.norm1))
+        y = fast._norm(x, r.norm1, True)
+        prev = cache.push(r.conv1, y)
+        stream = y if prev is None else torch.cat([prev, y], dim=2)
+        stream = F.pad(stream, (0, 0, 0, 0, 2 - stream.shape[2] + n, 0))
+        codes = quantize_activation_reference(stream, c.act_scale)
+        assert torch.equal(seen[-1][0].view(u8), codes.view(u8)), f"chunk of {n}: stream codes differ"
+        assert seen[-1][1] is None
+    seen.clear()
+    x = video(g, 1, 64, 2, 2, 3, device="cpu")
+    out = fast._resblock(r, x, _Stream())
+    assert len(seen) == 2 and seen[0][1] is None and seen[1][1] is x  # conv2 adds the shortcut itself
+    assert out.shape == x.shape
+    # a static scale needs the norm that computed it: any other producer is refused
+    with pytest.raises(AssertionError, match="static FP8"):
+        fast._causal(r.conv1, _Stream(), 1, (1, 64, 2, 3), fast._copy_fill(x[:, :, :1]))
+    # dynamic scales on request: no static scale, the causal_conv3d_fp8 path
+    dyn = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_scales="dynamic")
+    assert dyn._conv[r.conv1].act_scale is None and dyn.describe() == "fast-fp8+dynamic-scales"
+
+
+def test_fp8_pays_levels():
+    from fastremover.fast.vae_fast import fp8_pays
+
+    assert fp8_pays(96, 96) and not fp8_pays(192, 192) and not fp8_pays(96, 192)
+    assert fp8_pays(192, 192, 192) and not fp8_pays(384, 384, 192) and fp8_pays(384, 384, 384)
+    assert not fp8_pays(16, 384, 384) and not fp8_pays(384, 32, 384)  # the latent-facing convs stay fp16
 
 
 def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
@@ -897,6 +1020,28 @@ def test_gpu_norm_real_shapes(dtype, c, t, h, w):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_norm_fp8_codes_real_shape(dtype):
+    """quant_scale on the GPU at the 96-channel level's 2-frame step: the codes are those of the kernel's own dtype
+    output (torch.equal with conv3d_fp8.quantize_activation_reference), in the stream slice and the tail."""
+    _gpu_env()
+    from fastremover.fast.kernels.conv3d_fp8 import quantize_activation_reference
+    from fastremover.fast.vae_fast import static_act_scale
+
+    g = gen(41)
+    x = video(g, 1, 96, 2, 480, 832, dtype=dtype, scale=2.0, device="cuda")
+    gamma = gamma_of(g, 96, dtype, device="cuda")
+    s = torch.full((1,), static_act_scale(gamma, 96), device="cuda")
+    y = vn().vae_rms_norm(x, gamma)
+    buf = torch.zeros((1, 96, 4, 480, 832), dtype=torch.float8_e4m3fn, device="cuda").contiguous(memory_format=CL3)
+    tail = torch.empty((1, 96, 2, 480, 832), dtype=torch.float8_e4m3fn, device="cuda").contiguous(memory_format=CL3)
+    vn().vae_rms_norm(x, gamma, out=buf[:, :, 2:], tail=tail, quant_scale=s)
+    codes = quantize_activation_reference(y, s).view(torch.uint8)
+    assert torch.equal(buf[:, :, 2:].view(torch.uint8), codes) and torch.equal(tail.view(torch.uint8), codes)
+    assert (y.float().abs() / s).max() <= 448
+
+
+@pytest.mark.gpu
 def test_gpu_norm_fast_mode_w2_shape():
     """[1, 96, 2, 480, 832] fp16, the fast VAE's full-resolution norm call: the fast mode (the compiled ex2.approx /
     div.full sigmoid the interpreter cannot show) within assert_close_to_eager's bound of eager and of the precise
@@ -1000,11 +1145,14 @@ def test_gpu_fp8_vae_path(monkeypatch):
     z = (torch.randn(1, 16, 5, 30, 52, generator=g)).to("cuda", F16)
     fp16 = FastWanVAE(vae, device="cuda", dtype=F16)
     fp8 = FastWanVAE(vae, device="cuda", dtype=F16, precision="fp8")
-    assert fp8.describe() == "fast-fp8" and fp8.fp8_convs > 0
-    a, b = fp16.decode(z), fp8.decode(z)
-    psnr = _psnr(b, a)
-    print(f"fp8 VAE decode vs fp16 fast VAE: {psnr:.2f} dB over {fp8.fp8_convs} FP8 convs")
-    assert not torch.equal(a, b) and psnr >= 30.0
+    assert fp8.describe() == "fast-fp8" and fp8.fp8_convs > 0 and fp8.fp8_scales == "static"
+    dyn = FastWanVAE(vae, device="cuda", dtype=F16, precision="fp8", fp8_scales="dynamic")
+    a, b, d = fp16.decode(z), fp8.decode(z), dyn.decode(z)
+    psnr, psnr_d = _psnr(b, a), _psnr(d, a)
+    print(f"fp8 VAE decode vs fp16 fast VAE: static scales {psnr:.2f} dB, dynamic {psnr_d:.2f} dB over "
+          f"{fp8.fp8_convs} FP8 convs")
+    assert not torch.equal(a, b) and not torch.equal(b, d) and psnr >= 30.0 and psnr_d >= 30.0
+    assert torch.equal(b, fp8.decode(z)), "static-scale FP8 decode is not deterministic"
 
 
 @pytest.mark.parametrize("encode_frames", [1, 2])

@@ -111,6 +111,7 @@ from fastremover.fast.kernels._common import (
     interpreting,
     launch_options,
     load_f32,
+    round_through,
     round_to,
     row_scale_of,
 )
@@ -314,10 +315,11 @@ def _quant_stream_kernel(P, X, S, SA, n_p, n_x, BLOCK: tl.constexpr, INTERPRET: 
 
 @triton.jit(do_not_specialize=["T", "H", "W", "NP"])
 def _conv3d_fp8_tma_kernel(
-    XD, WD0, WD1, WS, BIAS, SA, YD0, YD1,
+    XD, WD0, WD1, WS, BIAS, SA, YD0, YD1, RD0, RD1,
     T, H, W, NP, CIN, COUT,
     BH: tl.constexpr, BW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PROMOTE: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PROMOTE: tl.constexpr, OUT_BF16: tl.constexpr, HAS_RES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """y[b, t, h0:h0+BH, w0:w0+BW, n:n+BLOCK_N0(+BLOCK_N1)] for one BH x BW pixel patch of one output frame.
 
@@ -329,6 +331,8 @@ def _conv3d_fp8_tma_kernel(
     WD0 / WD1: the weight [COUT, 27*CIN] e4m3 (K-major), boxes [BLOCK_N0 / BLOCK_N1, BLOCK_K].
     YD0 / YD1: y [B, T, H, W, COUT] (x's dtype), boxes [1, 1, BH, BW, BLOCK_N0 / BLOCK_N1]; the TMA store drops the
     rows of a patch that hang over the frame's edge.
+    RD0 / RD1 (HAS_RES): a residual r [B, T, H, W, COUT] of y's dtype, same boxes: y = RN_dtype(y_conv + r) with
+    y_conv the conv's dtype value widened exactly (one fp32 add): the bits of the conv followed by torch's add.
     Same K order (tap, channel chunk), accumulation (tensor cores, promoted every BLOCK_K with PROMOTE) and epilogue
     rounding as _conv3d_fp8_kernel; only the summation order inside the tensor cores' chunks can differ."""
     BM: tl.constexpr = BH * BW
@@ -370,9 +374,15 @@ def _conv3d_fp8_tma_kernel(
     sa = tl.load(SA)
     out_ty: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
     y0 = _scale_bias(acc0, n_start + tl.arange(0, BLOCK_N0), sa, WS, BIAS, COUT, HAS_BIAS, INTERPRET)
+    if HAS_RES:  # the conv's dtype value, then + r in fp32, rounded once more (conv, then torch.add)
+        r0 = RD0.load([b, t, h0, w0, n_start]).reshape(BM, BLOCK_N0).to(tl.float32)
+        y0 = round_through(y0, out_ty, INTERPRET) + r0
     YD0.store([b, t, h0, w0, n_start], round_to(y0, out_ty, INTERPRET).reshape(1, 1, BH, BW, BLOCK_N0))
     if BLOCK_N1 > 0:
         y1 = _scale_bias(acc1, n_start + BLOCK_N0 + tl.arange(0, BLOCK_N1), sa, WS, BIAS, COUT, HAS_BIAS, INTERPRET)
+        if HAS_RES:
+            r1 = RD1.load([b, t, h0, w0, n_start + BLOCK_N0]).reshape(BM, BLOCK_N1).to(tl.float32)
+            y1 = round_through(y1, out_ty, INTERPRET) + r1
         YD1.store([b, t, h0, w0, n_start + BLOCK_N0],
                   round_to(y1, out_ty, INTERPRET).reshape(1, 1, BH, BW, BLOCK_N1))
 
@@ -551,7 +561,7 @@ def tuned_config(kernel: str, cin: int, cout: int, m: int, w: int, promote: int,
     """The config autotuning picked for a conv ("tma" or "pointer" kernel, fp8 GEMM input), None before its first
     call."""
     key = _tune_key(cin, cout, m, FP8, promote, has_bias, device)
-    return _TUNED.get(("tma",) + key + (w,) if kernel == "tma" else key)
+    return _TUNED.get(("tma",) + key + (w, False) if kernel == "tma" else key)
 
 
 def _tuning_enabled() -> bool:
@@ -864,11 +874,13 @@ def quantize_stream(prev: torch.Tensor | None, x: torch.Tensor, act_scale: torch
 def conv3d_fp8_stream(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None, act_scale: torch.Tensor, out_dtype: torch.dtype, *,
                       out: torch.Tensor | None = None, precise_acc: bool = True,
-                      config: TmaConfig | None = None) -> torch.Tensor:
+                      config: TmaConfig | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The causal conv of an already-quantized e4m3 stream by the TMA kernel: stream [B, Cin, n_prev + T, H, W]
     channels_last_3d holds the n_prev (0..2) cached frames then the T new ones, as codes of act_scale (e.g. written
     by vae_norm.vae_rms_norm(..., quant_scale=act_scale) straight into the stream's last T frames). Returns y
     [B, Cout, T, H, W] of out_dtype, channels_last_3d: causal_conv3d_fp8 of the same codes, bit for bit.
+    residual: optional y-shaped out_dtype channels_last_3d tensor (16-byte aligned) added in the epilogue: the bits of
+    torch.add(conv, residual) (a residual block's shortcut; saves the add's pass over y).
     ValueError where the TMA kernel cannot run (tma_available) or for bad arguments."""
     check_tensor("stream", stream, ndim=5, dtypes=(FP8,), dims=" [B, C, T, H, W]", contiguous=False)
     if not _is_cl3d(stream):
@@ -899,10 +911,16 @@ def conv3d_fp8_stream(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_sc
         if (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != out_dtype
                 or not _is_cl3d(out) or out.data_ptr() % 16):
             raise ValueError(f"out must be a 16-byte aligned channels_last_3d {out_dtype} {shape} tensor")
+    if residual is not None and (not isinstance(residual, torch.Tensor) or tuple(residual.shape) != shape
+                                 or residual.dtype != out_dtype or residual.device != stream.device
+                                 or not _is_cl3d(residual) or residual.data_ptr() % 16):
+        raise ValueError(f"residual must be a 16-byte aligned channels_last_3d {out_dtype} {shape} tensor on "
+                         f"{stream.device}")
     y = out if out is not None else torch.empty(shape, dtype=out_dtype, device=stream.device,
                                                 memory_format=torch.channels_last_3d)
     if y.numel():
-        _conv_tma(stream, n_prev, w_q, w_scale, bias, act_scale, y, block_k_for(cin) if precise_acc else 0, config)
+        _conv_tma(stream, n_prev, w_q, w_scale, bias, act_scale, y, block_k_for(cin) if precise_acc else 0, config,
+                  residual)
     return y
 
 
@@ -912,7 +930,8 @@ def _frames_last(v: torch.Tensor) -> torch.Tensor:
 
 
 def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-              act_scale: torch.Tensor, y: torch.Tensor, promote: int, config: TmaConfig | None = None) -> None:
+              act_scale: torch.Tensor, y: torch.Tensor, promote: int, config: TmaConfig | None = None,
+              residual: torch.Tensor | None = None) -> None:
     """y = the conv of the e4m3 stream [B, Cin, n_prev + T, H, W] (channels_last_3d) by the TMA kernel (autotuned
     on the first call per key unless `config` is given)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -922,6 +941,7 @@ def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: tor
     b, cin, _, h, w = stream.shape
     cout, t = y.shape[1], y.shape[2]
     s5, y5 = _frames_last(stream), _frames_last(y)
+    r5 = _frames_last(residual) if residual is not None else y5
     bk = block_k_for(cin)
     interp = interpreting(_conv3d_fp8_tma_kernel)
 
@@ -935,9 +955,10 @@ def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: tor
             desc(s5, [1, 1, c.bh, c.bw, bk]), desc(w_q, [c.block_n0, bk]), desc(w_q, [n1, bk]), w_scale,
             bias if bias is not None else w_scale, act_scale,
             desc(y5, [1, 1, c.bh, c.bw, c.block_n0]), desc(y5, [1, 1, c.bh, c.bw, n1]),
+            desc(r5, [1, 1, c.bh, c.bw, c.block_n0]), desc(r5, [1, 1, c.bh, c.bw, n1]),
             t, h, w, n_prev, cin, cout,
             BH=c.bh, BW=c.bw, BLOCK_K=bk, BLOCK_N0=c.block_n0, BLOCK_N1=c.block_n1, HAS_BIAS=bias is not None,
-            PROMOTE=promote, OUT_BF16=y.dtype == torch.bfloat16, INTERPRET=interp,
+            PROMOTE=promote, OUT_BF16=y.dtype == torch.bfloat16, HAS_RES=residual is not None, INTERPRET=interp,
             num_warps=c.num_warps, num_stages=c.num_stages, **launch_options(_conv3d_fp8_tma_kernel),
         )
 
@@ -947,7 +968,7 @@ def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: tor
         if interp:
             config = cands[0]
         else:
-            key = ("tma",) + _tune_key(cin, cout, m, FP8, promote, bias is not None, y.device) + (w,)
+            key = ("tma",) + _tune_key(cin, cout, m, FP8, promote, bias is not None, y.device) + (w, residual is not None)
             config = _pick_config(key, cands, launch)
     launch(config)
 
@@ -1265,9 +1286,11 @@ def _codegen_check_tma(classes, quick: bool, verbose: bool) -> list[str]:
                    "WS": "*fp32", "BIAS": "*fp32", "SA": "*fp32",
                    "YD0": f"tensordesc<fp16[1, 1, {cfg.bh}, {cfg.bw}, {cfg.block_n0}]>",
                    "YD1": f"tensordesc<fp16[1, 1, {cfg.bh}, {cfg.bw}, {n1}]>",
+                   "RD0": f"tensordesc<fp16[1, 1, {cfg.bh}, {cfg.bw}, {cfg.block_n0}]>",
+                   "RD1": f"tensordesc<fp16[1, 1, {cfg.bh}, {cfg.bw}, {n1}]>",
                    "T": "i32", "H": "i32", "W": "i32", "NP": "i32", "CIN": "i32", "COUT": "i32"}
             consts = dict(BH=cfg.bh, BW=cfg.bw, BLOCK_K=bk, BLOCK_N0=cfg.block_n0, BLOCK_N1=cfg.block_n1,
-                          HAS_BIAS=True, PROMOTE=bk, OUT_BF16=False, INTERPRET=False)
+                          HAS_BIAS=True, PROMOTE=bk, OUT_BF16=False, HAS_RES=(cin == 96), INTERPRET=False)
             sig.update({c: "constexpr" for c in consts})
             attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("WS", "BIAS", "SA", "CIN", "COUT")}
             src = ASTSource(fn=k, signature={n: sig[n] for n in names}, constexprs=consts, attrs=attrs)
