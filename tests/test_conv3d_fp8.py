@@ -551,7 +551,7 @@ def test_gpu_real_shapes(cin, cout, t, h, w, n_prev):
     cfg = c.tuned_config("pointer", cin, cout, m, w, c.block_k_for(cin), True, x.device)
     yf = c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, sa, quantize="fused", config=cfg)
     rf = assert_within(yf, y_ref, s_abs, bias, GPU_REL, f"seed {seed} fused")
-    yi = c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, sa, precise_acc=False, config=cfg)
+    yi = c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, sa, precise_acc=False)  # the TMA kernel, as the fast VAE
     erri = float(((yi.float() - y_ref.float()).abs() / (s_abs + bias.abs().view(1, -1, 1, 1, 1))).max())
     print(f"fused: max diff/bound {rf:.3f}; imprecise acc (no promotion): max|diff|/(S+|b|) = {erri:.2e}, "
           f"cos vs fp16 {cosine(yi, y16):.6f}")

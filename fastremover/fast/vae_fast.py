@@ -121,7 +121,8 @@ from fastremover.models.vae import (
 CL3 = torch.channels_last_3d
 CL2 = torch.channels_last
 PRECISIONS = ("auto", "fp16", "fp8")
-FP8_MAX_CHANNELS = 128  # default fp8_max_channels: the 96-channel full-resolution level (see fp8_pays)
+FP8_MAX_CHANNELS = 128  # default fp8_max_channels: the decoder's 96-channel full-resolution level (see fp8_pays)
+FP8_ENCODER_MAX_CHANNELS = 384  # default fp8_encoder_max_channels: every level of the encoder (see fp8_pays)
 FP8_SCALES = ("auto", "static", "dynamic")  # FP8 activation scales: see FastWanVAE's fp8_scales
 UPSAMPLE_CONVS = ("auto", "subpixel", "eager")  # the decoder's nearest 2x + 3x3 conv: see FastWanVAE's upsample_conv
 FP8 = torch.float8_e4m3fn
@@ -150,10 +151,15 @@ FrameSource = Callable[[int, int, torch.Tensor], None]
 
 def fp8_pays(cin: int, cout: int, max_channels: int = FP8_MAX_CHANNELS) -> bool:
     """Which 3x3x3 causal convs the FP8 kernel runs: both channel counts in [64, max_channels]. The lower end keeps
-    the latent-facing convs (decoder conv_in, 16 channels) in fp16. The default 128 is the 96-channel full-resolution
-    level: there FP8 pays most (its GEMM 1.9x cuDNN fp16 with the TMA kernel) and costs least. H200, W2, one bench
-    run (bench/results/vae-w2-fp8-levels-*.json): the deeper levels add many more convs in series, and with them in FP8
-    the PSNR against the fp16 VAE fell from 43.3 dB to about 32.6 dB for 0.04 s."""
+    the latent-facing convs (the decoder's conv_in from 16 channels, the encoder's conv_out to 32) in fp16. The
+    defaults (FP8_MAX_CHANNELS for the decoder, FP8_ENCODER_MAX_CHANNELS for the encoder) come from one H200 bench
+    run at W2 (bench/results/vae-w2-fp8-levels-*.json; PSNR of the decoded video against the reference VAE's, both
+    decoding the reference latents):
+        decoder levels on FP8   96 ch: 43.3 dB    up to 192: 39.5 dB    all: 32.6 dB   (for 0.01-0.07 s)
+    the deeper decoder levels put many more convs in series, so the decoder keeps only its full-resolution level in
+    FP8. The encoder's error shows in the round trip (its own latents through its own decoder): 34.4 dB with the
+    96-channel level in FP8, 32.0 dB with all of it, for 0.12 s (1.51 -> 1.39 s;
+    bench/results/vae-w2-fp8-2026-11-30-*.json)."""
     return 64 <= min(cin, cout) and max(cin, cout) <= max_channels
 
 
@@ -323,7 +329,7 @@ class FastWanVAE:
     1.914 s with it, at the same 43.30 dB (min frame 40.15 vs 40.09 dB); per conv the error grows from ~1.3e-4 to
     ~6.8e-4 of the sum of absolute products (bound 2^-9, GPU tests), cosine vs fp16 unchanged (0.99930).
     fp8_max_channels: with precision fp8, the widest conv (channels) the FP8 kernel runs (`fp8_pays`; default 128,
-    the 96-channel level); fp8_encoder_max_channels: the same for the encoder (None: fp8_max_channels).
+    the decoder's 96-channel level); fp8_encoder_max_channels: the same for the encoder (default 384: all of it).
     upsample_conv: the decoder's upsamplers (nearest 2x, then a 3x3 conv). "auto" (default): the sub-pixel kernel
     (fastremover.fast.kernels.upsample_conv: four 2x2 convs of the low-resolution frames, 2.25x fewer FLOPs, no
     upsampled tensor) on an sm_90+ GPU in fp16/bf16, else "eager" (F.interpolate + cuDNN). Row-striped steps
@@ -405,7 +411,7 @@ class FastWanVAE:
         if fp8_encoder_max_channels is not None and (not isinstance(fp8_encoder_max_channels, int) or isinstance(
                 fp8_encoder_max_channels, bool) or fp8_encoder_max_channels < 64):
             raise ValueError(f"fp8_encoder_max_channels must be None or an int >= 64, got {fp8_encoder_max_channels!r}")
-        self.fp8_encoder_max_channels = (fp8_max_channels if fp8_encoder_max_channels is None
+        self.fp8_encoder_max_channels = (FP8_ENCODER_MAX_CHANNELS if fp8_encoder_max_channels is None
                                          else fp8_encoder_max_channels)
         if fp8_scales not in FP8_SCALES:
             raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {fp8_scales!r}")
@@ -609,7 +615,7 @@ class FastWanVAE:
                 + (f"+max{self.fp8_max_channels}ch" if self._fp8 is not None
                    and self.fp8_max_channels != FP8_MAX_CHANNELS else "")
                 + (f"+enc{self.fp8_encoder_max_channels}ch" if self._fp8 is not None
-                   and self.fp8_encoder_max_channels != self.fp8_max_channels else "")
+                   and self.fp8_encoder_max_channels != FP8_ENCODER_MAX_CHANNELS else "")
                 + ("+dynamic-scales" if self._fp8 is not None and self.fp8_scales == "dynamic" else "")
                 + ("+eager-upsample" if self.device.type == "cuda" and self.upsample_conv == "eager" else ""))
 

@@ -792,7 +792,7 @@ def causal_conv3d_fp8(
     if m == 0:
         return y
     promote = block_k_for(cin) if precise_acc else 0
-    if _use_tma(kernel, quantize, cin, cout, x.device, y):
+    if _use_tma(kernel, quantize, cin, cout, x.device, y, config):
         if in_fp8:  # already-quantized frames: the kernel reads one stream tensor
             stream = (torch.cat([prev.view(torch.uint8), x.view(torch.uint8)], dim=2).contiguous(
                 memory_format=torch.channels_last_3d).view(FP8) if prev is not None else x)
@@ -832,9 +832,11 @@ def causal_conv3d_fp8(
     return y
 
 
-def _use_tma(kernel: str, quantize: str, cin: int, cout: int, device: torch.device, y: torch.Tensor) -> bool:
+def _use_tma(kernel: str, quantize: str, cin: int, cout: int, device: torch.device, y: torch.Tensor,
+             config=None) -> bool:
     """Which kernel runs: "tma" (refused with a clear error where it cannot), "pointer", or "auto" = TMA on an sm_90+
-    GPU for quantize="pass" (the TMA kernel reads fp8 only) and a 16-byte aligned output, else the pointer kernel."""
+    GPU for quantize="pass" (the TMA kernel reads fp8 only) and a 16-byte aligned output, else the pointer kernel;
+    a given config's type decides under "auto" (ConvConfig: pointer, TmaConfig: TMA)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "pointer":
@@ -848,6 +850,10 @@ def _use_tma(kernel: str, quantize: str, cin: int, cout: int, device: torch.devi
         if not ok:
             raise ValueError("kernel='tma' needs Cin/Cout multiples of 16 and a 16-byte aligned out")
         return True
+    if isinstance(config, ConvConfig):
+        return False
+    if isinstance(config, TmaConfig):
+        return _use_tma("tma", quantize, cin, cout, device, y)
     return (quantize == "pass" and ok and not interpreting(_conv3d_fp8_tma_kernel) and device.type == "cuda"
             and tma_available(device))
 

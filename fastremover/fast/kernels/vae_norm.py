@@ -48,7 +48,10 @@ Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-f
 
     7. `quant_scale=` only: the dtype value v of step 6 (or 5) becomes the e4m3 code RNE_sat(v * RN(1 / s)), one
        rounded fp32 product, then `cvt.rn.satfinite` (interpreter: _common.f32_to_fp8e4m3_rne, bit for bit); the
-       codes of conv3d_fp8.quantize_activation(v, s) for the kernel's own v (the CPU and GPU tests: torch.equal).
+       codes of conv3d_fp8.quantize_activation(v, s) for the kernel's v. Caveat: the e4m3-output compile may lay
+       the block out differently (1-byte stores), so step 1's tl.sum can add in another order than in the same call
+       with dtype output: v is the norm of the same x within the bound below, not always the dtype call's bits
+       (precise mode given the denominators: bit-exact, GPU test; the interpreter: bit-exact to the dtype call).
        Used by the fast VAE's FP8 convs with a static scale (see fastremover/fast/vae_fast.py).
 
 Precise mode: steps 2-6 are bit-exact to the eager ops given the same denominator: `out_norm=` returns the kernel's
