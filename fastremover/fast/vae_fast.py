@@ -83,11 +83,21 @@ of squares is added in another order, and its default fast mode rounds step 3 an
 function at fp16/bf16 precision; tests/test_vae_fast.py checks CPU fp32 agreement with WanVAE and the GPU test
 PSNR >= 45 dB at the real size.
 
-FP8 (`precision="fp8"`): the 3x3x3 causal convs the kernel supports (`conv3d_fp8.supported`: channels multiples of
-16) and where it pays (`fp8_pays`: on the H200 only the 96-channel full-resolution level beats cuDNN fp16, 1.29x at 4
-frames of 480x832; 192/384 channels run 0.56-1.07x, and the 384->32 conv_out has no config that fits) go to `fastremover.fast.kernels.conv3d_fp8.causal_conv3d_fp8(prev, x, weight_q, weight_scale, bias)` (it reads the
-2 cached frames and the new ones itself: no input buffer), with weights quantized once by its
-`quantize_conv_weight`; everything else stays in the model dtype. Without that module fp8 raises a FastRemoverError.
+FP8 (`precision="fp8"`): the 3x3x3 causal convs of the residual blocks where `fp8_pays` (every encoder level, the
+decoder's 96-channel level: `fp8_encoder_max_channels` / `fp8_max_channels`) go to
+`fastremover.fast.kernels.conv3d_fp8`, weights quantized once by its `quantize_conv_weight`; everything else stays in
+the model dtype. With the TMA kernel (sm_90+), `fp8_scales="static"`: a residual block's conv reads a norm + SiLU
+output, which is bounded, so its activation scale is fixed at load (`static_act_scale`); the norm kernel writes e4m3
+codes of that scale straight into the conv's stream buffer [older, newer cached frame, new frames] and into an e4m3
+cache, and `conv3d_fp8_stream` convolves the buffer, adding conv2's shortcut in its epilogue (no amax pass, no
+quantization pass, no residual add). `fp8_scales="dynamic"` (the only choice without the TMA kernel): one scale per
+call from the amax of the conv's input, `causal_conv3d_fp8(prev, x, ...)` (it reads the fp16 cached frames and the new
+ones itself). Without that module fp8 raises a FastRemoverError.
+
+Upsampling (`upsample_conv`): on sm_90+ in fp16/bf16 the decoder's nearest 2x + 3x3 conv runs as one sub-pixel conv
+(`fastremover.fast.kernels.upsample_conv`: four 2x2 convs of the low-resolution frames with summed weights, written
+interleaved by TMA stores; 2.25x fewer FLOPs, no upsampled tensor). Not bit-identical to the eager pair (the summed
+weights are rounded once to the dtype); within the bound its tests assert.
 
 `python -m fastremover.fast.vae_fast --bench` compares this VAE with diffusers' AutoencoderKLWan (the reference) at
 the W2 size on a CUDA GPU: per-stage time and peak memory, PSNR of the decoded video, cosine of the latents.

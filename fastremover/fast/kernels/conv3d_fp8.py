@@ -70,6 +70,22 @@ Kernel (`_conv3d_fp8_kernel`): implicit GEMM, M = B*T*H*W output pixels, N = Cou
       an estimate) against a GEMM of 0.8 TFLOP. The bench measures both (`--bench`, variant "fused").
     * grid: pid -> (pixel tile, N block) with the N blocks of a pixel tile adjacent (its A rows are shared in L2).
 
+TMA kernel (`_conv3d_fp8_tma_kernel`, the default on sm_90+ for quantize="pass"; `kernel="pointer"` forces the one
+above): the activations are first quantized into ONE e4m3 stream tensor [B, P + T, H, W, Cin] (prev's frames, then
+x's: `quantize_stream`, or written there directly by the VAE's norm kernel, `conv3d_fp8_stream`). A program owns a
+BH x BW pixel patch of one output frame (BW = `tma_tile_width(W)`: 64 at 832 columns, 8 at 104) and one or two
+power-of-two column blocks; tap (kt, kh, kw) is ONE TMA box load at (b, P + t + kt - 2, h0 + kh - 1, w0 + kw - 1, c0),
+and the TMA unit fills every element outside the tensor with zeros - exactly the conv's spatial zero padding and the
+zero frames before the stream (frame index < 0) - so there is no mask, no per-element address arithmetic, and the
+[1, 1, BH, BW, BLOCK_K] box reshaped to [BH*BW, BLOCK_K] goes from shared memory to wgmma as it is (checked offline:
+no LDS/STS in the loop). A channel tail reads zeros past Cin (and the next tap's weights, times 0). Weights come in
+[BLOCK_N, BLOCK_K] boxes of [Cout, 27 Cin]; the output leaves through a TMA store (rows past the frame's edge dropped)
+after the same epilogue as above; an optional residual r is added in fp32 to the conv's dtype value and rounded once
+more: the bits of the conv followed by torch.add. Same K order (tap, channel chunk) and promotion as the pointer
+kernel, so the same bounds; in the interpreter both give identical bits. H200 (`--bench --sweep`,
+bench/results/conv3d-fp8-tma-sweep-*.json, GEMM alone, 4 frames): 96 ch at 480x832 481 TFLOP/s (pointer kernel 330,
+cuDNN fp16 250), 192 ch 877, 384 ch at 120x208 1079 (cuDNN fp16 about 530 at both).
+
 Autotuning: a few configs per (Cin, Cout, quantize mode, accumulation, M bucket) are timed on the first call with
 that key (triton.testing.do_bench: that first call synchronizes the host once; later calls never do, so a CUDA
 graph should be captured after one warm-up call). FASTREMOVER_CONV3D_FP8_TUNE=0 disables tuning (heuristic config).
