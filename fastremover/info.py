@@ -45,12 +45,17 @@ def _vae_paths(device: torch.device) -> dict[str, str]:
     from fastremover.fast.vae_fast import fp8_conv_available
 
     fast = device.type == "cuda"
-    base = "fast channels-last VAE (fused norm+SiLU, copy-free causal cache, batch-2 encode when it fits)"
+    sm90 = fast and torch.cuda.get_device_capability(device) >= (9, 0)  # TMA: sub-pixel upsampling, static FP8 scales
+    base = ("fast channels-last VAE (fused norm+SiLU, copy-free causal cache, batch-2 encode when it fits"
+            + (", sub-pixel upsampling convs)" if sm90 else ")"))
     fp8_ok = fast and fp8_conv_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    fp8_how = (" + FP8 conv3d (TMA kernel, static activation scales) for the encoder's residual-block convs and the "
+               "decoder's 96-channel level" if sm90 else
+               " + FP8 conv3d (per-call activation scales) for the 96-channel convs")
     return {
         "eager mode": "eager VAE (models.vae.WanVAE)",
         "exact/fast, --vae-precision auto|fp16": (base + ", model dtype") if fast else "eager VAE (no CUDA GPU)",
-        "exact/fast, --vae-precision fp8": (base + " + FP8 conv3d for the 3x3x3 causal convs") if fp8_ok else
+        "exact/fast, --vae-precision fp8": (base + fp8_how) if fp8_ok else
         "not available here (" + ("no CUDA GPU" if not fast else "needs fastremover.fast.kernels.conv3d_fp8 and an "
                                   "sm_89+ GPU") + ")",
     }

@@ -111,7 +111,8 @@ def test_kernels_run_in_the_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
 
     c = mod()
-    ks = [c._conv3d_fp8_kernel, c._amax_partial_kernel, c._amax_finalize_kernel, c._quant_act_kernel]
+    ks = [c._conv3d_fp8_kernel, c._amax_partial_kernel, c._amax_finalize_kernel, c._quant_act_kernel,
+          c._conv3d_fp8_tma_kernel, c._quant_stream_kernel]
     bad = [k for k in ks if not isinstance(k, InterpretedFunction)]
     assert not bad, f"{bad} were compiled as GPU kernels: TRITON_INTERPRET=1 was set too late"
 
@@ -319,8 +320,20 @@ def test_tma_configs_and_kernel_choice(raise_value_errors):
     w_q, w_s = c.quantize_conv_weight(weight)
     sa = c.activation_scale(prev, x)
     stream = c.quantize_stream(prev, x, sa)
+    base = torch.zeros(stream.numel() + 16, dtype=FP8, device=DEV)
+    misaligned = base[1:1 + stream.numel()].as_strided(stream.shape, stream.stride())
+    assert misaligned.is_contiguous(memory_format=CL) and misaligned.data_ptr() % 16
+    # under "auto" a given config's type picks the kernel (in the interpreter "auto" alone picks the pointer kernel)
+    tcfg = c.tma_candidate_configs(16, 16, 5, 6, 60)[0]
+    assert torch.equal(c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, sa, config=tcfg),
+                       c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, sa, kernel="tma", config=tcfg))
+    for promote in (False, True):  # precise accumulation keeps the accumulator registers lower
+        for cfg in c.tma_candidate_configs(384, 384, 120, 208, 10**5, promote=promote):
+            limit = c.TMA_ACC_REGS_MAX_PROMOTE if promote else c.TMA_ACC_REGS_MAX
+            assert cfg.bh * cfg.bw * (cfg.block_n0 + cfg.block_n1) <= limit * 32 * cfg.num_warps
     raise_value_errors([
         (lambda: c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, kernel="tma", quantize="fused"), "quantize='pass'"),
+        (lambda: c.conv3d_fp8_stream(misaligned, 2, w_q, w_s, bias, sa, F16), "16-byte aligned"),
         (lambda: c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, kernel="bogus"), "kernel must be"),
         (lambda: c.causal_conv3d_fp8(prev, x, w_q, w_s, bias, kernel="pointer",
                                      config=c.tma_candidate_configs(16, 16, 5, 6, 60)[0]), "TmaConfig"),

@@ -124,7 +124,15 @@ def test_rejects_bad_arguments(raise_value_errors):
         (lambda: u.upsample_conv2x(frames(g, 1, 8, 3, 4, F16), u.phase_weights(wt[:, :8]), b), "multiples of 16"),
         (lambda: u.upsample_conv2x(x, wp, b, out=torch.empty(1, 16, 6, 8, dtype=F16, device=DEV)), "out must"),
         (lambda: u.phase_weights(torch.randn(4, 4, 3, 1)), "[Cout, Cin, 3, 3]"),
+        # a column block that does not divide Cout would write into the other phase's channels: refused
+        (lambda: u.upsample_conv2x(frames(g, 1, 16, 3, 4, F16), u.phase_weights(torch.randn(48, 16, 3, 3).half()),
+                                   None, config=u.UpConvConfig(8, 8, 32, 0, 4, 3)), "does not fit"),
+        (lambda: u.upsample_conv2x(x, wp, b, config=u.UpConvConfig(8, 8, 24, 0, 4, 3)), "does not fit"),
     ])
+    for cin, cout, w in ((384, 192, 104), (192, 96, 416), (32, 32, 9), (16, 48, 7)):
+        cands = u.candidate_configs(cin, cout, w, 10**6, limit=None)
+        assert cands and len(set(cands)) == len(cands)
+        assert all(cout % (c.block_n0 + c.block_n1) == 0 for c in cands)
 
 
 def test_fast_vae_decoder_uses_the_subpixel_conv(monkeypatch):

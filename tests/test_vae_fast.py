@@ -552,6 +552,13 @@ def test_fp8_static_scales_stream_cache_and_residual(monkeypatch):
     # dynamic scales on request: no static scale, the causal_conv3d_fp8 path
     dyn = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_scales="dynamic")
     assert dyn._conv[r.conv1].act_scale is None and dyn.describe() == "fast-fp8+dynamic-scales"
+    # encoder levels: all of them with static scales, the 96-channel-class ones (<= 128) with dynamic scales
+    assert fast.fp8_encoder_max_channels == 384 and dyn.fp8_encoder_max_channels == 128
+    wide = [m for m in fast._conv if m in fast._encoder_modules and fast._conv[m].fp8 is not None]
+    assert wide and all(dyn._conv[m].fp8 is not None for m in wide)  # the tiny config's widest encoder level is 64
+    narrow = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_encoder_max_channels=64,
+                        fp8_max_channels=64)
+    assert narrow.describe() == "fast-fp8+max64ch+enc64ch"
 
 
 def test_fp8_pays_levels():

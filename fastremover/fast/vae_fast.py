@@ -163,13 +163,14 @@ def fp8_pays(cin: int, cout: int, max_channels: int = FP8_MAX_CHANNELS) -> bool:
     """Which 3x3x3 causal convs the FP8 kernel runs: both channel counts in [64, max_channels]. The lower end keeps
     the latent-facing convs (the decoder's conv_in from 16 channels, the encoder's conv_out to 32) in fp16. The
     defaults (FP8_MAX_CHANNELS for the decoder, FP8_ENCODER_MAX_CHANNELS for the encoder) come from one H200 bench
-    run at W2 (bench/results/vae-w2-fp8-levels-*.json; PSNR of the decoded video against the reference VAE's, both
-    decoding the reference latents):
-        decoder levels on FP8   96 ch: 43.3 dB    up to 192: 39.5 dB    all: 32.6 dB   (for 0.01-0.07 s)
-    the deeper decoder levels put many more convs in series, so the decoder keeps only its full-resolution level in
-    FP8. The encoder's error shows in the round trip (its own latents through its own decoder): 34.4 dB with the
-    96-channel level in FP8, 32.0 dB with all of it, for 0.12 s (1.51 -> 1.39 s;
-    bench/results/vae-w2-fp8-2026-11-30-*.json)."""
+    run at W2 (bench/results/vae-w2-fp8-levels-*-fbd9551.json, where the limit applied to encoder and decoder alike;
+    PSNR of the decoded video against the reference VAE's, both decoding the reference latents):
+        levels on FP8      96 ch: 43.3 dB, decode 0.77 s    up to 192: 39.5 dB, 0.80 s    all: 32.6 dB, 0.81 s
+    the deeper decoder levels put many more convs in series and were no faster (the 1-frame steps of the small
+    levels), so the decoder keeps only its full-resolution level in FP8; the total's gain there (1.61 -> 1.60 ->
+    1.54 s) came from the encoder. The encoder's error shows in the round trip (its own latents through its own
+    decoder): 34.4 dB with its 96-channel level in FP8, 32.0 dB with all of it, for 0.12 s (1.51 -> 1.39 s;
+    bench/results/vae-w2-fp8-roundtrip-*-4a9689c.json)."""
     return 64 <= min(cin, cout) and max(cin, cout) <= max_channels
 
 
@@ -339,7 +340,8 @@ class FastWanVAE:
     1.914 s with it, at the same 43.30 dB (min frame 40.15 vs 40.09 dB); per conv the error grows from ~1.3e-4 to
     ~6.8e-4 of the sum of absolute products (bound 2^-9, GPU tests), cosine vs fp16 unchanged (0.99930).
     fp8_max_channels: with precision fp8, the widest conv (channels) the FP8 kernel runs (`fp8_pays`; default 128,
-    the decoder's 96-channel level); fp8_encoder_max_channels: the same for the encoder (default 384: all of it).
+    the decoder's 96-channel level); fp8_encoder_max_channels: the same for the encoder (default: all of it, 384,
+    with static scales; 128 with dynamic ones).
     upsample_conv: the decoder's upsamplers (nearest 2x, then a 3x3 conv). "auto" (default): the sub-pixel kernel
     (fastremover.fast.kernels.upsample_conv: four 2x2 convs of the low-resolution frames, 2.25x fewer FLOPs, no
     upsampled tensor) on an sm_90+ GPU in fp16/bf16, else "eager" (F.interpolate + cuDNN). Row-striped steps
@@ -446,6 +448,10 @@ class FastWanVAE:
                 raise FastRemoverError("fp8_scales='static' needs the TMA FP8 conv kernel (an sm_90+ GPU)")
             self.fp8_scales = "static" if fp8_scales == "auto" and tma else (
                 "dynamic" if fp8_scales == "auto" else fp8_scales)
+            if fp8_encoder_max_channels is None and self.fp8_scales == "dynamic":
+                # the deeper encoder levels only paid with the TMA kernel and static scales (with per-call amax and
+                # quantization passes the pointer kernel lost to cuDNN fp16 at 192 / 384 channels)
+                self.fp8_encoder_max_channels = FP8_MAX_CHANNELS
         if self.kernels == "triton":
             from fastremover.fast.kernels.residual import add_bias_ as add_bias_fn
             from fastremover.fast.kernels.residual import add_frames as add_fn
@@ -625,7 +631,8 @@ class FastWanVAE:
                 + (f"+max{self.fp8_max_channels}ch" if self._fp8 is not None
                    and self.fp8_max_channels != FP8_MAX_CHANNELS else "")
                 + (f"+enc{self.fp8_encoder_max_channels}ch" if self._fp8 is not None
-                   and self.fp8_encoder_max_channels != FP8_ENCODER_MAX_CHANNELS else "")
+                   and self.fp8_encoder_max_channels != (FP8_ENCODER_MAX_CHANNELS if self.fp8_scales == "static"
+                                                         else FP8_MAX_CHANNELS) else "")
                 + ("+dynamic-scales" if self._fp8 is not None and self.fp8_scales == "dynamic" else "")
                 + ("+eager-upsample" if self.device.type == "cuda" and self.upsample_conv == "eager" else ""))
 

@@ -77,14 +77,18 @@ BH x BW pixel patch of one output frame (BW = `tma_tile_width(W)`: 64 at 832 col
 power-of-two column blocks; tap (kt, kh, kw) is ONE TMA box load at (b, P + t + kt - 2, h0 + kh - 1, w0 + kw - 1, c0),
 and the TMA unit fills every element outside the tensor with zeros - exactly the conv's spatial zero padding and the
 zero frames before the stream (frame index < 0) - so there is no mask, no per-element address arithmetic, and the
-[1, 1, BH, BW, BLOCK_K] box reshaped to [BH*BW, BLOCK_K] goes from shared memory to wgmma as it is (checked offline:
-no LDS/STS in the loop). A channel tail reads zeros past Cin (and the next tap's weights, times 0). Weights come in
+[1, 1, BH, BW, BLOCK_K] box reshaped to [BH*BW, BLOCK_K] reaches wgmma through ldmatrix as its register operand (B
+straight from shared memory; seen offline as LDSM in the SASS). A channel tail reads zeros past Cin (and the next tap's weights, times 0). Weights come in
 [BLOCK_N, BLOCK_K] boxes of [Cout, 27 Cin]; the output leaves through a TMA store (rows past the frame's edge dropped)
 after the same epilogue as above; an optional residual r is added in fp32 to the conv's dtype value and rounded once
-more: the bits of the conv followed by torch.add. Same K order (tap, channel chunk) and promotion as the pointer
-kernel, so the same bounds; in the interpreter both give identical bits. H200 (`--bench --sweep`,
-bench/results/conv3d-fp8-tma-sweep-*.json, GEMM alone, 4 frames): 96 ch at 480x832 481 TFLOP/s (pointer kernel 330,
-cuDNN fp16 250), 192 ch 877, 384 ch at 120x208 1079 (cuDNN fp16 about 530 at both).
+more: the bits of the conv followed by torch.add. Same K order (tap, channel chunk) and promotion (per BLOCK_K chunk,
+written out in the kernel) as the pointer kernel, so the same bounds; in the interpreter both give identical bits.
+H200 (`--bench --sweep`, bench/results/conv3d-fp8-tma-sweep-*.json, GEMM alone, 4 frames): 96 ch at 480x832 481
+TFLOP/s (whole call with the amax and quantization passes 404; the pointer kernel's whole call 330; cuDNN fp16 250),
+192 ch 877, 384 ch at 120x208 1079 (cuDNN fp16 about 500-530). Those 192 / 384-channel runs had no promotion in
+effect (Triton 3.6 dropped it for BLOCK_K > 32, found afterwards; their max error/S 6-8e-4 equals the unpromoted
+one): they are the fast VAE's default (precise_acc=False) numbers. The written-out promotion that replaced it was
+compiled offline (FADD counts checked by codegen_check) and has not run on the GPU yet.
 
 Autotuning: a few configs per (Cin, Cout, quantize mode, accumulation, M bucket) are timed on the first call with
 that key (triton.testing.do_bench: that first call synchronizes the host once; later calls never do, so a CUDA
@@ -377,14 +381,18 @@ def _conv3d_fp8_tma_kernel(
         a = XD.load([b, NP + t + kt - 2, h0 + kh - 1, w0 + kw - 1, c0]).reshape(BM, BLOCK_K)
         k = tap * CIN + c0
         b0 = WD0.load([n_start, k])
+        # PROMOTE: the chunk's tensor-core sum starts from zero and is added to the fp32 accumulator here. (Passing
+        # acc0 with max_num_imprecise_acc=BLOCK_K, as the pointer kernel does, loses the promotion in Triton 3.6 when
+        # BLOCK_K > 32: the dot is split into K = 32 wgmmas marked "never promote". The nonzero
+        # max_num_imprecise_acc also keeps Triton from folding the add back into the dot.)
         if PROMOTE > 0:
-            acc0 = tl.dot(a, b0.T, acc0, max_num_imprecise_acc=PROMOTE)
+            acc0 += tl.dot(a, b0.T, tl.zeros([BM, BLOCK_N0], dtype=tl.float32), max_num_imprecise_acc=PROMOTE)
         else:
             acc0 = tl.dot(a, b0.T, acc0)
         if BLOCK_N1 > 0:
             b1 = WD1.load([n_start + BLOCK_N0, k])
             if PROMOTE > 0:
-                acc1 = tl.dot(a, b1.T, acc1, max_num_imprecise_acc=PROMOTE)
+                acc1 += tl.dot(a, b1.T, tl.zeros([BM, BLOCK_N1], dtype=tl.float32), max_num_imprecise_acc=PROMOTE)
             else:
                 acc1 = tl.dot(a, b1.T, acc1)
     sa = tl.load(SA)
@@ -489,10 +497,12 @@ def default_config(cin: int, cout: int, m: int, in_fp8: bool = True) -> ConvConf
     return candidate_configs(cin, cout, m, in_fp8)[0]
 
 
-# TMA kernel (_conv3d_fp8_tma_kernel): fp32 accumulator registers per thread at most. It keeps no A tile in registers
-# (both operands go from shared memory to the tensor cores), so it affords more than the pointer kernel. Offline sm_90
-# compile: 128 regs never spilled; 192 did not at BLOCK_K 32 / 64 but did at 128 (256 px x 96 ch on 4 warps), 256 did.
+# TMA kernel (_conv3d_fp8_tma_kernel): fp32 accumulator registers per thread at most. Its A tile comes from shared
+# memory one wgmma step at a time (ldmatrix), not as a whole loaded register tile, so it affords more than the pointer
+# kernel. Offline sm_90 compile: 128 regs never spilled; 192 did not at BLOCK_K 32 / 64 but did at 128 (256 px x 96 ch
+# on 4 warps), 256 did.
 TMA_ACC_REGS_MAX = 128
+TMA_ACC_REGS_MAX_PROMOTE = 96  # with promotion (a second accumulator for each chunk's sum): 128 spilled, 96 did not
 TMA_SMEM_BUDGET = 192 * 1024  # bytes of the pipelined A + B stages (offline compile: shared = (stages - 1) x stage
 #                               + ~24 KB of barriers and epilogue staging; the H200 gives a program 227 KB)
 TMA_TILE_WIDTHS = (64, 32, 16, 8)  # pixels of a patch along W
@@ -517,14 +527,17 @@ def tma_tile_width(w: int) -> int:
     return min(TMA_TILE_WIDTHS, key=lambda bw: (triton.cdiv(w, bw) * bw, -bw))
 
 
-def tma_candidate_configs(cin: int, cout: int, h: int, w: int, m: int, limit: int | None = 6) -> list[TmaConfig]:
+def tma_candidate_configs(cin: int, cout: int, h: int, w: int, m: int, limit: int | None = 6,
+                          promote: bool = False) -> list[TmaConfig]:
     """Configs to time for the TMA kernel, best guess first (at most `limit`), from the H200 sweep
     (bench/results/conv3d-fp8-tma-sweep-*.json): one power-of-two column block of 128 or 64 where it divides Cout
     (192 channels: 3 programs of 64 beat 128 + 64), else Cout as two blocks (96 = 64 + 32); 256-pixel patches with 8
     warps for single blocks, 128-pixel ones for split blocks and for few pixels; registers within TMA_ACC_REGS_MAX;
     each shape at 3 stages and at the most that fit TMA_SMEM_BUDGET (fewer stages leave shared memory for a second
-    program per SM: 192 channels ran 0.91 ms at 3 stages, 1.01 at 6)."""
+    program per SM: 192 channels ran 0.91 ms at 3 stages, 1.01 at 6). promote: precise accumulation (a second
+    accumulator per chunk): registers within TMA_ACC_REGS_MAX_PROMOTE instead."""
     bk = block_k_for(cin)
+    regs_max = TMA_ACC_REGS_MAX_PROMOTE if promote else TMA_ACC_REGS_MAX
     bw = tma_tile_width(w)
     widths = [wd for wd in (128, 64) if cout % wd == 0] or [
         wd for wd in dict.fromkeys(([cout] if cout <= 256 else []) + [192, 96, 32, 16])
@@ -536,7 +549,7 @@ def tma_candidate_configs(cin: int, cout: int, h: int, w: int, m: int, limit: in
         tiles = (128, 256) if n1 or few_tiles else (256, 128)
         for bm in tiles:
             for warps in (8, 4) if bm == 256 else (4, 8):
-                if bm * wd > TMA_ACC_REGS_MAX * 32 * warps or (warps == 8 and bm * wd <= 128 * 96):
+                if bm * wd > regs_max * 32 * warps or (warps == 8 and bm * wd <= 128 * 96):
                     continue
                 most = min(TMA_MAX_STAGES, 1 + TMA_SMEM_BUDGET // (bm * bk + wd * bk))
                 for stages in dict.fromkeys((3, most) if most >= 3 else (most,)):
@@ -905,8 +918,8 @@ def conv3d_fp8_stream(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_sc
     torch.add(conv, residual) (a residual block's shortcut; saves the add's pass over y).
     ValueError where the TMA kernel cannot run (tma_available) or for bad arguments."""
     check_tensor("stream", stream, ndim=5, dtypes=(FP8,), dims=" [B, C, T, H, W]", contiguous=False)
-    if not _is_cl3d(stream):
-        raise ValueError("stream must be contiguous in channels_last_3d memory (NDHWC)")
+    if not _is_cl3d(stream) or stream.data_ptr() % 16:
+        raise ValueError("stream must be contiguous in channels_last_3d memory (NDHWC) and 16-byte aligned")
     b, cin, f, h, w = stream.shape
     if not isinstance(n_prev, int) or not 0 <= n_prev <= CACHE_FRAMES or n_prev >= f:
         raise ValueError(f"n_prev must be 0..{CACHE_FRAMES} and below the stream's {f} frames, got {n_prev!r}")
@@ -986,7 +999,7 @@ def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: tor
 
     m = b * t * h * w
     if config is None:
-        cands = tma_candidate_configs(cin, cout, h, w, m)
+        cands = tma_candidate_configs(cin, cout, h, w, m, promote=promote > 0)
         if interp:
             config = cands[0]
         else:
@@ -1285,9 +1298,10 @@ def codegen_check(quick: bool = False, verbose: bool = True) -> list[str]:
 
 
 def _codegen_check_tma(classes, quick: bool, verbose: bool) -> list[str]:
-    """The TMA kernel's offline sm_90 compile: TMA loads (UTMALDG) and stores (UTMASTG), QGMMA, no spills, and no
-    shared-memory round trip of the A tile through registers (no LDS/STS in the K loop: the reshaped box goes to the
-    tensor cores as it is)."""
+    """The TMA kernel's offline sm_90 compile, precise and imprecise accumulation: TMA loads (UTMALDG) and stores
+    (UTMASTG), QGMMA, no spills, and with promotion the fp32 adds (FADD) present. Printed, not asserted: LDSM (the A
+    box reaches wgmma through ldmatrix as its register operand; B goes straight from shared memory) and generic
+    LDS/STS (some configs' epilogues convert the accumulator's layout for the TMA store through shared memory)."""
     import re
 
     from triton.backends.compiler import GPUTarget
@@ -1300,8 +1314,8 @@ def _codegen_check_tma(classes, quick: bool, verbose: bool) -> list[str]:
         if quick and cin == 192:
             continue
         bk = block_k_for(cin)
-        cfgs = tma_candidate_configs(cin, cout, h, w, m)
-        for cfg in cfgs[:1] if quick else cfgs:
+        for promote, cfg in [(p, cf) for p in (bk, 0)
+                             for cf in tma_candidate_configs(cin, cout, h, w, m, promote=p > 0)[:1 if quick else None]]:
             n1 = cfg.block_n1 or cfg.block_n0
             sig = {"XD": f"tensordesc<fp8e4nv[1, 1, {cfg.bh}, {cfg.bw}, {bk}]>",
                    "WD0": f"tensordesc<fp8e4nv[{cfg.block_n0}, {bk}]>", "WD1": f"tensordesc<fp8e4nv[{n1}, {bk}]>",
@@ -1312,22 +1326,24 @@ def _codegen_check_tma(classes, quick: bool, verbose: bool) -> list[str]:
                    "RD1": f"tensordesc<fp16[1, 1, {cfg.bh}, {cfg.bw}, {n1}]>",
                    "T": "i32", "H": "i32", "W": "i32", "NP": "i32", "CIN": "i32", "COUT": "i32"}
             consts = dict(BH=cfg.bh, BW=cfg.bw, BLOCK_K=bk, BLOCK_N0=cfg.block_n0, BLOCK_N1=cfg.block_n1,
-                          HAS_BIAS=True, PROMOTE=bk, OUT_BF16=False, HAS_RES=(cin == 96), INTERPRET=False)
+                          HAS_BIAS=True, PROMOTE=promote, OUT_BF16=False, HAS_RES=(cin == 96), INTERPRET=False)
             sig.update({c: "constexpr" for c in consts})
             attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("WS", "BIAS", "SA", "CIN", "COUT")}
             src = ASTSource(fn=k, signature={n: sig[n] for n in names}, constexprs=consts, attrs=attrs)
             opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(k)}
             c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
             sass = c.asm["sass"]
-            counts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("QGMMA", "UTMALDG", "UTMASTG", "LDS", "STS")}
+            counts = {op: len(re.findall(rf"\b{op}\b", sass))
+                      for op in ("QGMMA", "UTMALDG", "UTMASTG", "LDS", "STS", "LDSM", "FADD")}
             n_spill = len(re.findall(r"\b(?:STL|LDL)\b", sass))
-            name = f"TMA Cin={cin} Cout={cout} {cfg}"
+            name = f"TMA Cin={cin} Cout={cout} promote={promote} {cfg}"
             if not counts["QGMMA"] or not counts["UTMALDG"] or not counts["UTMASTG"]:
                 problems.append(f"{name}: missing fp8 wgmma or TMA load/store: {counts}")
             if n_spill:
                 problems.append(f"{name}: {n_spill} spill instructions (STL/LDL)")
-            if counts["LDS"] or counts["STS"]:
-                problems.append(f"{name}: shared-memory loads/stores through registers: {counts}")
+            per_thread = cfg.bh * cfg.bw * (cfg.block_n0 + cfg.block_n1) // (32 * cfg.num_warps)
+            if promote and counts["FADD"] < 2 * per_thread:  # the bias add and the per-chunk fp32 promotion
+                problems.append(f"{name}: {counts['FADD']} FADD, fewer than the promotion needs ({2 * per_thread})")
             if verbose:
                 print(f"{name}: {counts}, STL/LDL {n_spill}, shared {c.metadata.shared} B", flush=True)
     return problems

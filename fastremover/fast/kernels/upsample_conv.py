@@ -26,9 +26,9 @@ fp32 (no FMA), one rounding to the dtype. The output goes out through a TMA stor
 writes its interleaved pixels directly.
 
 Numerics: the same function, not the same bits as the eager pair. Rounding points:
-    phase weights  Wp summed in fp32 from the dtype weights (exact: at most 4 terms of 11 / 8 significant bits stay
-                   well inside fp32's 24), rounded once to the dtype (relative error <= 2^-11 fp16, 2^-8 bf16);
-                   eager uses each weight exactly.
+    phase weights  Wp summed in fp32 from the dtype weights (at most 4 terms: exact unless their exponents are far
+                   apart, then within 3 fp32 roundings, far below the next step), rounded once to the dtype (relative
+                   error <= 2^-11 fp16, 2^-8 bf16 of the sum); eager uses each weight exactly.
     products       exact in fp32; sums in the tensor cores' fp32 accumulation (K = 4 Cin terms, any order).
     epilogue       RN_dtype(RN(acc + bias)).
 Bound against the exact (float64) eager composition, S = conv2d(|up|, |weight|), u the dtype's unit roundoff
@@ -155,7 +155,7 @@ def candidate_configs(cin: int, cout: int, w: int, m: int, limit: int | None = 4
         wd for wd in (cout, 32, 16) if cout % wd == 0 and wd <= 256 and _split(wd)]
     few = m < 128 * 132 * 4 * 2  # (4 phases per patch)
     cands = []
-    for wd in widths:
+    for wd in dict.fromkeys(widths):
         n0, n1 = _split(wd)
         for bm in ((128, 256) if n1 or few else (256, 128)):
             for warps in ((8, 4) if bm == 256 else (4, 8)):
@@ -212,8 +212,8 @@ def upsample_conv2x(x: torch.Tensor, w_phase: torch.Tensor, bias: torch.Tensor |
     [N, Cout, 2h, 2w] channels-last of x's dtype. Returns y [N, Cout, 2h, 2w] channels-last. The first call per
     shape class autotunes (one host sync); later calls never synchronize."""
     check_tensor("x", x, ndim=4, dtypes=DTYPES, dims=" [N, C, h, w]", contiguous=False)
-    if not x.is_contiguous(memory_format=torch.channels_last):
-        raise ValueError("x must be contiguous in channels_last memory (NHWC)")
+    if not x.is_contiguous(memory_format=torch.channels_last) or x.data_ptr() % 16:
+        raise ValueError("x must be contiguous in channels_last memory (NHWC) and 16-byte aligned")
     nf, cin, h, w = x.shape
     if (not isinstance(w_phase, torch.Tensor) or w_phase.dim() != 2 or w_phase.shape[1] != 4 * cin
             or w_phase.shape[0] % 4 or w_phase.dtype != x.dtype or not w_phase.is_contiguous()):
@@ -257,6 +257,14 @@ def upsample_conv2x(x: torch.Tensor, w_phase: torch.Tensor, bias: torch.Tensor |
             **launch_options(_upsample_conv_kernel),
         )
 
+    if config is not None:
+        ok = (isinstance(config, UpConvConfig) and cout % (config.block_n0 + config.block_n1) == 0
+              and all(n == 0 or (16 <= n <= 256 and n & (n - 1) == 0) for n in (config.block_n0, config.block_n1))
+              and config.block_n0 > 0 and all(v >= 1 and v & (v - 1) == 0 for v in (config.bh, config.bw))
+              and config.bh * config.bw >= 16 and max(config.bh, config.bw) <= 256)
+        if not ok:  # a column block past Cout would store into the other phase's channels of the [.., 2 Cout] view
+            raise ValueError(f"config {config} does not fit Cout={cout}: block_n0 + block_n1 must divide Cout, both "
+                             "powers of two in 16..256 (block_n1 may be 0), bh and bw powers of two")
     if config is None:
         m = nf * h * w * 4
         cands = candidate_configs(cin, cout, w, m)
