@@ -1191,8 +1191,8 @@ class FastWanVAE:
             n, c, h, w = frames.shape
             stripes = self._stripes(n * c * 4 * h * w, 2 * h)
             if stripes == 1 and conv.phase is not None:  # nearest 2x + 3x3 conv as one sub-pixel conv
-                if not frames.is_contiguous(memory_format=CL2):
-                    frames = frames.contiguous(memory_format=CL2)
+                if not frames.is_contiguous(memory_format=CL2) or frames.data_ptr() % 16:  # TMA needs both
+                    frames = frames.clone(memory_format=CL2)
                 return _frames_5d(self._upconv.upsample_conv2x(frames, conv.phase, conv.bias), b)
             if stripes == 1:
                 up = F.interpolate(frames, scale_factor=2.0, mode="nearest-exact")  # exact in the model dtype
