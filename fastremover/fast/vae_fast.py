@@ -969,32 +969,41 @@ class FastWanVAE:
         front = c.front
         if front != CACHE_T:
             raise AssertionError(f"causal conv with {front} front frames")
-        if c.act_scale is not None:
-            return self._causal_fp8_static(conv, c, st, n, bchw, fill, residual)
-        if residual is not None:
+        static = c.act_scale is not None  # a static-scale FP8 conv: e4m3 buffer and cache (_causal_fp8_static)
+        if residual is not None and not static:
             raise AssertionError("only a static-scale FP8 conv adds a residual in its epilogue")
         b, ch, h, w = bchw
-        kw = dict(device=self.device, dtype=self.dtype, memory_format=CL3)
+        kw = dict(device=self.device, dtype=FP8 if static else self.dtype, memory_format=CL3)
         # The cache keeps the real channels only (cc < ch when the input carries zero padding, `pad_channels`): the
         # padding would cost a third more cache memory at the padded level for zeros. The FP8 kernel reads the cache
         # itself, at the input's width.
         padded = ch != conv.in_channels and ch == self._width(conv.in_channels, conv)
         cc = conv.in_channels if padded and c.fp8 is None else ch
         cache = st.cache.get(conv)
-        if cache is None:  # zeros before the first frame
+        if cache is None:  # zeros (zero e4m3 codes) before the first frame
             cache = st.cache[conv] = torch.empty((b, cc, front, h, w), **kw).zero_()
             st.older[conv] = 0
         older = st.older[conv]
+        if static:
+            return self._causal_fp8_static(conv, c, st, cache, older, n, bchw, fill, residual)
         if c.fp8 is not None:
-            if c.act_scale is not None:
-                raise AssertionError("static-scale FP8 conv with an fp16 cache")
             return self._causal_fp8(conv, c, st, cache, older, n, bchw, fill)
         keep_bias = not (defer and self._deferred(conv) is not None)
         stripes = self._stripes(b * ch * h * w, h) if n == 1 and fill.rows_ok and c.padding[1] == 1 else 1
         if stripes > 1:
             return self._causal_striped(conv, c, st, cache, older, bchw, fill, stripes, keep_bias)
         buf = torch.empty((b, ch, front + n, h, w), **kw)
-        if cc < ch:  # the older slot first, zeros in the padding channels
+        self._fill_stream(conv, st, buf, cache, older, n, fill, pad=cc < ch)
+        fill.release()  # the producer's input may be freed before the conv allocates its output
+        return self._conv3d(buf, c, keep_bias)
+
+    def _fill_stream(self, conv, st: _Stream, buf: torch.Tensor, cache: torch.Tensor, older: int, n: int, fill,
+                     pad: bool = False, **fill_kw) -> None:
+        """buf [B, C, 2 + n, H, W] = [older cached frame, newer cached frame, the n new frames written by `fill`,
+        which also writes the last of them into the cache]; then the slots rotate (see `_causal`). pad: the cache
+        leaves out buf's zero padding channels (written as zeros). fill_kw: passed to fill (quant_scale=)."""
+        front = cache.shape[2]
+        if pad:  # the older slot first, zeros in the padding channels
             self._pad_copy(buf[:, :, :front], cache, older)
         elif older == 0:
             buf[:, :, :front].copy_(cache)
@@ -1002,13 +1011,11 @@ class FastWanVAE:
             buf[:, :, :1].copy_(cache[:, :, 1:])
             buf[:, :, 1:front].copy_(cache[:, :, :1])
         if n >= front:
-            fill(buf[:, :, front:], cache)
+            fill(buf[:, :, front:], cache, **fill_kw)
             st.older[conv] = 0
         else:
-            fill(buf[:, :, front:], cache[:, :, older : older + 1])
+            fill(buf[:, :, front:], cache[:, :, older : older + 1], **fill_kw)
             st.older[conv] = 1 - older
-        fill.release()  # the producer's input may be freed before the conv allocates its output
-        return self._conv3d(buf, c, keep_bias)
 
     def _stripes(self, frame_elements: int, rows: int) -> int:
         """How many row stripes a 1-frame conv step of this size runs in (1: none); see `stripe_mib`."""
@@ -1078,7 +1085,7 @@ class FastWanVAE:
             cache[:, :, 1:].copy_(x)
         return y
 
-    def _causal_fp8_static(self, conv, c: _Conv, st: _Stream, n: int, bchw: tuple, fill: _Fill,
+    def _causal_fp8_static(self, conv, c: _Conv, st: _Stream, cache, older: int, n: int, bchw: tuple, fill: _Fill,
                            residual: torch.Tensor | None = None) -> torch.Tensor:
         """FP8 conv with a static activation scale (`static_act_scale`): the producing norm + SiLU writes e4m3 codes
         straight into the stream buffer [older, newer cached frame, n new frames] and into the e4m3 cache (its tail),
@@ -1087,24 +1094,10 @@ class FastWanVAE:
         if fill.norm is None or fill.norm is not c.act_norm:
             raise AssertionError("a static FP8 activation scale must come from the norm that writes the conv input")
         b, ch, h, w = bchw
-        kw = dict(device=self.device, dtype=FP8, memory_format=CL3)
-        cache = st.cache.get(conv)
-        if cache is None:  # zero codes before the first frame
-            cache = st.cache[conv] = torch.empty((b, ch, CACHE_T, h, w), **kw).zero_()
-            st.older[conv] = 0
-        older = st.older[conv]
-        buf = torch.empty((b, ch, CACHE_T + n, h, w), **kw)
-        if older == 0:
-            buf[:, :, :CACHE_T].copy_(cache)
-        else:
-            buf[:, :, :1].copy_(cache[:, :, 1:])
-            buf[:, :, 1:CACHE_T].copy_(cache[:, :, :1])
-        if n >= CACHE_T:
-            fill(buf[:, :, CACHE_T:], cache, quant_scale=c.act_scale)
-            st.older[conv] = 0
-        else:
-            fill(buf[:, :, CACHE_T:], cache[:, :, older : older + 1], quant_scale=c.act_scale)
-            st.older[conv] = 1 - older
+        if cache.dtype != FP8 or cache.shape[1] != ch:
+            raise AssertionError("a static-scale FP8 conv needs its e4m3 cache at the input's width")
+        buf = torch.empty((b, ch, CACHE_T + n, h, w), device=self.device, dtype=FP8, memory_format=CL3)
+        self._fill_stream(conv, st, buf, cache, older, n, fill, quant_scale=c.act_scale)
         fill.release()
         return self._fp8.conv3d_fp8_stream(buf, CACHE_T, c.fp8[0], c.fp8[1], c.bias, c.act_scale, self.dtype,
                                            precise_acc=self.fp8_precise_acc, residual=residual)

@@ -56,6 +56,67 @@ def launch_options(kernel) -> dict:
     return {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 
+def tma_available(kernel, device: torch.device) -> bool:
+    """A TMA kernel (host-side tensor descriptors) can run `kernel` on `device`: Triton has the descriptors, and the
+    device is an sm_90+ GPU or the interpreter runs the kernel."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    if interpreting(kernel):
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def patch_width(w: int, widths: tuple = (64, 32, 16, 8)) -> int:
+    """The patch width among `widths` that wastes the fewest columns of a w-wide frame (ties: the wider): 832 -> 64,
+    416 -> 32, 208 -> 16, 104 -> 8 (13 patches across each)."""
+    return min(widths, key=lambda bw: (triton.cdiv(w, bw) * bw, -bw))
+
+
+def pow2_split(width: int) -> tuple[int, int] | None:
+    """width = BLOCK_N0 + BLOCK_N1 with powers of two >= 16 (BLOCK_N1 may be 0): 96 -> (64, 32), 192 -> (128, 64);
+    None when no such split exists (tl.arange needs power-of-two blocks)."""
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    if pow2(width) and width >= 16:
+        return width, 0
+    hi = 1 << (width.bit_length() - 1)
+    lo = width - hi
+    return (hi, lo) if pow2(lo) and lo >= 16 else None
+
+
+def autotune(cache: dict, key: tuple, cands: list, launch, enabled: bool, what: str):
+    """The cached best of `cands` for `key`: the first time, each candidate is launched once (compile) and then timed
+    with triton.testing.do_bench (one host sync); candidates out of resources (shared memory) are skipped. Without
+    tuning (`enabled` False, or one candidate) the first candidate."""
+    cfg = cache.get(key)
+    if cfg is not None:
+        return cfg
+    if not enabled or len(cands) == 1:
+        cfg = cands[0]
+    else:
+        from triton.testing import do_bench
+
+        best = None
+        for c in cands:
+            try:
+                launch(c)  # compile outside the timing
+                ms = do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median")
+            except Exception as e:  # e.g. out of shared memory for this config: skip it
+                if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
+                    raise
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, c)
+        if best is None:
+            raise RuntimeError(f"{what}: no candidate config runs for {key}")
+        cfg = best[1]
+    cache[key] = cfg
+    return cfg
+
+
 def row_segments(n: int) -> tuple[int, int]:
     """Split a row of n columns into a head of HEAD = the largest power of two < n (1 for n == 1) columns and a
     masked tail of TAIL = next_power_of_2(n - HEAD) columns; both power-of-two constexpr block sizes, TAIL <= HEAD.

@@ -20,7 +20,8 @@ import re
 import sys
 
 
-def _compile(kernel, signature: dict, constexprs: dict, num_warps: int):
+def _compile(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int | None = None,
+             divisible: tuple = ("D", "N", "NPAIRS")):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,12 +31,15 @@ def _compile(kernel, signature: dict, constexprs: dict, num_warps: int):
     sig = dict(signature)
     for k in constexprs:
         sig[k] = "constexpr"
-    # the specialization a real launch gets: 16-byte aligned pointers, row widths divisible by 16 (1536, 8960, 768)
+    # the specialization a real launch gets: 16-byte aligned pointers, and the `divisible` integer arguments (row
+    # widths 1536, 8960, 768; channel counts) divisible by 16
     names = list(kernel.arg_names)
-    aligned = {names.index(k) for k, t in sig.items() if t.startswith("*") or k in ("D", "N", "NPAIRS")}
+    aligned = {names.index(k) for k, t in sig.items() if t.startswith("*") or k in divisible}
     attrs = {(i,): [["tt.divisibility", 16]] for i in sorted(aligned)}
     src = ASTSource(fn=kernel, signature={k: sig[k] for k in names}, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps, **launch_options(kernel)}  # exactly what the wrappers launch with
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 

@@ -125,16 +125,20 @@ import triton.language as tl
 from fastremover.bench.metrics import cosine
 from fastremover.fast.kernels._common import (
     FP8_MAX,
+    autotune,
     check_device,
     check_tensor,
     f32_to_fp8e4m3_rne,
     interpreting,
     launch_options,
     load_f32,
+    patch_width,
+    pow2_split,
     round_through,
     round_to,
     row_scale_of,
 )
+from fastremover.fast.kernels._common import tma_available as _tma_available
 
 FP8 = torch.float8_e4m3fn
 TAPS = 27  # 3 x 3 x 3
@@ -448,15 +452,6 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _split(width: int) -> tuple[int, int] | None:
-    """width = BLOCK_N0 + BLOCK_N1 with powers of two >= 16 (BLOCK_N1 may be 0): 96 -> (64, 32), 192 -> (128, 64)."""
-    if _pow2(width) and width >= 16:
-        return width, 0
-    hi = 1 << (width.bit_length() - 1)
-    lo = width - hi
-    return (hi, lo) if _pow2(lo) and lo >= 16 else None
-
-
 # fp32 accumulator registers per thread at most (x2 with precise_acc: the tensor cores' partial sum is a second
 # accumulator); above this the sm_90 compile spills (checked offline: 128 x 192 per 8 warps spills, 128 x 128 not).
 ACC_REGS_MAX = 64
@@ -471,7 +466,7 @@ def candidate_configs(cin: int, cout: int, m: int, in_fp8: bool = True) -> list[
     registers per thread; as many stages (<= 4) as fit SMEM_BUDGET."""
     bk = block_k_for(cin)
     widths = [wd for wd in dict.fromkeys(([cout] if cout <= 256 else []) + [192, 128, 96, 64, 32, 16])
-              if cout % wd == 0 and _split(wd) and wd >= min(cout, 64)]
+              if cout % wd == 0 and pow2_split(wd) and wd >= min(cout, 64)]
     if not widths:  # Cout a multiple of 16 always has 16; keep a masked fallback anyway
         widths = [min(128, triton.next_power_of_2(cout))]
     cands = []
@@ -484,7 +479,7 @@ def candidate_configs(cin: int, cout: int, m: int, in_fp8: bool = True) -> list[
                     continue
                 per_stage = bm * bk * (1 if in_fp8 else 2) + bk * wd
                 stages = max(2, min(4, SMEM_BUDGET // per_stage))
-                n0, n1 = _split(wd) or (wd, 0)
+                n0, n1 = pow2_split(wd) or (wd, 0)
                 cands.append(ConvConfig(bm, n0, n1, warps, stages))
     small = m < 128 * 132 * 2  # under two waves of 128-pixel tiles: prefer 64-pixel tiles
     cands.sort(key=lambda c: (-(c.block_m * (c.block_n0 + c.block_n1)), (c.block_m == 128) == small,
@@ -522,9 +517,8 @@ class TmaConfig:
 
 
 def tma_tile_width(w: int) -> int:
-    """The patch width (64 / 32 / 16 / 8 pixels) that wastes the fewest columns on frames w wide (ties: the wider):
-    832 -> 64, 416 -> 32, 208 -> 16, 104 -> 8 (13 patches across each)."""
-    return min(TMA_TILE_WIDTHS, key=lambda bw: (triton.cdiv(w, bw) * bw, -bw))
+    """The patch width of the TMA kernel on frames w wide: _common.patch_width over TMA_TILE_WIDTHS."""
+    return patch_width(w, TMA_TILE_WIDTHS)
 
 
 def tma_candidate_configs(cin: int, cout: int, h: int, w: int, m: int, limit: int | None = 6,
@@ -541,11 +535,11 @@ def tma_candidate_configs(cin: int, cout: int, h: int, w: int, m: int, limit: in
     bw = tma_tile_width(w)
     widths = [wd for wd in (128, 64) if cout % wd == 0] or [
         wd for wd in dict.fromkeys(([cout] if cout <= 256 else []) + [192, 96, 32, 16])
-        if cout % wd == 0 and _split(wd) and wd >= min(cout, 16)]
+        if cout % wd == 0 and pow2_split(wd) and wd >= min(cout, 16)]
     few_tiles = m < 128 * 132 * 2  # under two waves of 128-pixel patches
     cands = []
     for wd in widths:
-        n0, n1 = _split(wd)
+        n0, n1 = pow2_split(wd)
         tiles = (128, 256) if n1 or few_tiles else (256, 128)
         for bm in tiles:
             for warps in (8, 4) if bm == 256 else (4, 8):
@@ -565,15 +559,8 @@ def tma_supported(cin: int, cout: int) -> bool:
 
 
 def tma_available(device: torch.device) -> bool:
-    """The TMA kernel can run on `device`: Triton's host-side tensor descriptors exist, and it is an sm_90+ GPU or
-    the interpreter runs the kernels."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    if interpreting(_conv3d_fp8_tma_kernel):
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    """The TMA kernel can run on `device` (_common.tma_available)."""
+    return _tma_available(_conv3d_fp8_tma_kernel, device)
 
 
 _TUNED: dict[tuple, ConvConfig] = {}
@@ -595,34 +582,6 @@ def tuned_config(kernel: str, cin: int, cout: int, m: int, w: int, promote: int,
 
 def _tuning_enabled() -> bool:
     return os.environ.get("FASTREMOVER_CONV3D_FP8_TUNE", "1") != "0"
-
-
-def _pick_config(key: tuple, cands: list, launch):
-    """Cached best config for `key`; times the candidates with `launch(config)` the first time (GPU only)."""
-    cfg = _TUNED.get(key)
-    if cfg is not None:
-        return cfg
-    if not _tuning_enabled() or len(cands) == 1:
-        cfg = cands[0]
-    else:
-        import triton.testing
-
-        best = None
-        for c in cands:
-            try:
-                launch(c)  # compile outside the timing
-                ms = triton.testing.do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median")
-            except Exception as e:  # e.g. out of shared memory for this config: skip it
-                if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
-                    raise
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, c)
-        if best is None:
-            raise RuntimeError(f"conv3d_fp8: no candidate config runs for {key}")
-        cfg = best[1]
-    _TUNED[key] = cfg
-    return cfg
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -742,6 +701,26 @@ def quantize_activation(prev: torch.Tensor | None, x: torch.Tensor, act_scale: t
     return pq, xq
 
 
+def _check_weights(w_q, w_scale, bias, cin: int) -> int:
+    """Validate (w_q, w_scale) from quantize_conv_weight and the bias for an input of cin channels; returns Cout."""
+    if not isinstance(w_q, torch.Tensor) or w_q.dim() != 2 or w_q.dtype != FP8 or not w_q.is_contiguous():
+        raise ValueError("w_q must be a contiguous float8_e4m3fn [Cout, 27*Cin] tensor (quantize_conv_weight), got "
+                         f"{(w_q.dtype, tuple(w_q.shape)) if isinstance(w_q, torch.Tensor) else type(w_q).__name__}")
+    cout = w_q.shape[0]
+    if not supported(cin, cout):
+        raise ValueError(f"conv3d_fp8 needs Cin and Cout multiples of 16 (got Cin={cin}, Cout={cout}); "
+                         "use the fp16 cuDNN conv for this layer")
+    if w_q.shape[1] != TAPS * cin:
+        raise ValueError(f"w_q must be [Cout, 27*Cin] = [{cout}, {TAPS * cin}] for x's Cin={cin}, got "
+                         f"{tuple(w_q.shape)}")
+    if not isinstance(w_scale, torch.Tensor) or w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (cout,):
+        raise ValueError(f"w_scale must be fp32 [{cout}]")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (cout,)
+                             or bias.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+        raise ValueError(f"bias must be None or a float [{cout}] tensor")
+    return cout
+
+
 def causal_conv3d_fp8(
     prev: torch.Tensor | None,
     x: torch.Tensor,
@@ -777,21 +756,7 @@ def causal_conv3d_fp8(
     in_fp8 = isinstance(x, torch.Tensor) and x.dtype == FP8
     _check_prev_x(prev, x, (FP8,) if in_fp8 else ACT_DTYPES)
     b, cin, t, h, w = x.shape
-    if not isinstance(w_q, torch.Tensor) or w_q.dim() != 2 or w_q.dtype != FP8 or not w_q.is_contiguous():
-        raise ValueError("w_q must be a contiguous float8_e4m3fn [Cout, 27*Cin] tensor (quantize_conv_weight), got "
-                         f"{(w_q.dtype, tuple(w_q.shape)) if isinstance(w_q, torch.Tensor) else type(w_q).__name__}")
-    cout = w_q.shape[0]
-    if not supported(cin, cout):
-        raise ValueError(f"conv3d_fp8 needs Cin and Cout multiples of 16 (got Cin={cin}, Cout={cout}); "
-                         "use the fp16 cuDNN conv for this layer")
-    if w_q.shape[1] != TAPS * cin:
-        raise ValueError(f"w_q must be [Cout, 27*Cin] = [{cout}, {TAPS * cin}] for x's Cin={cin}, got "
-                         f"{tuple(w_q.shape)}")
-    if not isinstance(w_scale, torch.Tensor) or w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (cout,):
-        raise ValueError(f"w_scale must be fp32 [{cout}]")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (cout,)
-                             or bias.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
-        raise ValueError(f"bias must be None or a float [{cout}] tensor")
+    cout = _check_weights(w_q, w_scale, bias, cin)
     if quantize not in QUANT_MODES:
         raise ValueError(f"quantize must be one of {QUANT_MODES}, got {quantize!r}")
     if in_fp8:
@@ -856,7 +821,8 @@ def causal_conv3d_fp8(
             config = default_config(cin, cout, m, x.dtype == FP8)
         else:
             key = _tune_key(cin, cout, m, x.dtype, promote, bias is not None, x.device)
-            config = _pick_config(key, candidate_configs(cin, cout, m, x.dtype == FP8), launch)
+            config = autotune(_TUNED, key, candidate_configs(cin, cout, m, x.dtype == FP8), launch, _tuning_enabled(),
+                              "conv3d_fp8")
     launch(config)
     return y
 
@@ -923,17 +889,7 @@ def conv3d_fp8_stream(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_sc
     b, cin, f, h, w = stream.shape
     if not isinstance(n_prev, int) or not 0 <= n_prev <= CACHE_FRAMES or n_prev >= f:
         raise ValueError(f"n_prev must be 0..{CACHE_FRAMES} and below the stream's {f} frames, got {n_prev!r}")
-    if not isinstance(w_q, torch.Tensor) or w_q.dtype != FP8 or w_q.dim() != 2 or tuple(w_q.shape[1:]) != (
-            TAPS * cin,) or not w_q.is_contiguous():
-        raise ValueError(f"w_q must be a contiguous float8_e4m3fn [Cout, {TAPS * cin}] tensor (quantize_conv_weight)")
-    cout = w_q.shape[0]
-    if not tma_supported(cin, cout):
-        raise ValueError(f"conv3d_fp8 needs Cin and Cout multiples of 16 (got Cin={cin}, Cout={cout})")
-    if not isinstance(w_scale, torch.Tensor) or w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (cout,):
-        raise ValueError(f"w_scale must be fp32 [{cout}]")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (cout,)
-                             or bias.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
-        raise ValueError(f"bias must be None or a float [{cout}] tensor")
+    cout = _check_weights(w_q, w_scale, bias, cin)  # (tma_supported == supported)
     if out_dtype not in ACT_DTYPES:
         raise ValueError(f"out_dtype must be fp16 or bf16, got {out_dtype}")
     check_device(_conv3d_fp8_tma_kernel, stream=stream, w_q=w_q, w_scale=w_scale, bias=bias, act_scale=act_scale,
@@ -1004,7 +960,7 @@ def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: tor
             config = cands[0]
         else:
             key = ("tma",) + _tune_key(cin, cout, m, FP8, promote, bias is not None, y.device) + (w, residual is not None)
-            config = _pick_config(key, cands, launch)
+            config = autotune(_TUNED, key, cands, launch, _tuning_enabled(), "conv3d_fp8")
     launch(config)
 
 
@@ -1304,11 +1260,8 @@ def _codegen_check_tma(classes, quick: bool, verbose: bool) -> list[str]:
     LDS/STS (some configs' epilogues convert the accumulator's layout for the TMA store through shared memory)."""
     import re
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from fastremover.fast.kernels.codegen_check import _compile
 
-    k = _conv3d_fp8_tma_kernel
-    names = list(k.arg_names)
     problems = []
     for (cin, cout, m), (h, w) in zip(classes, ((480, 832), (240, 416), (120, 208))):
         if quick and cin == 192:
@@ -1327,11 +1280,7 @@ def _codegen_check_tma(classes, quick: bool, verbose: bool) -> list[str]:
                    "T": "i32", "H": "i32", "W": "i32", "NP": "i32", "CIN": "i32", "COUT": "i32"}
             consts = dict(BH=cfg.bh, BW=cfg.bw, BLOCK_K=bk, BLOCK_N0=cfg.block_n0, BLOCK_N1=cfg.block_n1,
                           HAS_BIAS=True, PROMOTE=promote, OUT_BF16=False, HAS_RES=(cin == 96), INTERPRET=False)
-            sig.update({c: "constexpr" for c in consts})
-            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("WS", "BIAS", "SA", "CIN", "COUT")}
-            src = ASTSource(fn=k, signature={n: sig[n] for n in names}, constexprs=consts, attrs=attrs)
-            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(k)}
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            c = _compile(_conv3d_fp8_tma_kernel, sig, consts, cfg.num_warps, cfg.num_stages, divisible=("CIN", "COUT"))
             sass = c.asm["sass"]
             counts = {op: len(re.findall(rf"\b{op}\b", sass))
                       for op in ("QGMMA", "UTMALDG", "UTMASTG", "LDS", "STS", "LDSM", "FADD")}

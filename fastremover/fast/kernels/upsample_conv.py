@@ -51,7 +51,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastremover.fast.kernels._common import check_device, check_tensor, interpreting, launch_options, load_f32, round_to
+from fastremover.fast.kernels._common import (
+    autotune,
+    check_device,
+    check_tensor,
+    interpreting,
+    launch_options,
+    load_f32,
+    patch_width,
+    pow2_split,
+    round_to,
+    tma_available,
+)
 
 DTYPES = (torch.float16, torch.bfloat16)
 # R(p, a): the 3x3 kernel rows (or columns) that tap a of phase p sums (see the module doc)
@@ -134,16 +145,8 @@ def block_k_for(cin: int) -> int:
 
 
 def tile_width(w: int) -> int:
-    """The patch width (64 / 32 / 16 / 8 input pixels) wasting the fewest columns (ties: the wider)."""
-    return min(TILE_WIDTHS, key=lambda bw: (triton.cdiv(w, bw) * bw, -bw))
-
-
-def _split(width: int) -> tuple[int, int] | None:
-    if width & (width - 1) == 0:
-        return width, 0
-    hi = 1 << (width.bit_length() - 1)
-    lo = width - hi
-    return (hi, lo) if lo >= 16 and lo & (lo - 1) == 0 else None
+    """The patch width in input pixels: _common.patch_width over TILE_WIDTHS."""
+    return patch_width(w, TILE_WIDTHS)
 
 
 def candidate_configs(cin: int, cout: int, w: int, m: int, limit: int | None = 4) -> list[UpConvConfig]:
@@ -152,11 +155,11 @@ def candidate_configs(cin: int, cout: int, w: int, m: int, limit: int | None = 4
     bk = block_k_for(cin)
     bw = tile_width(w)
     widths = [wd for wd in (128, 64) if cout % wd == 0] or [
-        wd for wd in (cout, 32, 16) if cout % wd == 0 and wd <= 256 and _split(wd)]
+        wd for wd in (cout, 32, 16) if cout % wd == 0 and wd <= 256 and pow2_split(wd)]
     few = m < 128 * 132 * 4 * 2  # (4 phases per patch)
     cands = []
     for wd in dict.fromkeys(widths):
-        n0, n1 = _split(wd)
+        n0, n1 = pow2_split(wd)
         for bm in ((128, 256) if n1 or few else (256, 128)):
             for warps in ((8, 4) if bm == 256 else (4, 8)):
                 if bm * wd > ACC_REGS_MAX * 32 * warps or (warps == 8 and bm * wd <= 128 * 96):
@@ -172,14 +175,8 @@ def supported(cin: int, cout: int) -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Triton host tensor descriptors and an sm_90+ GPU (or the interpreter)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    if interpreting(_upsample_conv_kernel):
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    """Triton host tensor descriptors and an sm_90+ GPU, or the interpreter (_common.tma_available)."""
+    return tma_available(_upsample_conv_kernel, device)
 
 
 def phase_weights(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -269,28 +266,8 @@ def upsample_conv2x(x: torch.Tensor, w_phase: torch.Tensor, bias: torch.Tensor |
         m = nf * h * w * 4
         cands = candidate_configs(cin, cout, w, m)
         key = (cin, cout, w, 1 << max(0, (m - 1).bit_length()), x.dtype, bias is not None, x.device)
-        config = _TUNED.get(key)
-        if config is None:
-            if interp or len(cands) == 1 or os.environ.get("FASTREMOVER_UPCONV_TUNE", "1") == "0":
-                config = cands[0]
-            else:
-                from triton.testing import do_bench
-
-                best = None
-                for c in cands:
-                    try:
-                        launch(c)
-                        ms = do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median")
-                    except Exception as e:  # out of shared memory for this config: skip it
-                        if "out of resource" not in str(e).lower():
-                            raise
-                        continue
-                    if best is None or ms < best[0]:
-                        best = (ms, c)
-                if best is None:
-                    raise RuntimeError(f"upsample_conv2x: no candidate config runs for {key}")
-                config = best[1]
-            _TUNED[key] = config
+        tune = not interp and os.environ.get("FASTREMOVER_UPCONV_TUNE", "1") != "0"
+        config = autotune(_TUNED, key, cands, launch, tune, "upsample_conv2x")
     launch(config)
     return y
 
@@ -323,11 +300,8 @@ def codegen_check(verbose: bool = True) -> list[str]:
     loads/stores present, no register spills, no shared-memory round trip through registers in the K loop."""
     import re
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from fastremover.fast.kernels.codegen_check import _compile
 
-    k = _upsample_conv_kernel
-    names = list(k.arg_names)
     problems = []
     for nf, cin, cout, h, w in BENCH_SHAPES[:3]:
         bk = block_k_for(cin)
@@ -340,11 +314,7 @@ def codegen_check(verbose: bool = True) -> list[str]:
                    "H": "i32", "W": "i32", "CIN": "i32", "COUT": "i32"}
             consts = dict(BH=cfg.bh, BW=cfg.bw, BLOCK_K=bk, BLOCK_N0=cfg.block_n0, BLOCK_N1=cfg.block_n1,
                           HAS_BIAS=True, INTERPRET=False)
-            sig.update({c: "constexpr" for c in consts})
-            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("BIAS", "CIN", "COUT")}
-            src = ASTSource(fn=k, signature={n: sig[n] for n in names}, constexprs=consts, attrs=attrs)
-            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(k)}
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            c = _compile(_upsample_conv_kernel, sig, consts, cfg.num_warps, cfg.num_stages, divisible=("CIN", "COUT"))
             sass = c.asm["sass"]
             counts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "UTMALDG", "UTMASTG", "LDS", "STS")}
             spills = len(re.findall(r"\b(?:STL|LDL)\b", sass))
