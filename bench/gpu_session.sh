@@ -14,6 +14,10 @@
 #   conv:ARGS        the FP8 conv3d kernel bench (`conv3d_fp8 --bench ARGS`, JSON in $OUT/conv3d.json)
 #   vae:ARGS         the fast VAE bench (`vae_fast --bench ARGS`, JSON in $OUT/vae.json)
 #   pytest:ARGS      pytest ARGS (log appended to $OUT/pytest.log)
+#   flashinfer       FlashInfer for the fa3 / fp8-fa3 attention backends: unpack .fi/fi.tar.xz (a trimmed
+#                    flashinfer-python + apache-tvm-ffi site tree) into /tmp/fisite; modules prebuilt earlier
+#                    (.fi/aot/<name>.so) go where FlashInfer loads them without compiling, else nvcc builds them
+#                    (~minutes) and they are copied to $OUT for the next call
 # Budget: a W2 bench with two modes takes ~5 min (reference + 2 modes x (warm-up + repeats) + hash runs + the VAE
 # FLOP pass + first-call compiles); give it its own call with a 550 s timeout.
 set -uo pipefail
@@ -43,6 +47,20 @@ for phase in "$@"; do
     vae:*)
       # shellcheck disable=SC2086
       python3 -m fastremover.fast.vae_fast --bench ${phase#vae:} --out "$OUT/vae.json" 2>&1 | tail -12 ;;
+    flashinfer)
+      mkdir -p /tmp/fisite && tar -xJf .fi/fi.tar.xz -C /tmp/fisite || exit 1
+      export PYTHONPATH=/tmp/fisite:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a
+      export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+      for so in .fi/aot/*.so; do
+        [ -e "$so" ] || continue
+        name=$(basename "$so" .so); mkdir -p "/tmp/fisite/flashinfer/data/aot/$name"
+        cp "$so" "/tmp/fisite/flashinfer/data/aot/$name/$name.so"
+      done
+      python3 -m fastremover.fast.flashinfer_attention --build --out-dir "$OUT" 2>&1 | tail -20 ;;
+    attention:*)
+      # shellcheck disable=SC2086
+      python3 -m fastremover.fast.attention --bench ${phase#attention:} --out "$OUT/attention.json" 2>&1 \
+        | grep -v "^\[attention_fp8\]" | tail -40 ;;
     pytest:*)
       # shellcheck disable=SC2086
       python3 -m pytest -q -s -p no:cacheprovider ${phase#pytest:} 2>&1 | tee -a "$OUT/pytest.log" \

@@ -133,7 +133,21 @@ def fp8_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: b
     return _add_v_mean(o, v_mean[0] if v_mean else None)
 
 
-BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa, "fp8": fp8_cudnn, "fp8-triton": fp8_triton}
+def fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from fastremover.fast.flashinfer_attention import fa3_half
+
+    return fa3_half(q, k, v)
+
+
+def fp8_fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
+            smooth_v: bool = True) -> torch.Tensor:
+    from fastremover.fast.flashinfer_attention import fa3_fp8
+
+    return fa3_fp8(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
+
+
+BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa, "fp8": fp8_cudnn, "fp8-triton": fp8_triton, "fa3": fa3,
+                                    "fp8-fa3": fp8_fa3}
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -149,6 +163,10 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
 
         why = supported(device.index if device.index is not None else torch.cuda.current_device())
         return None if why is None else f"cuDNN FP8 attention is not available: {why}"
+    if name in ("fa3", "fp8-fa3"):
+        from fastremover.fast.flashinfer_attention import unavailable_reason as flashinfer_unavailable
+
+        return flashinfer_unavailable(device)
     if name == "fp8-triton":
         if torch.cuda.get_device_capability(device) < (8, 9):
             return "FP8 tensor cores need sm_89 or newer"
@@ -223,12 +241,21 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
             ms = _time_ms(lambda: sdpa(q, k, v))
         rows.append({"seq": s, "backend": "sdpa-fp16 (flash)", "ms": ms, "tflops": flop / ms / 1e9,
                      "speedup": base_ms / ms})
-        for name in ("fp8", "fp8-triton"):
+        if unavailable_reason("fa3", dev) is None:
+            try:
+                out = fa3(q, k, v)
+                ms = _time_ms(lambda: fa3(q, k, v))
+                rows.append({"seq": s, "backend": "fa3 (flashinfer, fp16)", "ms": ms, "tflops": flop / ms / 1e9,
+                             "cos": _cos(out, ref), "speedup": base_ms / ms})
+            except Exception as exc:
+                rows.append({"seq": s, "backend": "fa3 (flashinfer, fp16)", "error": repr(exc)[:300]})
+        for name in ("fp8", "fp8-fa3", "fp8-triton"):
             why = unavailable_reason(name, dev)
             if why:
                 rows.append({"seq": s, "backend": name, "error": why})
                 continue
-            for smooth, smooth_v in ((True, name == "fp8"), (True, name != "fp8"), (False, False)):
+            centred_default = name in ("fp8", "fp8-fa3")
+            for smooth, smooth_v in ((True, centred_default), (True, not centred_default), (False, False)):
                 fn = BACKENDS[name]
                 label = name + (" smooth_v" if smooth_v else " no smooth_v")
                 try:
@@ -257,6 +284,21 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
                     rows.append({"seq": s, "backend": "fp8 plan survey", "error": repr(exc)[:300]})
                 ms = _time_ms(lambda: quantize_qkv(q, k, v))
                 rows.append({"seq": s, "backend": "quantize q/k/v only", "ms": ms})
+            if name == "fp8-fa3":  # the kernel alone, fp16 output
+                from fastremover.fast.flashinfer_attention import fa3_fp8_codes
+
+                q8, k8, v8, sq, sk, sv = quantize_qkv(q, k, v)
+                try:
+                    o = fa3_fp8_codes(q8, k8, v8, sq, sk, sv)
+                    ms = _time_ms(lambda: fa3_fp8_codes(q8, k8, v8, sq, sk, sv))
+                    rows.append({"seq": s, "backend": "fp8-fa3 kernel only", "ms": ms, "tflops": flop / ms / 1e9,
+                                 "cos": _cos(o, ref), "speedup": base_ms / ms})
+                    qc, kc, vc = (t.contiguous() for t in (q8, k8, v8))
+                    ms = _time_ms(lambda: fa3_fp8_codes(qc, kc, vc, sq, sk, sv))
+                    rows.append({"seq": s, "backend": "fp8-fa3 kernel only, contiguous q/k/v", "ms": ms,
+                                 "tflops": flop / ms / 1e9, "speedup": base_ms / ms})
+                except Exception as exc:
+                    rows.append({"seq": s, "backend": "fp8-fa3 kernel only", "error": repr(exc)[:300]})
     return rows
 
 
