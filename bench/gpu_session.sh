@@ -14,6 +14,7 @@
 #   conv:ARGS        the FP8 conv3d kernel bench (`conv3d_fp8 --bench ARGS`, JSON in $OUT/conv3d.json)
 #   vae:ARGS         the fast VAE bench (`vae_fast --bench ARGS`, JSON in $OUT/vae.json)
 #   pytest:ARGS      pytest ARGS (log appended to $OUT/pytest.log)
+#   if-faster:A,B    stop here unless attention backend row A beat row B at S = 32760 in $OUT/attention.json
 #   flashinfer       FlashInfer for the fa3 / fp8-fa3 attention backends: unpack .fi/fi.tar.xz (a trimmed
 #                    flashinfer-python + apache-tvm-ffi site tree) into /tmp/fisite; modules prebuilt earlier
 #                    (.fi/aot/<name>.so) go where FlashInfer loads them without compiling, else nvcc builds them
@@ -61,6 +62,18 @@ for phase in "$@"; do
       # shellcheck disable=SC2086
       python3 -m fastremover.fast.attention --bench ${phase#attention:} --out "$OUT/attention.json" 2>&1 \
         | grep -v "^\[attention_fp8\]" | tail -40 ;;
+    if-faster:*)
+      spec=${phase#if-faster:}
+      python3 - "$OUT/attention.json" "${spec%%,*}" "${spec#*,}" <<'EOF' || break
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+def ms(name):
+    return min((r["ms"] for r in rows if r["seq"] == 32760 and r["backend"] == name and "ms" in r), default=float("inf"))
+a, b = ms(sys.argv[2]), ms(sys.argv[3])
+print(f"{sys.argv[2]}: {a:.3f} ms vs {sys.argv[3]}: {b:.3f} ms")
+sys.exit(0 if a < b else 1)
+EOF
+      ;;
     pytest:*)
       # shellcheck disable=SC2086
       python3 -m pytest -q -s -p no:cacheprovider ${phase#pytest:} 2>&1 | tee -a "$OUT/pytest.log" \

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from fastremover.fast.attention import get_backend, quantize_qkv
 from fastremover.fast.cudnn_sdpa import sdpa_fp8
+from fastremover.fast.flashinfer_attention import fa3_fp8_codes
 from fastremover.fast.fp8 import Fp8Linear
 from fastremover.models.transformer import RemoverTransformer
 
@@ -100,6 +101,8 @@ class FastTransformer(nn.Module):
             self.qkv = nn.ModuleList(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v) for b in model.blocks)
         # fp8 attention whose codes go straight into the FP8 O projection (no dequantize / requantize pass)
         self.fp8_attention_codes = fp8 and attention == "fp8"
+        # FlashInfer's FA3 FP8 kernel writes fp16 (o - m): requantized per row for the O projection, V's mean in its bias
+        self.fp8_attention_fa3 = fp8 and attention == "fp8-fa3"
         if fp8:
             # Quantize every block linear once: q/k/v as one fused GEMM (per-output-channel scales, so the fused
             # weight's codes and scales are exactly the three separate ones), out/ffn their own.
@@ -143,21 +146,23 @@ class FastTransformer(nn.Module):
             q, k, v = self.qkv[index](n).chunk(3, dim=1)
         q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
         k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-        if self.fp8_attention_codes:
+        if self.fp8_attention_codes or self.fp8_attention_fa3:
             # V centred over the sequence (smooth_v): cuDNN's FP8 P @ V then sums zero-mean terms, which its
             # reduced-precision accumulator keeps (see fast/attention.py). attn(v) = attn(v - m) + m since each row
             # of P sums to 1, so the O projection adds W_o m per batch (a [B, D] GEMV in the model dtype); with one
             # batch it rides in the GEMM's bias (a broadcast add over [S, D] cost 4.6 ms per W2 step).
             q8, k8, v8, sq, sk, sv, v_mean = quantize_qkv(
                 *(t.unflatten(1, (heads, -1)).view(b, s, heads, -1) for t in (q, k, v)), smooth_v=True)
-            o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of (o - m) / sv
+            if self.fp8_attention_fa3:  # fp16 (o - m), requantized per row
+                o_in = ops.quant_rowwise(fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype).view(b * s, -1))
+            else:  # codes of (o - m) / sv
+                o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
             o_proj = self.fp8_blocks[index]["o"]
-            row_scale = sv.view(1, 1).expand(b * s, 1).contiguous()
             if b == 1:  # one batch: b_o + W_o m is the GEMM's bias (added in its fp32 epilogue, no extra pass)
                 w_m = F.linear(v_mean.to(self.dtype), attn.to_out[0].weight, attn.to_out[0].bias)  # [1, D]
-                o = o_proj(o8.view(b * s, -1), row_scale, bias=w_m[0])
+                o = o_proj(*o_in, bias=w_m[0])
             else:  # the GEMM's bias is one row for all batches: add W_o m per batch after it
-                o = o_proj(o8.view(b * s, -1), row_scale)
+                o = o_proj(*o_in)
                 o.view(b, s, -1).add_(F.linear(v_mean.to(o.dtype), attn.to_out[0].weight).unsqueeze(1))
         else:
             o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1),
