@@ -197,11 +197,14 @@ def test_attention_backend_choice_and_errors_on_cpu():
     ({"sdpa", "fp8", "fp8-triton"}, "exact", "sdpa", None),
     ({"sdpa", "fp8"}, "exact", "sdpa", None),
     ({"sdpa"}, "exact", "sdpa", None),
-], ids=["fast-all", "fast-only-triton", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit"])
+    ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton"}, "exact", "fa3", None),  # FlashInfer installed: its FA3 kernel
+    ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton"}, "fast", "fp8", None),
+], ids=["fast-all", "fast-only-triton", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit",
+        "exact-flashinfer", "fast-flashinfer"])
 def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expect_note):
     """auto_backend's choice given which backends can run (unavailable_reason faked: nothing CUDA is touched): fast
     takes cuDNN's fp8 when it can run, else fp8-triton with a note saying why, else sdpa with a note naming both
-    reasons; exact is always sdpa, with no notes."""
+    reasons; exact takes FlashInfer's fa3 when it can run, else sdpa, with no notes."""
     from fastremover.fast import attention
 
     asked = []
@@ -284,15 +287,18 @@ def test_gpu_fp8_linear_cosine_at_real_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,attention,expect", [("exact", "auto", "sdpa"), ("fast", "auto", "fp8"),
-                                                   ("fast", "fp8-triton", "fp8-triton")],
-                         ids=["exact-auto", "fast-auto", "fast-triton-fp8"])
+@pytest.mark.parametrize("mode,attention,expect", [("exact", "sdpa", "sdpa"), ("fast", "auto", "fp8"),
+                                                   ("fast", "fp8-triton", "fp8-triton"), ("exact", "fa3", "fa3"),
+                                                   ("fast", "fp8-fa3", "fp8-fa3")],
+                         ids=["exact-sdpa", "fast-auto", "fast-triton-fp8", "exact-flashinfer-fa3",
+                              "fast-flashinfer-fp8-fa3"])
 def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
-    """exact (SDPA), fast with its default cuDNN FP8 attention (centred K and V), and fast with our Triton FP8
-    attention inside the captured loop: the graph replays bit-identically and reads new inputs."""
+    """exact (SDPA, FlashInfer's FA3), fast with its default cuDNN FP8 attention (centred K and V), with our Triton
+    FP8 attention and with FlashInfer's FA3 FP8 kernel inside the captured loop: the graph replays bit-identically and
+    reads new inputs."""
     from fastremover.fast.attention import unavailable_reason
 
-    if attention != "auto":
+    if attention not in ("auto", "sdpa"):
         why = unavailable_reason(attention, torch.device("cuda"))
         if why is not None:
             pytest.skip(f"attention backend {attention} cannot run here: {why}")
@@ -315,7 +321,7 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
 @pytest.mark.gpu
 def test_gpu_fast_mode_defaults_to_the_cudnn_fp8_attention():
     """On a Hopper GPU with cuDNN's FP8 SDPA the fast mode's `auto` attention is `fp8` (with K and V centred: W2
-    48.6 dB, fast/attention.py); exact stays on SDPA."""
+    48.6 dB, fast/attention.py); exact takes FlashInfer's FA3 when it can run, else SDPA."""
     from fastremover.fast.engine import resolve_attention
 
     dev = torch.device("cuda")
@@ -326,4 +332,5 @@ def test_gpu_fast_mode_defaults_to_the_cudnn_fp8_attention():
     why = unavailable_reason("fp8", dev)
     assert why is None, why  # the GPU image carries cudnn-frontend (bench/gpu_session.sh)
     assert resolve_attention("auto", "fast", dev) == ("fp8", [])
-    assert resolve_attention("auto", "exact", dev) == ("sdpa", [])
+    exact_default = "fa3" if unavailable_reason("fa3", dev) is None else "sdpa"  # FlashInfer's FA3 when installed
+    assert resolve_attention("auto", "exact", dev) == (exact_default, [])

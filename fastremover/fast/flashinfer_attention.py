@@ -38,7 +38,28 @@ def unavailable_reason(device: torch.device) -> str | None:
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "FlashInfer's FA3 kernels (backend fa3) need a Hopper GPU (sm_90)"
     why = import_error()
-    return None if why is None else f"flashinfer does not import ({why}); pip install flashinfer-python"
+    if why is not None:
+        return f"flashinfer does not import ({why}); pip install flashinfer-python"
+    return build_unavailable_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def build_unavailable_reason() -> str | None:
+    """None when both modules are prebuilt (FlashInfer's AOT directory) or nvcc is there to compile them on first
+    use; else why not."""
+    import shutil  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    try:
+        if all(spec.aot_path.exists() for spec in jit_specs()):
+            return None
+    except Exception as exc:  # FlashInfer's spec generation refuses this setup (e.g. no CUDA arch to target)
+        return f"FlashInfer cannot set up its FA3 modules here: {type(exc).__name__}: {str(exc)[:200]}"
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if (cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc"))) or shutil.which("nvcc"):
+        return None
+    return ("FlashInfer's FA3 modules are not prebuilt and there is no nvcc to compile them (set CUDA_HOME, or "
+            "prebuild: python -m fastremover.fast.flashinfer_attention --build)")
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
