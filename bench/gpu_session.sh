@@ -2,7 +2,7 @@
 # One device call (see /work/.library/device): install the carried wheels, then run the phases named as arguments.
 # Results land in $OUT. Prepare on the dev machine (the device copy has no .git otherwise, and the bench JSON records
 # the commit):
-#   rm -rf .devrun && mkdir .devrun && git clone -q --depth 1 file://$PWD .devrun/src && cp -r .whl .devrun/src/
+#   rm -rf .devrun && mkdir .devrun && git clone -q --depth 1 file://$PWD .devrun/src && cp -r .whl .fi .devrun/src/
 # and run with carry [".devrun"]:  cd .devrun/src && bash bench/gpu_session.sh tests kernels "bench:--workload w1 ..."
 # Phases:
 #   tests            pytest -m gpu without the Triton FP8 attention file (~2.5 min); its real-shape tests now pin one
@@ -18,7 +18,9 @@
 #   flashinfer       FlashInfer for the fa3 / fp8-fa3 attention backends: unpack .fi/fi.tar.xz (a trimmed
 #                    flashinfer-python + apache-tvm-ffi site tree) into /tmp/fisite; modules prebuilt earlier
 #                    (.fi/aot/<name>.so) go where FlashInfer loads them without compiling, else nvcc builds them
-#                    (~minutes) and they are copied to $OUT for the next call
+#                    (~minutes) and they are copied to $OUT for the next call. Make .fi with
+#                    bench/build_flashinfer_modules.sh (builds without a GPU; one build on the device failed) and
+#                    copy it next to .whl into .devrun/src
 # Budget: a W2 bench with two modes takes ~5 min (reference + 2 modes x (warm-up + repeats) + hash runs + the VAE
 # FLOP pass + first-call compiles); give it its own call with a 550 s timeout.
 set -uo pipefail

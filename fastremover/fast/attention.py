@@ -26,6 +26,11 @@ stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
   bench/results/attention-ws-crash-*.json)
   it takes 11.79-12.1 ms at S = 32760 vs SDPA's 11.5-11.8 (8.95 ms with them, at 1697f8b). The fast mode's fallback
   when cuDNN's FP8 attention cannot run.
+- `fa3` / `fp8-fa3`: FlashInfer's FA3-style Hopper kernels (fast/flashinfer_attention.py; optional package), fp16 and
+  FP8 (the FP8 one with the same quantization as `fp8`, V centred). At S = 32760 the fp16 kernel takes 10.18 ms vs
+  SDPA's 11.87 (cosine 0.9999999), so it is the `exact` mode's default where it can run (W2 exact denoise 5.94 ->
+  5.46 s); the FP8 one 8.14 ms incl. quantization vs cuDNN's 8.54, but no faster in the denoise loop (W2 4.18 vs
+  4.17 s), so `fast` keeps cuDNN's (bench/results/attention-fa3-*.json, w2-*-fa3-*.json).
 A backend that cannot run here is an error naming why, never a silent fallback, so a bench row labelled fp8 always
 ran fp8; `auto_backend` is what the engine modes use to pick.
 """
