@@ -14,6 +14,7 @@
 #   conv:ARGS        the FP8 conv3d kernel bench (`conv3d_fp8 --bench ARGS`, JSON in $OUT/conv3d.json)
 #   vae:ARGS         the fast VAE bench (`vae_fast --bench ARGS`, JSON in $OUT/vae.json)
 #   pytest:ARGS      pytest ARGS (log appended to $OUT/pytest.log)
+#   flash3           put FlashAttention-3 (bench/build_flash3.sh's output, carried as .fa3) on PYTHONPATH
 #   if-faster:A,B    stop here unless attention backend row A beat row B at S = 32760 in $OUT/attention.json
 #   flashinfer       FlashInfer for the fa3 / fp8-fa3 attention backends: unpack .fi/fi.tar.xz (a trimmed
 #                    flashinfer-python + apache-tvm-ffi site tree) into /tmp/fisite; modules prebuilt earlier
@@ -50,6 +51,9 @@ for phase in "$@"; do
     vae:*)
       # shellcheck disable=SC2086
       python3 -m fastremover.fast.vae_fast --bench ${phase#vae:} --out "$OUT/vae.json" 2>&1 | tail -12 ;;
+    flash3)  # FlashAttention-3 built by bench/build_flash3.sh, carried as .fa3 (its out/ folder)
+      export PYTHONPATH=$PWD/.fa3:$PYTHONPATH
+      python3 -c "import torch, flash_attn_interface; print('flash_attn_interface OK')" 2>&1 | tail -3 ;;
     flashinfer)
       mkdir -p /tmp/fisite && tar -xJf .fi/fi.tar.xz -C /tmp/fisite || exit 1
       export PYTHONPATH=/tmp/fisite:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a

@@ -151,8 +151,15 @@ def fp8_fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool
     return fa3_fp8(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
 
 
+def fp8_flash3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
+               smooth_v: bool = True) -> torch.Tensor:
+    from fastremover.fast.flash3_attention import flash3_fp8
+
+    return flash3_fp8(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
+
+
 BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa, "fp8": fp8_cudnn, "fp8-triton": fp8_triton, "fa3": fa3,
-                                    "fp8-fa3": fp8_fa3}
+                                    "fp8-fa3": fp8_fa3, "fp8-flash3": fp8_flash3}
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -172,6 +179,10 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
         from fastremover.fast.flashinfer_attention import unavailable_reason as flashinfer_unavailable
 
         return flashinfer_unavailable(device)
+    if name == "fp8-flash3":
+        from fastremover.fast.flash3_attention import unavailable_reason as flash3_unavailable
+
+        return flash3_unavailable(device)
     if name == "fp8-triton":
         if torch.cuda.get_device_capability(device) < (8, 9):
             return "FP8 tensor cores need sm_89 or newer"
@@ -256,12 +267,12 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
                              "cos": _cos(out, ref), "speedup": base_ms / ms})
             except Exception as exc:
                 rows.append({"seq": s, "backend": "fa3 (flashinfer, fp16)", "error": repr(exc)[:300]})
-        for name in ("fp8", "fp8-fa3", "fp8-triton"):
+        for name in ("fp8", "fp8-fa3", "fp8-flash3", "fp8-triton"):
             why = unavailable_reason(name, dev)
             if why:
                 rows.append({"seq": s, "backend": name, "error": why})
                 continue
-            centred_default = name in ("fp8", "fp8-fa3")
+            centred_default = name in ("fp8", "fp8-fa3", "fp8-flash3")
             for smooth, smooth_v in ((True, centred_default), (True, not centred_default), (False, False)):
                 fn = BACKENDS[name]
                 label = name + (" smooth_v" if smooth_v else " no smooth_v")
@@ -291,6 +302,17 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
                     rows.append({"seq": s, "backend": "fp8 plan survey", "error": repr(exc)[:300]})
                 ms = _time_ms(lambda: quantize_qkv(q, k, v))
                 rows.append({"seq": s, "backend": "quantize q/k/v only", "ms": ms})
+            if name == "fp8-flash3":  # the kernel alone, bf16 output
+                from fastremover.fast.flash3_attention import flash3_fp8_codes
+
+                q8, k8, v8, sq, sk, sv = quantize_qkv(q, k, v)
+                try:
+                    o = flash3_fp8_codes(q8, k8, v8, sq, sk, sv)
+                    ms = _time_ms(lambda: flash3_fp8_codes(q8, k8, v8, sq, sk, sv))
+                    rows.append({"seq": s, "backend": "fp8-flash3 kernel only", "ms": ms, "tflops": flop / ms / 1e9,
+                                 "cos": _cos(o, ref), "speedup": base_ms / ms})
+                except Exception as exc:
+                    rows.append({"seq": s, "backend": "fp8-flash3 kernel only", "error": repr(exc)[:300]})
             if name == "fp8-fa3":  # the kernel alone, fp16 output
                 from fastremover.fast.flashinfer_attention import fa3_fp8_codes
 
