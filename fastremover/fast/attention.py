@@ -31,6 +31,9 @@ stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
   SDPA's 11.87 (cosine 0.9999999), so it is the `exact` mode's default where it can run (W2 exact denoise 5.94 ->
   5.46 s); the FP8 one 8.14 ms incl. quantization vs cuDNN's 8.54, but no faster in the denoise loop (W2 4.18 vs
   4.17 s), so `fast` keeps cuDNN's (bench/results/attention-fa3-*.json, w2-*-fa3-*.json).
+- `fp8-flash3`: FlashAttention-3's own FP8 forward kernel (fast/flash3_attention.py; built from source), the same
+  quantization: 7.50 ms at S = 32760 vs cuDNN's 8.46, W2 fast denoise 3.97 s vs 4.17, but 47.2 dB vs 48.6 end to end
+  (its FP8 output is bf16), so it is opt-in (bench/results/attention-flash3-*.json, w2-fast-fp8flash3-*.json).
 A backend that cannot run here is an error naming why, never a silent fallback, so a bench row labelled fp8 always
 ran fp8; `auto_backend` is what the engine modes use to pick.
 """

@@ -101,7 +101,8 @@ class FastTransformer(nn.Module):
             self.qkv = nn.ModuleList(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v) for b in model.blocks)
         # fp8 attention whose codes go straight into the FP8 O projection (no dequantize / requantize pass)
         self.fp8_attention_codes = fp8 and attention == "fp8"
-        # FlashInfer's FA3 FP8 kernel writes fp16 (o - m): requantized per row for the O projection, V's mean in its bias
+        # FlashInfer's FA3 FP8 kernel writes fp16 (o - m): requantized per row for the O projection, V's mean in the
+        # projection's bias
         self.fp8_attention_fa3 = fp8 and attention == "fp8-fa3"
         if fp8:
             # Quantize every block linear once: q/k/v as one fused GEMM (per-output-channel scales, so the fused
