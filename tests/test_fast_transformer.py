@@ -289,9 +289,10 @@ def test_gpu_fp8_linear_cosine_at_real_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,attention,expect", [("exact", "sdpa", "sdpa"), ("fast", "auto", "fp8"),
                                                    ("fast", "fp8-triton", "fp8-triton"), ("exact", "fa3", "fa3"),
-                                                   ("fast", "fp8-fa3", "fp8-fa3")],
+                                                   ("fast", "fp8-fa3", "fp8-fa3"),
+                                                   ("fast", "fp8-flash3", "fp8-flash3")],
                          ids=["exact-sdpa", "fast-auto", "fast-triton-fp8", "exact-flashinfer-fa3",
-                              "fast-flashinfer-fp8-fa3"])
+                              "fast-flashinfer-fp8-fa3", "fast-flash3-fp8"])
 def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
     """exact (SDPA, FlashInfer's FA3), fast with its default cuDNN FP8 attention (centred K and V), with our Triton
     FP8 attention and with FlashInfer's FA3 FP8 kernel inside the captured loop: the graph replays bit-identically and

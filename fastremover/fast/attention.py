@@ -33,7 +33,8 @@ stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
   4.17 s), so `fast` keeps cuDNN's (bench/results/attention-fa3-*.json, w2-*-fa3-*.json).
 - `fp8-flash3`: FlashAttention-3's own FP8 forward kernel (fast/flash3_attention.py; built from source), the same
   quantization: 7.50 ms at S = 32760 vs cuDNN's 8.46, W2 fast denoise 3.97 s vs 4.17, but 47.2 dB vs 48.6 end to end
-  (its FP8 output is bf16), so it is opt-in (bench/results/attention-flash3-*.json, w2-fast-fp8flash3-*.json).
+  when the fast transformer requantized o with V's mean added back (it now feeds the O projection o - m like
+  fp8-fa3; not yet measured), so it is opt-in (bench/results/attention-flash3-*.json, w2-fast-fp8flash3-*.json).
 A backend that cannot run here is an error naming why, never a silent fallback, so a bench row labelled fp8 always
 ran fp8; `auto_backend` is what the engine modes use to pick.
 """

@@ -6,7 +6,9 @@ Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     q,k    = qk_norm_rope(q), qk_norm_rope(k)           RMSNorm across heads + 3D RoPE in one pass, [B,S,H,Dh] layout
     o      = attention(q, k, v); linear(o)              backend from fast/attention.py; with the fp8 backend in the
                                                         fast mode, cuDNN's FP8 output codes feed the FP8 O projection
-                                                        directly (per-tensor scale broadcast to rows)
+                                                        directly (per-tensor scale broadcast to rows); fp8-fa3 and
+                                                        fp8-flash3 outputs are requantized per row; V's mean (V is
+                                                        centred) rides in the O projection's bias
     x      = gate_residual(x, o, gate)                  in place, fp32 math
     n2     = adaln_modulate(x, c_shift, c_scale)
     f      = linear(gelu_tanh(linear(n2)))              fp8: GELU fused with the row-wise quantization of its output
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from fastremover.fast.attention import get_backend, quantize_qkv
 from fastremover.fast.cudnn_sdpa import sdpa_fp8
+from fastremover.fast.flash3_attention import flash3_fp8_codes
 from fastremover.fast.flashinfer_attention import fa3_fp8_codes
 from fastremover.fast.fp8 import Fp8Linear
 from fastremover.models.transformer import RemoverTransformer
@@ -101,9 +104,10 @@ class FastTransformer(nn.Module):
             self.qkv = nn.ModuleList(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v) for b in model.blocks)
         # fp8 attention whose codes go straight into the FP8 O projection (no dequantize / requantize pass)
         self.fp8_attention_codes = fp8 and attention == "fp8"
-        # FlashInfer's FA3 FP8 kernel writes fp16 (o - m): requantized per row for the O projection, V's mean in the
-        # projection's bias
-        self.fp8_attention_fa3 = fp8 and attention == "fp8-fa3"
+        # FlashInfer's FA3 FP8 kernel (fp16 out) and FlashAttention-3's (bf16 out) write 16-bit (o - m): requantized per
+        # row for the O projection, V's mean in the projection's bias (requantizing o itself, mean included, would
+        # spend the e4m3 codes' range on the mean)
+        self.fp8_attention_requant = fp8 and attention in ("fp8-fa3", "fp8-flash3")
         if fp8:
             # Quantize every block linear once: q/k/v as one fused GEMM (per-output-channel scales, so the fused
             # weight's codes and scales are exactly the three separate ones), out/ffn their own.
@@ -147,15 +151,19 @@ class FastTransformer(nn.Module):
             q, k, v = self.qkv[index](n).chunk(3, dim=1)
         q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
         k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-        if self.fp8_attention_codes or self.fp8_attention_fa3:
+        if self.fp8_attention_codes or self.fp8_attention_requant:
             # V centred over the sequence (smooth_v): cuDNN's FP8 P @ V then sums zero-mean terms, which its
             # reduced-precision accumulator keeps (see fast/attention.py). attn(v) = attn(v - m) + m since each row
             # of P sums to 1, so the O projection adds W_o m per batch (a [B, D] GEMV in the model dtype); with one
             # batch it rides in the GEMM's bias (a broadcast add over [S, D] cost 4.6 ms per W2 step).
             q8, k8, v8, sq, sk, sv, v_mean = quantize_qkv(
                 *(t.unflatten(1, (heads, -1)).view(b, s, heads, -1) for t in (q, k, v)), smooth_v=True)
-            if self.fp8_attention_fa3:  # fp16 (o - m), requantized per row
-                o_in = ops.quant_rowwise(fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype).view(b * s, -1))
+            if self.fp8_attention_requant:  # 16-bit (o - m), requantized per row
+                if self.attention_name == "fp8-fa3":
+                    o_m = fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
+                else:
+                    o_m = flash3_fp8_codes(q8, k8, v8, sq, sk, sv)  # bf16
+                o_in = ops.quant_rowwise(o_m.view(b * s, -1))
             else:  # codes of (o - m) / sv
                 o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
             o_proj = self.fp8_blocks[index]["o"]
