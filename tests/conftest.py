@@ -41,3 +41,31 @@ def _raise_value_errors(cases) -> None:
 def raise_value_errors():
     """The table-driven refusal check shared by the kernel wrapper tests: raise_value_errors([(fn, words), ...])."""
     return _raise_value_errors
+
+
+def _graph_replays_new_inputs(fn, q, k, v) -> torch.Tensor:
+    """fn(q, k, v) captured into a CUDA graph (after a warm-up call on a side stream): the replay gives the warm-up's
+    output, and after q is negated in place a replay gives a different one (the graph reads its input buffers), which
+    is returned for the caller's own check against an eager call on the new inputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        first = fn(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(q, k, v)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    q.mul_(-1)  # new inputs in the same buffers: the replay must see them
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, first)
+    return out
+
+
+@pytest.fixture
+def graph_replays_new_inputs():
+    """The CUDA-graph check shared by the attention backend tests: out = graph_replays_new_inputs(fn, q, k, v)."""
+    return _graph_replays_new_inputs

@@ -1,16 +1,21 @@
-"""FlashInfer's FA3 attention backends (fastremover/fast/flashinfer_attention.py): `fa3` (fp16) and `fp8-fa3`.
+"""Attention backends on optional libraries' kernels: FlashInfer's FA3 (`fa3` fp16, `fp8-fa3`;
+fastremover/fast/flashinfer_attention.py) and FlashAttention-3's own FP8 kernel (`fp8-flash3`;
+fastremover/fast/flash3_attention.py).
 
-CPU: both are refused off the GPU with a clear error (never a silent fp16 SDPA run); the availability check names the
-missing piece (package, or a compiler / prebuilt modules). GPU (H200, with flashinfer-python installed as
-bench/gpu_session.sh's `flashinfer` phase does): at the W2 shape (S = 32760, 12 heads x 128) fa3 agrees with fp16
-SDPA to fp16 rounding (not bit-equal: another kernel's reduction order), fp8-fa3 has cosine >= 0.998 and is really
-8-bit; batch > 1 equals per-item calls; both capture into a CUDA graph whose replay reads new inputs.
+CPU: each is refused off the GPU with a clear error (never a silent fp16 SDPA run); the availability check names the
+missing piece (package or build script, Hopper). GPU (H200, with flashinfer-python installed and FlashAttention-3
+built as bench/gpu_session.sh's `flashinfer` / `flash3` phases do): at the W2 shape (S = 32760, 12 heads x 128) fa3
+agrees with fp16 SDPA to fp16 rounding (not bit-equal: another kernel's reduction order), the FP8 backends have cosine
+>= 0.998 and are really 8-bit; batch > 1 equals per-item calls; each captures into a CUDA graph whose replay reads new
+inputs.
 """
 
 import pytest
 import torch
 
 from fastremover.errors import FastRemoverError
+
+LIBRARY_BACKENDS = ["fa3", "fp8-fa3", "fp8-flash3"]
 
 
 def cos(a, b):
@@ -26,7 +31,7 @@ def qkv_views(s, heads=12, dim=128, k_bias=1.0, v_bias=0.0, seed=0, batch=1):
     return qkv.unbind(2)  # strided views, as the fused QKV projection produces them
 
 
-@pytest.mark.parametrize("name", ["fa3", "fp8-fa3"])
+@pytest.mark.parametrize("name", LIBRARY_BACKENDS)
 def test_refused_off_the_gpu_with_a_clear_error(name):
     from fastremover.fast.attention import get_backend, unavailable_reason
     from fastremover.fast.engine import resolve_attention
@@ -38,19 +43,25 @@ def test_refused_off_the_gpu_with_a_clear_error(name):
         get_backend(name, cpu)
     with pytest.raises(FastRemoverError, match=name):
         resolve_attention(name, "exact", cpu)
-    assert resolve_attention("auto", "exact", cpu) == ("sdpa", [])  # auto never picks it where it cannot run
+    assert resolve_attention("auto", "exact", cpu) == ("sdpa", [])  # auto never picks one where it cannot run
 
 
-def test_availability_names_the_missing_package(monkeypatch):
-    """On a GPU without flashinfer the reason says what to install (import error faked: no GPU needed)."""
-    from fastremover.fast import flashinfer_attention as fi
+@pytest.mark.parametrize("module,missing,remedy", [
+    ("flashinfer_attention", "flashinfer", "pip install flashinfer-python"),
+    ("flash3_attention", "flash_attn_interface", "bench/build_flash3.sh"),
+])
+def test_availability_names_the_missing_piece(monkeypatch, module, missing, remedy):
+    """On a GPU without the library the reason says what to do; off Hopper it says Hopper (import error and device
+    capability faked: no GPU needed)."""
+    import importlib
 
-    monkeypatch.setattr(fi, "import_error", lambda: "ModuleNotFoundError: No module named 'flashinfer'")
+    mod = importlib.import_module(f"fastremover.fast.{module}")
+    monkeypatch.setattr(mod, "import_error", lambda: f"ModuleNotFoundError: No module named '{missing}'")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    why = fi.unavailable_reason(torch.device("cuda", 0))
-    assert "pip install flashinfer-python" in why and "No module named" in why
+    why = mod.unavailable_reason(torch.device("cuda", 0))
+    assert remedy in why and "No module named" in why
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert "Hopper" in fi.unavailable_reason(torch.device("cuda", 0))
+    assert "Hopper" in mod.unavailable_reason(torch.device("cuda", 0))
 
 
 def _needs(name):
@@ -76,16 +87,17 @@ def test_gpu_fa3_fp16_matches_sdpa_at_w2_shape():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8-fa3", "fp8-flash3"])
 @pytest.mark.parametrize("k_bias,v_bias", [(0.0, 0.0), (1.0, 0.0), (1.0, 1.0)])
-def test_gpu_fp8_fa3_cosine_at_w2_shape(k_bias, v_bias):
-    _needs("fp8-fa3")
-    from fastremover.fast.attention import fp8_fa3, sdpa
+def test_gpu_fp8_cosine_at_w2_shape(name, k_bias, v_bias):
+    _needs(name)
+    from fastremover.fast.attention import BACKENDS, sdpa
 
     q, k, v = qkv_views(32760, k_bias=k_bias, v_bias=v_bias, seed=13)
     ref = sdpa(q, k, v)
-    got = fp8_fa3(q, k, v)
+    got = BACKENDS[name](q, k, v)
     c = cos(got, ref)
-    print(f"fp8-fa3, K offset {k_bias}, V offset {v_bias}: cos {c:.6f}")
+    print(f"{name}, K offset {k_bias}, V offset {v_bias}: cos {c:.6f}")
     assert got.dtype == torch.float16 and got.shape == ref.shape
     assert c >= 0.998
     assert not torch.equal(got, ref)  # the 8-bit kernel ran
@@ -113,26 +125,12 @@ def test_gpu_batch_of_two_equals_per_item_calls():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fa3", "fp8-fa3"])
-def test_gpu_in_a_cuda_graph(name):
+@pytest.mark.parametrize("name", LIBRARY_BACKENDS)
+def test_gpu_in_a_cuda_graph(name, graph_replays_new_inputs):
     _needs(name)
     from fastremover.fast.attention import BACKENDS
 
     fn = BACKENDS[name]
     q, k, v = qkv_views(1000, heads=4, seed=5)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        first = fn(q, k, v)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(q, k, v)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, first)
-    q.mul_(-1)  # new inputs in the same buffers: the replay must see them
-    graph.replay()
-    torch.cuda.synchronize()
-    assert not torch.equal(out, first)
+    out = graph_replays_new_inputs(fn, q, k, v)
     assert torch.equal(out, fn(q, k, v))
