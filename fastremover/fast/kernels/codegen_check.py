@@ -169,17 +169,21 @@ def check(verbose: bool = True) -> list[str]:
     return problems
 
 
+def report(problems: list[str]) -> int:
+    """Print each violation and the verdict ("codegen OK" is what the tests look for); the exit status: 1 if any."""
+    for p in problems:
+        print("VIOLATION:", p)
+    print("codegen OK" if not problems else f"{len(problems)} violation(s)")
+    return 1 if problems else 0
+
+
 def main() -> int:
     import os
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the kernels must be imported as compiled @triton.jit functions", file=sys.stderr)
         return 2
-    problems = check()
-    for p in problems:
-        print("VIOLATION:", p)
-    print("codegen OK" if not problems else f"{len(problems)} violation(s)")
-    return 1 if problems else 0
+    return report(check())
 
 
 if __name__ == "__main__":

@@ -1316,11 +1316,9 @@ def main(argv=None) -> int:
         if interpreting(_conv3d_fp8_kernel):
             print("unset TRITON_INTERPRET for --codegen", file=sys.stderr)
             return 2
-        problems = codegen_check(quick=a.quick)
-        for p in problems:
-            print("VIOLATION:", p)
-        print("codegen OK" if not problems else f"{len(problems)} violation(s)")
-        return 1 if problems else 0
+        from fastremover.fast.kernels.codegen_check import report
+
+        return report(codegen_check(quick=a.quick))
     if not a.bench:
         ap.print_help()
         return 2

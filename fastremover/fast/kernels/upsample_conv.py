@@ -387,11 +387,9 @@ def main(argv=None) -> int:
         if interpreting(_upsample_conv_kernel):
             print("unset TRITON_INTERPRET for --codegen", file=sys.stderr)
             return 2
-        problems = codegen_check()
-        for p in problems:
-            print("VIOLATION:", p)
-        print("codegen OK" if not problems else f"{len(problems)} violation(s)")
-        return 1 if problems else 0
+        from fastremover.fast.kernels.codegen_check import report
+
+        return report(codegen_check())
     if a.bench:
         bench(a.out)
         return 0
