@@ -219,6 +219,15 @@ def _quant_act_kernel(P, X, PQ, XQ, SA, n_p, n_x, BLOCK: tl.constexpr, INTERPRET
         tl.store(XQ + idx, _to_e4m3(load_f32(X + idx, m, INTERPRET) * inv, INTERPRET), mask=m)
 
 
+@triton.jit
+def _tap_chunk(it, n_chunks, BLOCK_K: tl.constexpr):
+    """K step `it` of both conv kernels -> (tap, first channel c0, kt, kh, kw): the K order is (tap, channel chunk)
+    with tap = (kt, kh, kw) row-major over the 3x3x3 kernel."""
+    tap = it // n_chunks
+    c0 = (it - tap * n_chunks) * BLOCK_K
+    return tap, c0, tap // 9, (tap // 3) % 3, tap % 3
+
+
 @triton.jit(do_not_specialize=["M", "T", "H", "W", "NP"])  # one compile per config, whatever the frame size
 def _conv3d_fp8_kernel(
     X, P_OFF, WQ, WS, BIAS, SA, Y,
@@ -265,11 +274,7 @@ def _conv3d_fp8_kernel(
 
     n_chunks = tl.cdiv(CIN, BLOCK_K)
     for it in range(0, 27 * n_chunks):  # (tap, channel chunk), tap = (kt, kh, kw)
-        tap = it // n_chunks
-        c0 = (it - tap * n_chunks) * BLOCK_K
-        kt = tap // 9
-        kh = (tap // 3) % 3
-        kw = tap % 3
+        tap, c0, kt, kh, kw = _tap_chunk(it, n_chunks, BLOCK_K)
         delta = ((kt - 2) * H + (kh - 1)) * W + (kw - 1)
         hh = h_ + (kh - 1)
         ww = w_ + (kw - 1)
@@ -378,11 +383,7 @@ def _conv3d_fp8_tma_kernel(
         acc1 = tl.zeros([BM, BLOCK_N1], dtype=tl.float32)
     n_chunks = tl.cdiv(CIN, BLOCK_K)  # a tail chunk reads zeros past CIN (and weights of the next tap: x 0)
     for it in range(0, 27 * n_chunks):  # (tap, channel chunk), tap = (kt, kh, kw)
-        tap = it // n_chunks
-        c0 = (it - tap * n_chunks) * BLOCK_K
-        kt = tap // 9
-        kh = (tap // 3) % 3
-        kw = tap % 3
+        tap, c0, kt, kh, kw = _tap_chunk(it, n_chunks, BLOCK_K)
         a = XD.load([b, NP + t + kt - 2, h0 + kh - 1, w0 + kw - 1, c0]).reshape(BM, BLOCK_K)
         k = tap * CIN + c0
         b0 = WD0.load([n_start, k])
