@@ -27,6 +27,7 @@ and written once, and an 8960-wide row costs 9216 lanes instead of next_power_of
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,6 +73,20 @@ def patch_width(w: int, widths: tuple = (64, 32, 16, 8)) -> int:
     """The patch width among `widths` that wastes the fewest columns of a w-wide frame (ties: the wider): 832 -> 64,
     416 -> 32, 208 -> 16, 104 -> 8 (13 patches across each)."""
     return min(widths, key=lambda bw: (triton.cdiv(w, bw) * bw, -bw))
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """Launch shape of a TMA patch kernel (conv3d_fp8.TmaConfig, upsample_conv.UpConvConfig subclass it, so a
+    config's type still says which kernel it is for): a bh x bw pixel patch x (block_n0 + block_n1) output channels
+    per program (pow2_split of the column block), num_warps, num_stages."""
+
+    bh: int
+    bw: int
+    block_n0: int
+    block_n1: int
+    num_warps: int
+    num_stages: int
 
 
 def pow2_split(width: int) -> tuple[int, int] | None:

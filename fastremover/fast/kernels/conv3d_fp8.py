@@ -126,6 +126,7 @@ import triton.language as tl
 from fastremover.bench.metrics import cosine
 from fastremover.fast.kernels._common import (
     FP8_MAX,
+    PatchConfig,
     autotune,
     check_device,
     check_tensor,
@@ -507,15 +508,8 @@ TMA_MAX_STAGES = 6  # a K step is short (BLOCK_K = 32 at 96 channels): keep seve
 
 
 @dataclass(frozen=True)
-class TmaConfig:
+class TmaConfig(PatchConfig):
     """Launch shape of _conv3d_fp8_tma_kernel: a bh x bw pixel patch x (block_n0 + block_n1) channels per program."""
-
-    bh: int
-    bw: int
-    block_n0: int
-    block_n1: int
-    num_warps: int
-    num_stages: int
 
 
 def tma_tile_width(w: int) -> int:

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from fastremover.fast.kernels._common import (
+    PatchConfig,
     autotune,
     check_device,
     check_tensor,
@@ -128,15 +129,8 @@ def _upsample_conv_kernel(
 
 
 @dataclass(frozen=True)
-class UpConvConfig:
+class UpConvConfig(PatchConfig):
     """Launch shape: a bh x bw patch of input pixels x (block_n0 + block_n1) output channels of one phase."""
-
-    bh: int
-    bw: int
-    block_n0: int
-    block_n1: int
-    num_warps: int
-    num_stages: int
 
 
 def block_k_for(cin: int) -> int:
