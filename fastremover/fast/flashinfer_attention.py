@@ -17,8 +17,12 @@ takes row and head strides). B > 1 runs one call per batch item.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
+import os
+import shutil
+import time
 
 import torch
 
@@ -47,9 +51,6 @@ def unavailable_reason(device: torch.device) -> str | None:
 def build_unavailable_reason() -> str | None:
     """None when both modules are prebuilt (FlashInfer's AOT directory) or nvcc is there to compile them on first
     use; else why not."""
-    import shutil  # noqa: PLC0415
-    import os  # noqa: PLC0415
-
     try:
         if all(spec.aot_path.exists() for spec in jit_specs()):
             return None
@@ -112,10 +113,6 @@ def jit_specs():
 
 
 def main(argv=None) -> None:
-    import argparse  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(description="prebuild FlashInfer's FA3 modules used by the fa3 backends")
     parser.add_argument("--build", action="store_true")
     parser.add_argument("--out-dir", default=None)
