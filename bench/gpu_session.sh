@@ -14,6 +14,9 @@
 #   conv:ARGS        the FP8 conv3d kernel bench (`conv3d_fp8 --bench ARGS`, JSON in $OUT/conv3d.json)
 #   vae:ARGS         the fast VAE bench (`vae_fast --bench ARGS`, JSON in $OUT/vae.json)
 #   pytest:ARGS      pytest ARGS (log appended to $OUT/pytest.log)
+#   py:SCRIPT ARGS   python3 SCRIPT ARGS (experiments; write JSON to $OUT yourself via --out)
+#   flash3-variants  bench/experiments/flash3_variants.py for the stock build (.fa3) and each carried variant build
+#                    .fa3-<name> (bench/build_flash3.sh variant <name> <mode>), each in its own process
 #   flash3           put FlashAttention-3 (bench/build_flash3.sh's output, carried as .fa3) on PYTHONPATH
 #   if-faster:A,B    stop here unless attention backend row A beat row B at S = 32760 in $OUT/attention.json
 #   flashinfer       FlashInfer for the fa3 / fp8-fa3 attention backends: unpack .fi/fi.tar.xz (a trimmed
@@ -54,6 +57,16 @@ for phase in "$@"; do
     flash3)  # FlashAttention-3 built by bench/build_flash3.sh, carried as .fa3 (its out/ folder)
       export PYTHONPATH=$PWD/.fa3:$PYTHONPATH
       python3 -c "import torch, flash_attn_interface; print('flash_attn_interface OK')" 2>&1 | tail -3 ;;
+    py:*)
+      # shellcheck disable=SC2086
+      python3 ${phase#py:} 2>&1 | tail -60 ;;
+    flash3-variants)
+      for d in .fa3 .fa3-*; do
+        [ -d "$d" ] || continue
+        label=${d#.fa3-}; [ "$d" = .fa3 ] && label=stock
+        PYTHONPATH=$PWD/$d:$PYTHONPATH python3 bench/experiments/flash3_variants.py --label "$label" \
+          --out "$OUT/flash3-$label.json" 2>&1 | tail -8
+      done ;;
     flashinfer)
       mkdir -p /tmp/fisite && tar -xJf .fi/fi.tar.xz -C /tmp/fisite || exit 1
       export PYTHONPATH=/tmp/fisite:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a
