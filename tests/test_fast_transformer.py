@@ -74,22 +74,22 @@ def test_fp8_mode_is_close_but_not_identical():
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch, batch):
-    """The fast transformer's cuDNN-FP8 path centres V, takes the attention output as e4m3 codes of (o - m) / sv and
-    adds W_o m with the O projection (batch 1: in the GEMM's bias; more batches: an add per batch after it). With
-    cuDNN's kernel faked by its dequantized math (codes in, codes out) and V given a large shared offset (to_v
-    biases + 4), the step matches the fp8 mode's generic path (fp32 attention, then the O projection's own row
-    quantization) far closer than the same path with the fold's mean zeroed."""
-    from fastremover.fast import attention as attn_mod
+def test_cudnn_fp8_codes_path_folds_the_v_centre_into_the_o_projection(monkeypatch, batch):
+    """The fast transformer's cuDNN-FP8 path centres V (on its first-step sequence mean c), takes the attention output
+    as e4m3 codes of (o - c) / sv and adds b_o + W_o c with the O projection (batch 1: as the GEMM's bias; more
+    batches: an add per batch after it). With cuDNN's kernel faked by its dequantized math (codes in, codes out) and
+    V given a large shared offset (to_v biases + 4), a step matches the fp8 mode's generic path (fp32 attention, then
+    the O projection's own row quantization) far closer than the same path with the fold's centre zeroed or (two
+    batches) swapped between the batches."""
     from fastremover.fast import transformer_fast
 
     model = tiny_model(9)
     with torch.no_grad():
         for blk in model.blocks:
             blk.attn1.to_v.bias.add_(4.0)
-    x, t = inputs(10, shape=(batch, 48, 3, 8, 12)), torch.tensor([500.0])
+    x, t = inputs(10, shape=(batch, 48, 3, 8, 12)), torch.tensor([500.0, 400.0])
     if batch == 2:
-        x[1].add_(10.0)  # the batches' V means then differ: a mean applied to the wrong batch shows
+        x[1].add_(10.0)  # the batches' V means then differ: a centre applied to the wrong batch shows
 
     def fake_sdpa_fp8(q8, k8, v8, sq, sk, sv):
         q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
@@ -99,7 +99,7 @@ def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch
     generic = FastTransformer(model, fp8=True, use_triton=False)
     cond = generic.conditioning(t, batch=batch)
     with torch.no_grad():
-        expect = generic.forward_step(x, cond, 0)
+        expect = [generic.forward_step(x, cond, i) for i in (0, 1)]
     monkeypatch.setattr(transformer_fast, "sdpa_fp8", fake_sdpa_fp8)
     codes = FastTransformer(model, fp8=True, use_triton=False)
     codes.fp8_attention_codes = True  # the cuDNN path, with the fake kernel (the real one needs a Hopper GPU)
@@ -107,34 +107,26 @@ def test_cudnn_fp8_codes_path_folds_the_v_mean_into_the_o_projection(monkeypatch
     o_proj = codes.fp8_blocks[0]["o"]
     real_forward = o_proj.forward
     monkeypatch.setattr(o_proj, "forward", lambda *a, **k: biases.append(k.get("bias")) or real_forward(*a, **k))
+    with pytest.raises(RuntimeError, match="calibration missing"):
+        codes.forward_step(x, cond, 1)  # a later step before any first step: no centres to use
     with torch.no_grad():
-        got = codes.forward_step(x, cond, 0)
-    assert (biases[0] is not None) == (batch == 1)  # batch 1: b_o + W_o m went in as the GEMM's bias
-    with torch.no_grad():
-        real_quantize = transformer_fast.quantize_qkv
-
-        def quantize_without_mean(*a, **k):
-            *rest, v_mean = real_quantize(*a, **k)
-            return (*rest, torch.zeros_like(v_mean))
-
-        monkeypatch.setattr(transformer_fast, "quantize_qkv", quantize_without_mean)
-        unfolded = codes.forward_step(x, cond, 0)
-        if batch == 2:  # each batch's own mean, not the other's
-
-            def quantize_swapped_means(*a, **k):
-                *rest, v_mean = real_quantize(*a, **k)
-                return (*rest, v_mean.flip(0))
-
-            monkeypatch.setattr(transformer_fast, "quantize_qkv", quantize_swapped_means)
-            swapped = codes.forward_step(x, cond, 0)
-    err, err_unfolded = rel_err(got, expect), rel_err(unfolded, expect)
-    print(f"codes path vs generic: rel. error {err:.4f}; without the fold {err_unfolded:.4f}")
-    assert err < 0.1 and err < 0.2 * err_unfolded, (err, err_unfolded)
+        got = [codes.forward_step(x, cond, i) for i in (0, 1)]  # step 1 reuses step 0's centres
+    assert biases[0] is not None and bool(biases[0].abs().max() > 0) == (batch == 1)  # b_o + W_o c as the bias
+    real_bias = transformer_fast.o_projection_bias
+    variants = {"zeroed": lambda c, w, b: real_bias(torch.zeros_like(c), w, b)}
     if batch == 2:
-        err_swapped = rel_err(swapped, expect)
-        print(f"with the batches' means swapped: {err_swapped:.4f}")
-        assert err < 0.5 * err_swapped, (err, err_swapped)
-    assert attn_mod.quantize_qkv is real_quantize  # (the monkeypatch targeted the transformer's import only)
+        variants["swapped"] = lambda c, w, b: real_bias(c.flip(0), w, b)
+    errs = {}
+    with torch.no_grad():
+        for name, fn in variants.items():
+            monkeypatch.setattr(transformer_fast, "o_projection_bias", fn)
+            errs[name] = rel_err(codes.forward_step(x, cond, 0), expect[0])
+    err = [rel_err(g, e) for g, e in zip(got, expect)]
+    print(f"codes path vs generic: rel. error {err}; with the fold's centre " +
+          ", ".join(f"{k}: {v:.4f}" for k, v in errs.items()))
+    assert max(err) < 0.1 and err[0] < 0.2 * errs["zeroed"], (err, errs)
+    if batch == 2:
+        assert err[0] < 0.5 * errs["swapped"], (err, errs)
 
 
 def test_fp8_linear_matches_dequantized_math():
@@ -199,11 +191,13 @@ def test_attention_backend_choice_and_errors_on_cpu():
     ({"sdpa"}, "exact", "sdpa", None),
     ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton"}, "exact", "fa3", None),  # FlashInfer installed: its FA3 kernel
     ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton"}, "fast", "fp8", None),
+    ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton", "fp8-flash3"}, "fast", "fp8-flash3", None),  # FA3 built
+    ({"sdpa", "fp8-flash3"}, "exact", "sdpa", None),
 ], ids=["fast-all", "fast-only-triton", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit",
-        "exact-flashinfer", "fast-flashinfer"])
+        "exact-flashinfer", "fast-flashinfer", "fast-flash3", "exact-flash3"])
 def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expect_note):
     """auto_backend's choice given which backends can run (unavailable_reason faked: nothing CUDA is touched): fast
-    takes cuDNN's fp8 when it can run, else fp8-triton with a note saying why, else sdpa with a note naming both
+    takes FlashAttention-3's fp8-flash3 when it is built, else cuDNN's fp8 when it can run, else fp8-triton with a note saying why, else sdpa with a note naming both
     reasons; exact takes FlashInfer's fa3 when it can run, else sdpa, with no notes."""
     from fastremover.fast import attention
 
@@ -224,8 +218,10 @@ def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expec
         assert "fake: fp8 is not" in notes[0], notes  # the note says why cuDNN's FP8 attention is not used
         assert ("fake: fp8-triton" in notes[0]) is (expect_backend == "sdpa"), notes
     assert all(d == dev for _, d in asked)  # the device is passed through
-    if mode == "fast" and expect_backend != "fp8":
+    if mode == "fast" and expect_backend not in ("fp8", "fp8-flash3"):
         assert "fp8" in [n for n, _ in asked]  # the note comes from asking, not from a guess
+    if mode == "fast":
+        assert "fp8-flash3" in [n for n, _ in asked]
 
 
 def test_fused_qkv_fp8_linear_equals_three_separate_quantizations():
@@ -287,7 +283,7 @@ def test_gpu_fp8_linear_cosine_at_real_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,attention,expect", [("exact", "sdpa", "sdpa"), ("fast", "auto", "fp8"),
+@pytest.mark.parametrize("mode,attention,expect", [("exact", "sdpa", "sdpa"), ("fast", "auto", "auto"),
                                                    ("fast", "fp8-triton", "fp8-triton"), ("exact", "fa3", "fa3"),
                                                    ("fast", "fp8-fa3", "fp8-fa3"),
                                                    ("fast", "fp8-flash3", "fp8-flash3")],
@@ -297,8 +293,10 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
     """exact (SDPA, FlashInfer's FA3), fast with its default cuDNN FP8 attention (centred K and V), with our Triton
     FP8 attention and with FlashInfer's FA3 FP8 kernel inside the captured loop: the graph replays bit-identically and
     reads new inputs."""
-    from fastremover.fast.attention import unavailable_reason
+    from fastremover.fast.attention import auto_backend, unavailable_reason
 
+    if expect == "auto":  # fp8-flash3 where FlashAttention-3 is built, else cuDNN's fp8
+        expect = auto_backend(mode, torch.device("cuda"))[0]
     if attention not in ("auto", "sdpa"):
         why = unavailable_reason(attention, torch.device("cuda"))
         if why is not None:
@@ -320,9 +318,10 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
 
 
 @pytest.mark.gpu
-def test_gpu_fast_mode_defaults_to_the_cudnn_fp8_attention():
-    """On a Hopper GPU with cuDNN's FP8 SDPA the fast mode's `auto` attention is `fp8` (with K and V centred: W2
-    48.6 dB, fast/attention.py); exact takes FlashInfer's FA3 when it can run, else SDPA."""
+def test_gpu_fast_mode_defaults_to_the_fastest_fp8_attention():
+    """On a Hopper GPU the fast mode's `auto` attention is FlashAttention-3's `fp8-flash3` where it is built, else
+    cuDNN's `fp8` (both with K and V centred: W2 48.6 dB, fast/attention.py); exact takes FlashInfer's FA3 when it
+    can run, else SDPA."""
     from fastremover.fast.engine import resolve_attention
 
     dev = torch.device("cuda")
@@ -332,6 +331,7 @@ def test_gpu_fast_mode_defaults_to_the_cudnn_fp8_attention():
 
     why = unavailable_reason("fp8", dev)
     assert why is None, why  # the GPU image carries cudnn-frontend (bench/gpu_session.sh)
-    assert resolve_attention("auto", "fast", dev) == ("fp8", [])
+    fast_default = "fp8-flash3" if unavailable_reason("fp8-flash3", dev) is None else "fp8"
+    assert resolve_attention("auto", "fast", dev) == (fast_default, [])
     exact_default = "fa3" if unavailable_reason("fa3", dev) is None else "sdpa"  # FlashInfer's FA3 when installed
     assert resolve_attention("auto", "exact", dev) == (exact_default, [])

@@ -227,6 +227,38 @@ def test_qk_norm_rope_matches_eager(dtype, heads, head_dim, batch, grid):
     assert torch.equal(x2, got)
 
 
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("centred", [False, True])
+def test_qk_norm_rope_fp8_codes_are_its_output_quantized(dtype, centred):
+    """fp8_amax=: the codes equal this kernel's own dtype output quantized with the given amax (minus the centre):
+    bit-exact (torch.equal), every dtype, with and without a centre; the static bound is never exceeded, even by a
+    one-hot row (every unit of the RMS in one element: |x_i| * r = sqrt(D), the bound's worst case)."""
+    from fastremover.models.transformer import rope_cos_sin
+
+    qk, quant = kernels()[1], kernels()[2]
+    heads, head_dim, batch, grid = 3, 12, 2, (1, 2, 3)
+    g = gen(7 + centred)
+    s = grid[0] * grid[1] * grid[2]
+    cos, sin = rope_cos_sin(grid, head_dim, 1024, DEV)
+    x = randn(g, batch * s, heads * head_dim, dtype=dtype, scale=3.0)
+    w = randn(g, heads * head_dim, dtype=dtype, scale=0.2, offset=1.0)
+    x[0] = 0
+    x[0, w.abs().argmax()] = 7.0  # one-hot row at the largest weight, token 0 (RoPE angle 0: no rotation)
+    amax = qk.rope_amax_bound(w)
+    y = qk.qk_norm_rope(x, w, cos, sin, s, heads, EPS)
+    assert float(y.float().abs().max()) <= float(amax)
+    assert float(y[0].float().abs().max()) > 0.99 * float(amax) / 1.0625  # the bound is tight
+    centre = randn(g, batch, heads * head_dim, dtype=F32, scale=0.5) if centred else None
+    out = torch.full((batch * s, heads * head_dim), float("nan"), device=DEV).to(FP8)
+    got = qk.qk_norm_rope(x, w, cos, sin, s, heads, EPS, out=out, fp8_amax=amax, centre=centre)
+    assert got is out and got.dtype == FP8
+    expect = quant.quant_static_reference(y, amax, centre, s)
+    assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8))
+    assert not torch.isnan(got.float()).any()
+    with pytest.raises(ValueError, match="centre"):
+        qk.qk_norm_rope(x, w, cos, sin, s, heads, EPS, centre=torch.zeros(batch, heads * head_dim, device=DEV))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # gate_residual
 
@@ -503,6 +535,32 @@ def test_gpu_fp8_quantization_of_own_y():
     q2, s2 = quant.fp8_rowwise_reference(y)
     st = assert_fp8_close(q, rs, q2, s2, y, scale_rtol=2.0**-20, max_frac=1e-5, what=f"seed {seed} gelu")
     print(f"gelu fp8 vs own y: {st}")
+
+
+@pytest.mark.gpu
+@gpu_real
+def test_gpu_qk_norm_rope_fp8_codes_at_real_shape():
+    """The fused q/k codes at W2's shape (a strided column view of a fused QKV output, K centred): bit-exact to the
+    kernel's own fp16 output quantized with the same static amax, and close to fp16 (cosine of the dequantized)."""
+    from fastremover.models.transformer import rope_cos_sin
+
+    qk, quant = kernels()[1], kernels()[2]
+    g, seed = fresh_gen()
+    d = HEADS * HEAD_DIM
+    cos, sin = rope_cos_sin(GRID_REAL, HEAD_DIM, 1024, "cuda")
+    qkv = grandn(g, M_REAL, 3 * d, dtype=F16, scale=3.0)
+    x = qkv[:, d:2 * d]
+    w = grandn(g, d, dtype=F16, scale=0.2, offset=1.0)
+    y = qk.qk_norm_rope(x, w, cos, sin, S_REAL, HEADS, EPS)
+    centre = y.float().mean(0, keepdim=True)
+    amax = qk.rope_amax_bound(w) + centre.abs().max()
+    got = qk.qk_norm_rope(x, w, cos, sin, S_REAL, HEADS, EPS, fp8_amax=amax.reshape(1), centre=centre)
+    expect = quant.quant_static_reference(y, amax.reshape(1), centre, S_REAL)
+    assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), f"seed {seed}"
+    deq = got.float() * (amax / 448.0) + centre
+    c = torch.nn.functional.cosine_similarity(deq.flatten(), y.float().flatten(), dim=0).item()
+    print(f"seed {seed}: qk fp8 codes (static bound scale) cos vs fp16 {c:.6f}")
+    assert c > 0.999
 
 
 @pytest.mark.gpu

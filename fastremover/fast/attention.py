@@ -32,9 +32,10 @@ stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
   5.46 s); the FP8 one 8.14 ms incl. quantization vs cuDNN's 8.54, but no faster in the denoise loop (W2 4.18 vs
   4.17 s), so `fast` keeps cuDNN's (bench/results/attention-fa3-*.json, w2-*-fa3-*.json).
 - `fp8-flash3`: FlashAttention-3's own FP8 forward kernel (fast/flash3_attention.py; built from source), the same
-  quantization: 7.50 ms at S = 32760 vs cuDNN's 8.46, W2 fast denoise 3.97 s vs 4.17, but 47.2 dB vs 48.6 end to end
-  when the fast transformer requantized o with V's mean added back (it now feeds the O projection o - m like
-  fp8-fa3; not yet measured), so it is opt-in (bench/results/attention-flash3-*.json, w2-fast-fp8flash3-*.json).
+  quantization: 7.47 ms at S = 32760 vs cuDNN's 8.46 (kernel alone 6.94 ms, 950 TFLOP/s). With the fast transformer
+  feeding its O projection o - m (requantized per row, V's mean in the projection's bias) the W2 fast mode reaches
+  48.6 dB at denoise 3.88 s vs cuDNN's 48.6 dB at 4.17 s (bench/results/w2-fast-fp8flash3-*-25812b9.json), so it is
+  the `fast` mode's default where it is installed. (Requantizing o with the mean added back had given 47.2 dB.)
 A backend that cannot run here is an error naming why, never a silent fallback, so a bench row labelled fp8 always
 ran fp8; `auto_backend` is what the engine modes use to pick.
 """
@@ -203,12 +204,15 @@ def available_backends(device: torch.device) -> list[str]:
 
 def auto_backend(mode: str, device: torch.device) -> tuple[str, list[str]]:
     """The backend an engine mode uses: for exact `fa3` (FlashInfer, when installed and runnable) else `sdpa`; for fast
-    `fp8` (cuDNN: with V centred as fast and as faithful end to end as fp8-fa3, see the module docstring, and with
-    fewer dependencies), else `fp8-triton` with a note saying why, else sdpa with a note."""
+    `fp8-flash3` (FlashAttention-3's FP8 kernel, when built and on the path: the fastest at equal end-to-end fidelity,
+    see the module docstring), else `fp8` (cuDNN, V centred), else `fp8-triton` with a note saying why, else sdpa with
+    a note."""
     if mode != "fast":
         # FlashInfer's FA3 fp16 kernel where it can run: 10.2 ms vs SDPA's 11.9 at S = 32760 (W2 exact denoise 5.94 ->
         # 5.46 s, bench/results/w2-exact-fa3-*.json); no quantization, fp32 accumulation, like SDPA
         return ("fa3", []) if unavailable_reason("fa3", device) is None else ("sdpa", [])
+    if unavailable_reason("fp8-flash3", device) is None:
+        return "fp8-flash3", []
     why_cudnn = unavailable_reason("fp8", device)
     if why_cudnn is None:
         return "fp8", []

@@ -3,11 +3,12 @@
 Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     n      = adaln_modulate(x, shift, scale)            LayerNorm (fp32 stats) + adaLN in one pass [-> fp8 + row scales]
     q,k,v  = linear(n)                                  exact: three GEMMs; fast: one fused [D, 3D] FP8 GEMM
-    q,k    = qk_norm_rope(q), qk_norm_rope(k)           RMSNorm across heads + 3D RoPE in one pass, [B,S,H,Dh] layout
+    q,k    = qk_norm_rope(q), qk_norm_rope(k)           RMSNorm across heads + 3D RoPE in one pass, [B,S,H,Dh] layout;
+                                                        with 8-bit attention the same pass writes e4m3 codes (below)
     o      = attention(q, k, v); linear(o)              backend from fast/attention.py; with the fp8 backend in the
                                                         fast mode, cuDNN's FP8 output codes feed the FP8 O projection
                                                         directly (per-tensor scale broadcast to rows); fp8-fa3 and
-                                                        fp8-flash3 outputs are requantized per row; V's mean (V is
+                                                        fp8-flash3 outputs are requantized per row; V's centre (V is
                                                         centred) rides in the O projection's bias
     x      = gate_residual(x, o, gate)                  in place, fp32 math
     n2     = adaln_modulate(x, c_shift, c_scale)
@@ -15,6 +16,18 @@ Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     x      = gate_residual(x, f, c_gate)
 Everything that depends only on the timestep (time embedding, every block's modulation rows, the final norm's rows)
 is precomputed for all steps by `conditioning()`, so a denoise step is pure device work and can be graph-captured.
+
+8-bit attention's q/k/v quantization (fast mode with fp8, fp8-fa3 or fp8-flash3): per-tensor e4m3 with K and V
+centred. Softmax makes ANY centre exact: q . (k - c) moves every logit of a query row by the same q . c, and
+attn(v) = attn(v - c) + c because each row of P sums to 1 (the + c is W_o c in the O projection's bias). So the
+centres need not be this step's means: they are calibrated on the first step of a run (sequence means of K and V per
+layer, [B, D] fp32) and frozen for the rest of the run, like a static activation scale; what they buy is resolution
+(a shared per-channel offset no longer eats the e4m3 range, and P @ V sums zero-mean terms, which Hopper's
+reduced-precision FP8 accumulator keeps). q and k then need no amax pass either: RMSNorm bounds every element by
+sqrt(D) * max|weight| (`rope_amax_bound`), so qk_norm_rope writes their codes directly with that static scale (k's
+bound plus max|centre|). Per step this leaves one pass each for q and k and two (amax, codes) for v, where the
+dynamic version took ten passes over the three tensors (two means, three amaxes, three quantizations, two fp16 rope
+outputs): ~0.25 ms of every W2 layer (bench/results/profile-step-w2-flash3-*.json: 10.3 ms per step).
 `fp8=False` is the `exact` mode (no quantization); `fp8=True` is the `fast` mode (W8A8 e4m3 linears).
 """
 
@@ -27,11 +40,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastremover.fast.attention import get_backend, quantize_qkv
+from fastremover.fast.attention import get_backend
 from fastremover.fast.cudnn_sdpa import sdpa_fp8
 from fastremover.fast.flash3_attention import flash3_fp8_codes
 from fastremover.fast.flashinfer_attention import fa3_fp8_codes
 from fastremover.fast.fp8 import Fp8Linear
+from fastremover.fast.kernels.qk_norm_rope import rope_amax_bound
 from fastremover.models.transformer import RemoverTransformer
 
 
@@ -45,6 +59,7 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
             qk_norm_rope=qk_norm_rope.qk_norm_rope,
             gate_residual=residual.gate_residual,
             quant_rowwise=quant.quant_fp8_rowwise,
+            quant_tensorwise=quant.quant_fp8_tensorwise,
             gelu_quant=quant.gelu_tanh_quant_fp8,
         )
     return SimpleNamespace(
@@ -52,8 +67,32 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
         qk_norm_rope=qk_norm_rope.qk_norm_rope_reference,
         gate_residual=residual.gate_residual_reference,
         quant_rowwise=quant.quant_fp8_rowwise_reference,
+        quant_tensorwise=quant.quant_fp8_tensorwise_reference,
         gelu_quant=quant.gelu_tanh_quant_fp8_reference,
     )
+
+
+def sequence_mean(rows: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """[B*S, N] rows (any row stride) -> fp32 mean over each batch's S rows, [B, N] contiguous."""
+    return torch.mean(rows.unflatten(0, (b, s)), dim=1, dtype=torch.float32)
+
+
+def o_projection_bias(v_centre: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """b_o + W_o c per batch, [B, D] in the weight's dtype: what attn(v) = attn(v - c) + c adds after the O
+    projection when V is quantized centred on c."""
+    return F.linear(v_centre.to(weight.dtype), weight, bias)
+
+
+@dataclass
+class AttentionCalibration:
+    """The 8-bit attention's per-run constants for one batch size, all layers (written by the first step of a run,
+    read by the others; fixed addresses, so a captured graph reads what its own first step wrote)."""
+
+    k_centre: torch.Tensor  # [L, B, D] fp32: K's sequence mean at the first step
+    k_amax: torch.Tensor  # [L, 1] fp32: static bound of |k - c_k| (rope bound + max|c_k|)
+    k_scale: torch.Tensor  # [L, 1] fp32: k_amax / 448
+    v_centre: torch.Tensor  # [L, B, D] fp32: V's sequence mean at the first step
+    o_bias: torch.Tensor  # [L, B, D] model dtype: b_o + W_o c_v
 
 
 def gelu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -108,6 +147,12 @@ class FastTransformer(nn.Module):
         # row for the O projection, V's mean in the projection's bias (requantizing o itself, mean included, would
         # spend the e4m3 codes' range on the mean)
         self.fp8_attention_requant = fp8 and attention in ("fp8-fa3", "fp8-flash3")
+        self._calibrations: dict[tuple, AttentionCalibration] = {}
+        if fp8:
+            # static amax bounds of the q and k rope outputs, and q's dequantization scale (quant.py's rule)
+            self.q_amax = [rope_amax_bound(b.attn1.norm_q.weight) for b in model.blocks]
+            self.q_scale = [a / a.new_full((), 448.0) for a in self.q_amax]
+            self.k_bound = torch.cat([rope_amax_bound(b.attn1.norm_k.weight) for b in model.blocks])
         if fp8:
             # Quantize every block linear once: q/k/v as one fused GEMM (per-output-channel scales, so the fused
             # weight's codes and scales are exactly the three separate ones), out/ffn their own.
@@ -119,6 +164,11 @@ class FastTransformer(nn.Module):
                 })
                 for b in model.blocks
             )
+
+    @property
+    def fp8_attention(self) -> bool:
+        """q/k/v go to an 8-bit attention kernel as e4m3 codes quantized here (see the module docstring)."""
+        return self.fp8_attention_codes or self.fp8_attention_requant
 
     def describe(self) -> dict:
         return {"fused_kernels": "triton" if self.use_triton else "eager-reference", "fp8_linears": self.fp8,
@@ -136,7 +186,59 @@ class FastTransformer(nn.Module):
             final_mods.append((self.model.scale_shift_table + temb.unsqueeze(1)).permute(1, 0, 2))
         return Conditioning(torch.stack(block_mods).contiguous(), torch.stack(final_mods).contiguous())
 
-    def _block(self, index: int, x: torch.Tensor, mods: torch.Tensor, rope, shape) -> torch.Tensor:
+    def _calibration(self, b: int, device: torch.device, create: bool) -> AttentionCalibration:
+        key = (b, device)
+        cal = self._calibrations.get(key)
+        if cal is None:
+            if not create:
+                raise RuntimeError("FastTransformer: 8-bit attention calibration missing - a run's first step "
+                                   "(forward_step with step 0) calibrates the K/V centres for the later steps")
+            n, d = len(self.model.blocks), self.config.num_attention_heads * self.config.attention_head_dim
+            f32 = dict(dtype=torch.float32, device=device)
+            cal = AttentionCalibration(torch.zeros(n, b, d, **f32), torch.zeros(n, 1, **f32),
+                                       torch.zeros(n, 1, **f32), torch.zeros(n, b, d, **f32),
+                                       torch.zeros(n, b, d, dtype=self.dtype, device=device))
+            self._calibrations[key] = cal
+        return cal
+
+    def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool) -> torch.Tensor:
+        """8-bit attention + O projection (see the module docstring): q, k, v [M, D] column views of the fused QKV
+        output -> the O projection's output [M, D]."""
+        ops, attn = self.ops, self.model.blocks[index].attn1
+        b, s, heads = shape
+        eps = self.config.eps
+        cal = self._calibration(b, q.device, create=calibrate)
+        if calibrate:  # the run's first step: centres from this step's K and V, then frozen
+            k_half = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
+            cal.k_centre[index].copy_(sequence_mean(k_half, b, s))
+            cal.k_amax[index].copy_((self.k_bound[index] + cal.k_centre[index].abs().amax()).reshape(1))
+            cal.k_scale[index].copy_(cal.k_amax[index] / cal.k_amax.new_full((), 448.0))  # quant.py's rule
+            cal.v_centre[index].copy_(sequence_mean(v, b, s))
+            cal.o_bias[index].copy_(o_projection_bias(cal.v_centre[index], attn.to_out[0].weight,
+                                                      attn.to_out[0].bias))
+        q8 = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps, fp8_amax=self.q_amax[index])
+        k8 = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps, fp8_amax=cal.k_amax[index],
+                              centre=cal.k_centre[index])
+        v8, sv = ops.quant_tensorwise(v, cal.v_centre[index], s)
+        sq, sk = self.q_scale[index], cal.k_scale[index]
+        q8, k8, v8 = (t.view(b, s, heads, -1) for t in (q8, k8, v8))
+        if self.fp8_attention_requant:  # 16-bit (o - c), requantized per row
+            if self.attention_name == "fp8-fa3":
+                o_c = fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
+            else:
+                o_c = flash3_fp8_codes(q8, k8, v8, sq, sk, sv)  # bf16
+            o_in = ops.quant_rowwise(o_c.view(b * s, -1))
+        else:  # codes of (o - c) / sv
+            o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
+        o_proj = self.fp8_blocks[index]["o"]
+        if b == 1:  # one batch: b_o + W_o c is the GEMM's bias (added in its fp32 epilogue, no extra pass)
+            return o_proj(*o_in, bias=cal.o_bias[index][0])
+        # the GEMM's bias is one row for all batches: W_o c per batch after it (o_bias holds b_o too)
+        o = o_proj(*o_in, bias=torch.zeros_like(cal.o_bias[index][0]))
+        o.view(b, s, -1).add_(cal.o_bias[index].unsqueeze(1))
+        return o
+
+    def _block(self, index: int, x: torch.Tensor, mods: torch.Tensor, rope, shape, calibrate: bool) -> torch.Tensor:
         """x [M, D] residual stream (updated in place); mods [6, B, D]."""
         ops, blk = self.ops, self.model.blocks[index]
         b, s, heads = shape
@@ -149,31 +251,11 @@ class FastTransformer(nn.Module):
         else:
             n = ops.adaln_modulate(x, mods[0], mods[1], s, eps)
             q, k, v = self.qkv[index](n).chunk(3, dim=1)
-        q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
-        k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-        if self.fp8_attention_codes or self.fp8_attention_requant:
-            # V centred over the sequence (smooth_v): cuDNN's FP8 P @ V then sums zero-mean terms, which its
-            # reduced-precision accumulator keeps (see fast/attention.py). attn(v) = attn(v - m) + m since each row
-            # of P sums to 1, so the O projection adds W_o m per batch (a [B, D] GEMV in the model dtype); with one
-            # batch it rides in the GEMM's bias (a broadcast add over [S, D] cost 4.6 ms per W2 step).
-            q8, k8, v8, sq, sk, sv, v_mean = quantize_qkv(
-                *(t.unflatten(1, (heads, -1)).view(b, s, heads, -1) for t in (q, k, v)), smooth_v=True)
-            if self.fp8_attention_requant:  # 16-bit (o - m), requantized per row
-                if self.attention_name == "fp8-fa3":
-                    o_m = fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
-                else:
-                    o_m = flash3_fp8_codes(q8, k8, v8, sq, sk, sv)  # bf16
-                o_in = ops.quant_rowwise(o_m.view(b * s, -1))
-            else:  # codes of (o - m) / sv
-                o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
-            o_proj = self.fp8_blocks[index]["o"]
-            if b == 1:  # one batch: b_o + W_o m is the GEMM's bias (added in its fp32 epilogue, no extra pass)
-                w_m = F.linear(v_mean.to(self.dtype), attn.to_out[0].weight, attn.to_out[0].bias)  # [1, D]
-                o = o_proj(*o_in, bias=w_m[0])
-            else:  # the GEMM's bias is one row for all batches: add W_o m per batch after it
-                o = o_proj(*o_in)
-                o.view(b, s, -1).add_(F.linear(v_mean.to(o.dtype), attn.to_out[0].weight).unsqueeze(1))
+        if self.fp8_attention:
+            o = self._attention_fp8(index, q, k, v, rope, shape, calibrate)
         else:
+            q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
+            k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
             o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1),
                                v.unflatten(1, (heads, -1)).view(b, s, heads, -1))
             o = o.reshape(b * s, -1)
@@ -202,7 +284,7 @@ class FastTransformer(nn.Module):
         shape = (b, s, self.config.num_attention_heads)
         mods = cond.block_mods[step]
         for i in range(len(model.blocks)):
-            x = self._block(i, x, mods[i], rope, shape)
+            x = self._block(i, x, mods[i], rope, shape, calibrate=step == 0)
         final = cond.final_mods[step]
         y = self.ops.adaln_modulate(x, final[0], final[1], s, self.config.eps)
         return model.unpatchify(model.proj_out(y).view(b, s, -1), grid)

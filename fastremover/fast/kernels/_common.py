@@ -339,11 +339,17 @@ def inverse_scale_of(amax, any_nan):
 @triton.jit
 def store_fp8_row(y0, y1, m0, m1, Q_ROW, c0, c1, RS_PTR, INTERPRET: tl.constexpr):
     """Row-wise fp8 of a row held as two segments: amax (a max: order-free), the row scale to RS_PTR, codes to
-    Q_ROW + c (masked)."""
-    amax = tl.maximum(tl.max(tl.where(m0, tl.abs(y0), 0.0), axis=0), tl.max(tl.where(m1, tl.abs(y1), 0.0), axis=0))
-    nan0 = tl.max(tl.where(m0 & (y0 != y0), 1, 0), axis=0)
-    nan1 = tl.max(tl.where(m1 & (y1 != y1), 1, 0), axis=0)
-    any_nan = (nan0 + nan1) > 0
+    Q_ROW + c (masked).
+
+    One reduction finds both the amax and whether the row holds a NaN: the max of |y|'s bit patterns as int32. For
+    non-negative floats the bit order is the value order (+inf = 0x7F800000 above every finite value) and every NaN
+    pattern sits above +inf, so the integer max is the float amax unless a NaN is present (a float max plus a NaN
+    count took three block reductions, each a shared-memory round trip across the warps)."""
+    bits0 = tl.where(m0, y0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    bits1 = tl.where(m1, y1.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    amax_bits = tl.maximum(tl.max(bits0, axis=0), tl.max(bits1, axis=0))
+    any_nan = amax_bits > 0x7F800000
+    amax = amax_bits.to(tl.float32, bitcast=True)
     tl.store(RS_PTR, row_scale_of(amax, any_nan))
     inv = inverse_scale_of(amax, any_nan)
     tl.store(Q_ROW + c0, quantize_fp8(y0, inv, INTERPRET), mask=m0)

@@ -82,6 +82,8 @@ def resource_usage(compiled) -> str:
 
 def builds() -> list[tuple[str, object, dict, dict, int]]:
     from fastremover.fast.kernels import adaln, qk_norm_rope, quant, residual
+    import triton.language as tl
+
     from fastremover.fast.kernels._common import row_num_warps as nw
 
     f = False
@@ -98,10 +100,15 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
                     {"X": f"*{xt}", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": "*fp8e4nv", "RS": "*fp32", "D": "i32",
                      "S": "i32", "d_f": "fp32", "eps": "fp32"},
                     {"HEAD": 1024, "TAIL": 512, "FP8": True, "INTERPRET": f}, nw(1536)))
-        out.append((f"qk_norm_rope[{xt}]", qk_norm_rope._qk_norm_rope_kernel,
-                    {"X": f"*{xt}", "W": f"*{xt}", "COS": "*fp32", "SIN": "*fp32", "Y": f"*{xt}", "NPAIRS": "i32",
-                     "S": "i32", "stride_x": "i32", "inv_n": "fp32", "eps": "fp32"},
-                    {"HALF": 64, "HEAD": 512, "TAIL": 256, "INTERPRET": f}, nw(1536)))
+        tdt = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[xt]
+        qk_sig = {"X": f"*{xt}", "W": f"*{xt}", "COS": "*fp32", "SIN": "*fp32", "Y": f"*{xt}", "AMAX": "*fp32",
+                  "CENTRE": "*fp32", "NPAIRS": "i32", "S": "i32", "stride_x": "i32", "inv_n": "fp32", "eps": "fp32"}
+        out.append((f"qk_norm_rope[{xt}]", qk_norm_rope._qk_norm_rope_kernel, qk_sig,
+                    {"HALF": 64, "HEAD": 512, "TAIL": 256, "DTYPE": tdt, "FP8": False, "HAS_CENTRE": False,
+                     "INTERPRET": f}, nw(1536)))
+        out.append((f"qk_norm_rope_fp8[{xt}]", qk_norm_rope._qk_norm_rope_kernel, {**qk_sig, "Y": "*fp8e4nv"},
+                    {"HALF": 64, "HEAD": 512, "TAIL": 256, "DTYPE": tdt, "FP8": True, "HAS_CENTRE": True,
+                     "INTERPRET": f}, nw(1536)))
         out.append((f"quant_fp8_rowwise[{xt}]", quant._quant_rows_kernel,
                     {"X": f"*{xt}", "Q": "*fp8e4nv", "RS": "*fp32", "N": "i32"},
                     {"HEAD": 1024, "TAIL": 512, "GELU": False, "QUANT": True, "INTERPRET": f}, nw(1536)))
@@ -141,7 +148,7 @@ def check(verbose: bool = True) -> list[str]:
         else:
             need(not any(o.startswith("div.full") or o.startswith("div.approx") for o in ops),
                  "approximate fp32 division")
-        if fam in ("gate_residual", "adaln", "adaln_fp8", "qk_norm_rope", "quant_fp8_rowwise",
+        if fam in ("gate_residual", "adaln", "adaln_fp8", "qk_norm_rope", "qk_norm_rope_fp8", "quant_fp8_rowwise",
                    "quant_fp8_rowwise_8960", "quant_fp8_tensorwise"):
             fmas = sorted(o for o in ops if o.startswith("fma."))
             need(not fmas, f"PTX contains {fmas}")
@@ -151,11 +158,11 @@ def check(verbose: bool = True) -> list[str]:
                 need(re.search(r"\bFFMA\b", sass) is None, "SASS contains FFMA")
         if fam == "gate_residual":
             need("mul.rn.f32" in ptx, "the inline mul.rn.f32 is missing")
-        if fam in ("adaln", "adaln_fp8", "qk_norm_rope"):
+        if fam in ("adaln", "adaln_fp8", "qk_norm_rope", "qk_norm_rope_fp8"):
             need(any(o.startswith("rsqrt.approx.f32") for o in ops), f"expected non-ftz rsqrt.approx.f32, got "
                  f"{sorted(o for o in ops if 'rsqrt' in o)}")
         if fam in ("adaln_fp8", "quant_fp8_rowwise", "quant_fp8_rowwise_8960", "gelu_tanh_quant_fp8",
-                   "quant_fp8_tensorwise"):
+                   "quant_fp8_tensorwise", "qk_norm_rope_fp8"):
             need("div.rn.f32" in ops, "expected IEEE div.rn.f32")
             need(any(o.startswith("cvt.rn.satfinite.e4m3x2.f32") for o in ops), "expected cvt.rn.satfinite.e4m3x2.f32")
         if bf16 and fam in ("gate_residual", "adaln", "qk_norm_rope"):

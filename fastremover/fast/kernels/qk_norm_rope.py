@@ -21,6 +21,16 @@ Reduction order and rounding points:
        an FMA, as the separate eager kernels), then the sub/add rounded, then RNE to dtype.
 Only steps 2-3 differ from eager (summation order), moving r by a few fp32 ulps; that flips the dtype rounding of n
 for a small fraction of elements, by one ulp, which RoPE can carry to <= 2 ulps of the output.
+
+FP8 output (`fp8_amax=`, the 8-bit attention's q and k codes straight from this pass): the dtype-rounded output y of
+step 6, widened back to fp32, minus `centre[b]` when given (one rounded fp32 subtraction), then the per-tensor rule of
+quant.py with a GIVEN amax A (a 1-element device tensor): codes = RNE_e4m3(sat(y * fl(448 / max(A, 1e-12)))). So the
+codes are bit-identical to this kernel's dtype output quantized by `quant_static_reference` (tests/test_kernels.py).
+The fast transformer passes a static bound as A (`rope_amax_bound`): RMSNorm leaves every |x_i| * r <= sqrt(H*Dh),
+and RoPE rotates (even, odd) pairs, so no output exceeds sqrt(H*Dh) * max|weight| - a scale known before the
+tensor exists, so no amax pass and no separate quantization pass. e4m3 is a floating-point format: a bound above the
+true amax costs no precision until values fall under 2^-6 of the scale (the subnormals), ~1/1000 of a typical q
+element here.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from fastremover.fast.kernels._common import (
     launch_options,
     load_f32,
     mul_rn,
+    quantize_fp8,
     round_through,
     round_to,
     row_num_warps,
@@ -71,9 +82,19 @@ def _rms_scale(v, r, w, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_store(e, o, r, W, COS_ROW, SIN_ROW, Y_ROW, p, npairs,
-                     HALF: tl.constexpr, INTERPRET: tl.constexpr):
-    DTYPE = Y_ROW.dtype.element_ty
+def _fp8_codes(v, DTYPE: tl.constexpr, CENTRE_ROW, offs, mask, inv, HAS_CENTRE: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """The dtype-rounded output value, minus the centre, times inv, RNE to e4m3 (saturating)."""
+    y = round_through(v, DTYPE, INTERPRET)
+    if HAS_CENTRE:
+        y = y - tl.load(CENTRE_ROW + offs, mask=mask, other=0.0)
+    return quantize_fp8(y, inv, INTERPRET)
+
+
+@triton.jit
+def _norm_rope_store(e, o, r, W, COS_ROW, SIN_ROW, Y_ROW, p, npairs, CENTRE_ROW, inv,
+                     HALF: tl.constexpr, DTYPE: tl.constexpr, FP8: tl.constexpr, HAS_CENTRE: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     offs, mask = _pair_offsets(p, npairs)
     we, wo = tl.split(load_f32(W + offs, mask, INTERPRET))
     ne = _rms_scale(e, r, we, DTYPE, INTERPRET)
@@ -84,17 +105,27 @@ def _norm_rope_store(e, o, r, W, COS_ROW, SIN_ROW, Y_ROW, p, npairs,
     s = tl.load(SIN_ROW + j, mask=pm, other=0.0)
     re = mul_rn(ne, c, INTERPRET) - mul_rn(no, s, INTERPRET)
     ro = mul_rn(ne, s, INTERPRET) + mul_rn(no, c, INTERPRET)
-    tl.store(Y_ROW + offs, tl.join(round_to(re, DTYPE, INTERPRET), round_to(ro, DTYPE, INTERPRET)), mask=mask)
+    if FP8:
+        ce = _fp8_codes(re, DTYPE, CENTRE_ROW, p * 2, pm, inv, HAS_CENTRE, INTERPRET)
+        co = _fp8_codes(ro, DTYPE, CENTRE_ROW, p * 2 + 1, pm, inv, HAS_CENTRE, INTERPRET)
+        tl.store(Y_ROW + offs, tl.join(ce, co), mask=mask)
+    else:
+        tl.store(Y_ROW + offs, tl.join(round_to(re, DTYPE, INTERPRET), round_to(ro, DTYPE, INTERPRET)), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    X, W, COS, SIN, Y,
+    X, W, COS, SIN, Y, AMAX, CENTRE,  # FP8: Y float8e4nv codes, AMAX the given [1] amax, CENTRE [B, 2*NPAIRS] fp32
     NPAIRS, S, stride_x, inv_n, eps,
-    HALF: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr,
+    HALF: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, DTYPE: tl.constexpr, FP8: tl.constexpr,
+    HAS_CENTRE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = row % S
+    inv = 0.0
+    if FP8:
+        inv = tl.math.div_rn(448.0, tl.maximum(tl.load(AMAX), 1e-12))
+    centre_row = CENTRE + (row // S) * (2 * NPAIRS)
     p0 = tl.arange(0, HEAD)
     p1 = HEAD + tl.arange(0, TAIL)
     x_row = X + row * stride_x
@@ -103,8 +134,10 @@ def _qk_norm_rope_kernel(
     ss = tl.sum(e0 * e0 + o0 * o0, axis=0) + tl.sum(e1 * e1 + o1 * o1, axis=0)
     r = tl.math.rsqrt(ss * inv_n + eps)
     y_row = Y + row * (2 * NPAIRS)
-    _norm_rope_store(e0, o0, r, W, COS + s * HALF, SIN + s * HALF, y_row, p0, NPAIRS, HALF, INTERPRET)
-    _norm_rope_store(e1, o1, r, W, COS + s * HALF, SIN + s * HALF, y_row, p1, NPAIRS, HALF, INTERPRET)
+    _norm_rope_store(e0, o0, r, W, COS + s * HALF, SIN + s * HALF, y_row, p0, NPAIRS, centre_row, inv,
+                     HALF, DTYPE, FP8, HAS_CENTRE, INTERPRET)
+    _norm_rope_store(e1, o1, r, W, COS + s * HALF, SIN + s * HALF, y_row, p1, NPAIRS, centre_row, inv,
+                     HALF, DTYPE, FP8, HAS_CENTRE, INTERPRET)
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,11 +155,17 @@ def qk_norm_rope(
     eps: float,
     *,
     out: torch.Tensor | None = None,
+    fp8_amax: torch.Tensor | None = None,
+    centre: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm over the whole H*Dh row (fp32 statistics, weight in x.dtype) then RoPE per head on (even, odd) pairs
     with table row s = token % tokens_per_batch. x [M, H*Dh] fp16/bf16/fp32 with contiguous rows (any row stride: a
     column slice of a fused QKV output works), weight [H*Dh] x.dtype, cos/sin [tokens_per_batch, Dh/2] fp32
-    -> [M, H*Dh] x.dtype contiguous (into `out` if given; `out` may be x itself when x is contiguous)."""
+    -> [M, H*Dh] x.dtype contiguous (into `out` if given; `out` may be x itself when x is contiguous).
+
+    fp8_amax ([1] fp32 on x's device): e4m3 codes [M, H*Dh] instead, of (y - centre[token // tokens_per_batch]) with
+    the per-tensor scale max(fp8_amax, 1e-12) / 448 (the caller holds that scale; see the module docstring);
+    centre: [B, H*Dh] fp32 contiguous, only with fp8_amax."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, row_strided=True)
     m, width = x.shape
     check_row_width("x", width)
@@ -141,16 +180,28 @@ def qk_norm_rope(
     check_tensor("sin", sin, ndim=2, dtypes=(torch.float32,), shape=(tokens_per_batch, head_dim // 2))
     if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
-    check_device(_qk_norm_rope_kernel, x=x, weight=weight, cos=cos, sin=sin, out=out)
-    check_out("out", out, (m, width), x.dtype, x.device)
-    y = out if out is not None else torch.empty((m, width), dtype=x.dtype, device=x.device)
+    fp8 = fp8_amax is not None
+    if fp8:
+        check_tensor("fp8_amax", fp8_amax, ndim=1, dtypes=(torch.float32,), shape=(1,))
+    if centre is not None:
+        if not fp8:
+            raise ValueError("centre is only used with fp8_amax")
+        check_tensor("centre", centre, ndim=2, dtypes=(torch.float32,), shape=(m // tokens_per_batch, width))
+    check_device(_qk_norm_rope_kernel, x=x, weight=weight, cos=cos, sin=sin, out=out, fp8_amax=fp8_amax,
+                 centre=centre)
+    y_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+    check_out("out", out, (m, width), y_dtype, x.device)
+    y = out if out is not None else torch.empty((m, width), dtype=y_dtype, device=x.device)
     if m:
         npairs = width // 2
         head, tail = row_segments(npairs)
         inv_n = _fp32_reciprocal(width)  # fp32 1/N, as torch's CUDA mean factor
+        dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
         _qk_norm_rope_kernel[(m,)](
-            x, weight, cos, sin, y, npairs, tokens_per_batch, x.stride(0), inv_n, float(eps),
-            HALF=head_dim // 2, HEAD=head, TAIL=tail, INTERPRET=interpreting(_qk_norm_rope_kernel),
+            x, weight, cos, sin, y, fp8_amax if fp8 else cos, centre if centre is not None else cos,
+            npairs, tokens_per_batch, x.stride(0), inv_n, float(eps),
+            HALF=head_dim // 2, HEAD=head, TAIL=tail, DTYPE=dtype, FP8=fp8, HAS_CENTRE=centre is not None,
+            INTERPRET=interpreting(_qk_norm_rope_kernel),
             num_warps=row_num_warps(2 * (head + tail)), **launch_options(_qk_norm_rope_kernel),
         )
     return y
@@ -158,10 +209,12 @@ def qk_norm_rope(
 
 def qk_norm_rope_reference(
     x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens_per_batch: int, heads: int,
-    eps: float, *, out: torch.Tensor | None = None,
+    eps: float, *, out: torch.Tensor | None = None, fp8_amax: torch.Tensor | None = None,
+    centre: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eager torch: transformer.py's `apply_rope(RMSNorm(x).unflatten(-1, (heads, -1)), cos, sin)` on [B, S, H*Dh].
-    Same signature as `qk_norm_rope`."""
+    """Eager torch: transformer.py's `apply_rope(RMSNorm(x).unflatten(-1, (heads, -1)), cos, sin)` on [B, S, H*Dh]
+    (with fp8_amax: quantized by `quant_static_reference`). Same signature as `qk_norm_rope`."""
+    from fastremover.fast.kernels.quant import quant_static_reference
     from fastremover.models.transformer import RMSNorm, apply_rope
 
     m, width = x.shape
@@ -169,4 +222,16 @@ def qk_norm_rope_reference(
     with torch.no_grad():
         norm.weight.copy_(weight)
         n = norm(x.reshape(m // tokens_per_batch, tokens_per_batch, width)).unflatten(-1, (heads, -1))
-        return into(apply_rope(n, cos, sin).flatten(-2).view(m, width), out)
+        y = apply_rope(n, cos, sin).flatten(-2).view(m, width)
+        if fp8_amax is not None:
+            y = quant_static_reference(y, fp8_amax, centre, tokens_per_batch)
+        return into(y, out)
+
+
+def rope_amax_bound(weight: torch.Tensor) -> torch.Tensor:
+    """A static amax for `qk_norm_rope`'s output, [1] fp32 on weight's device: |x_i| * rsqrt(mean(x^2) + eps) <=
+    sqrt(H*Dh) for every element of a row, times max|weight|; RoPE rotates (even, odd) pairs, whose norm is within
+    that bound too (the pair's sum of squares is <= H*Dh before the weight). 1/16 on top covers every rounding (fp16
+    output rounding is 2^-11 relative)."""
+    width = weight.numel()
+    return (weight.detach().float().abs().max() * (width ** 0.5) * 1.0625).reshape(1)

@@ -252,6 +252,19 @@ def quant_fp8_tensorwise_reference(
     return into(_codes(y, amax), out), into(_scale(amax), out_scale)
 
 
+def quant_static_reference(y: torch.Tensor, amax: torch.Tensor, centre: torch.Tensor | None = None,
+                           tokens_per_batch: int | None = None) -> torch.Tensor:
+    """Per-tensor e4m3 codes of y [M, N] (fp32 math; minus centre[m // tokens_per_batch] [B, N] fp32 first) with a
+    GIVEN amax ([1] fp32, e.g. a static bound): RNE_e4m3(sat(y * fl(448 / max(amax, 1e-12)))) - the rule above
+    with the amax supplied, and saturating (a bound below the true amax clamps instead of overflowing)."""
+    m, n = y.shape
+    yf = y.float()
+    if centre is not None:
+        s = m if tokens_per_batch is None else tokens_per_batch
+        yf = (yf.view(m // s, s, n) - centre.view(-1, 1, n)).view(m, n)
+    return _codes(yf, amax.float().clamp_min(1e-12).reshape(()))
+
+
 def gelu_tanh_reference(h: torch.Tensor, *, out=None) -> torch.Tensor:
     """fp32 y = F.gelu(h.float(), approximate="tanh")."""
     return into(torch.nn.functional.gelu(h.float(), approximate="tanh"), out)
