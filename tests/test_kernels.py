@@ -552,12 +552,12 @@ def test_gpu_qk_norm_rope_fp8_codes_at_real_shape():
     x = qkv[:, d:2 * d]
     w = grandn(g, d, dtype=F16, scale=0.2, offset=1.0)
     y = qk.qk_norm_rope(x, w, cos, sin, S_REAL, HEADS, EPS)
-    centre = y.float().mean(0, keepdim=True)
+    centre = y.float().view(M_REAL // S_REAL, S_REAL, d).mean(1)
     amax = qk.rope_amax_bound(w) + centre.abs().max()
     got = qk.qk_norm_rope(x, w, cos, sin, S_REAL, HEADS, EPS, fp8_amax=amax.reshape(1), centre=centre)
     expect = quant.quant_static_reference(y, amax.reshape(1), centre, S_REAL)
     assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), f"seed {seed}"
-    deq = got.float() * (amax / 448.0) + centre
+    deq = ((got.float() * (amax / 448.0)).view(B_REAL, S_REAL, d) + centre[:, None]).view(M_REAL, d)
     c = torch.nn.functional.cosine_similarity(deq.flatten(), y.float().flatten(), dim=0).item()
     print(f"seed {seed}: qk fp8 codes (static bound scale) cos vs fp16 {c:.6f}")
     assert c > 0.999
@@ -656,3 +656,58 @@ def test_gpu_quant_fp8_tensorwise_bit_exact_at_real_shape():
         q_ref, scale_ref = quant_fp8_tensorwise_reference(x, mean, 32760)
         assert torch.equal(scale, scale_ref)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# static per-tensor fp8 quantization (given amax: the FFN's GELU output, the attention output for the O projection)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_quant_fp8_static_bit_exact(dtype, gelu):
+    """Codes and the row-scale vector equal the eager quantization of the same fp32 y (for gelu: the kernel's own
+    GELU values, gelu_tanh_f32) with amax = fl(amax[0] * mult), bit for bit; a bound below the true amax saturates to
+    +-448 (never NaN), a bound above it keeps 3-bit relative precision."""
+    from fastremover.fast.kernels.quant import gelu_tanh_f32, quant_fp8_static, quant_fp8_static_reference
+
+    g = gen(41 + gelu)
+    x = randn(g, 37, 300, dtype=dtype, scale=2.0)  # 300 columns: a masked tail of the 256-wide tiles
+    y = gelu_tanh_f32(x) if gelu else x.float()
+    true_amax = float(y.abs().max())
+    for amax, mult in ((torch.tensor([true_amax * 3.0]), 1.0), (torch.tensor([true_amax]), 0.5),
+                       (torch.tensor([true_amax / 448.0]), 448.0 * 1.125)):
+        amax = amax.to(DEV)
+        out = torch.full((37, 300), float("nan"), device=DEV).to(FP8)
+        rs = torch.full((37, 1), float("nan"), device=DEV)
+        q, s = quant_fp8_static(x, amax, mult, gelu=gelu, out=out, out_scale=rs)
+        assert q is out and s is rs
+        q_ref, s_ref = quant_fp8_static_reference(y, amax, mult)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (amax, mult)
+        assert torch.equal(s, s_ref) and bool((s == s[0]).all())
+        assert not torch.isnan(q.float()).any()
+        a = float(amax) * mult
+        if a < true_amax:
+            assert float(q.float().abs().max()) == 448.0  # saturated, not NaN
+        else:
+            assert float((q.float() * s - y).abs().max()) <= a / 448 * 2.0**-9 + true_amax / 16
+
+
+@pytest.mark.gpu
+@gpu_real
+def test_gpu_quant_fp8_static_bit_exact_at_real_shape():
+    """The FFN's GELU codes with a static bound at W2's shape (32760 x 8960) and the attention output's (1536 wide,
+    bf16): bit-exact to the eager quantization of the kernel's own GELU values / of the input."""
+    from fastremover.fast.kernels.quant import gelu_tanh_f32, quant_fp8_static, quant_fp8_static_reference
+
+    g, seed = fresh_gen()
+    h = grandn(g, M_REAL, FFN_REAL, dtype=F16, scale=2.0)
+    y = gelu_tanh_f32(h)
+    amax = (y.abs().max() * 7.0).reshape(1)
+    q, s = quant_fp8_static(h, amax, gelu=True)
+    q_ref, s_ref = quant_fp8_static_reference(y, amax)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), f"seed {seed}"
+    o = grandn(g, M_REAL, D_REAL, dtype=BF16, scale=0.5)
+    sv = (o.float().abs().max() / 448.0).reshape(1)
+    q, s = quant_fp8_static(o, sv, 448.0 * 1.125)
+    q_ref, s_ref = quant_fp8_static_reference(o, sv, 448.0 * 1.125)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), f"seed {seed}"

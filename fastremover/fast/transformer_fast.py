@@ -19,16 +19,20 @@ is precomputed for all steps by `conditioning()`, so a denoise step is pure devi
 
 8-bit attention's q/k/v quantization (fast mode with fp8, fp8-fa3 or fp8-flash3): per-tensor e4m3 with K and V
 centred. Softmax makes ANY centre exact: q . (k - c) moves every logit of a query row by the same q . c, and
-attn(v) = attn(v - c) + c because each row of P sums to 1 (the + c is W_o c in the O projection's bias). So the
-centres need not be this step's means: they are calibrated on the first step of a run (sequence means of K and V per
-layer, [B, D] fp32) and frozen for the rest of the run, like a static activation scale; what they buy is resolution
-(a shared per-channel offset no longer eats the e4m3 range, and P @ V sums zero-mean terms, which Hopper's
-reduced-precision FP8 accumulator keeps). q and k then need no amax pass either: RMSNorm bounds every element by
-sqrt(D) * max|weight| (`rope_amax_bound`), so qk_norm_rope writes their codes directly with that static scale (k's
-bound plus max|centre|). Per step this leaves one pass each for q and k and two (amax, codes) for v, where the
-dynamic version took ten passes over the three tensors (two means, three amaxes, three quantizations, two fp16 rope
-outputs): ~0.25 ms of every W2 layer (bench/results/profile-step-w2-flash3-*.json: 10.3 ms per step).
-`fp8=False` is the `exact` mode (no quantization); `fp8=True` is the `fast` mode (W8A8 e4m3 linears).
+attn(v) = attn(v - c) + c because each row of P sums to 1 (the + c is W_o c in the O projection's bias). V is
+centred on its own sequence mean every step: that is what keeps Hopper's reduced-precision FP8 P @ V accumulation
+exact enough (a centre frozen at the first step took W2 to 33.8 dB, because the adaLN shift moves V's mean every
+step). K's centre only buys resolution (a shared per-channel offset no longer eats the e4m3 range), so it is
+calibrated on the first step of a run (sequence mean per layer, [B, D] fp32) and frozen for the rest, like a static
+activation scale. q and k then need no amax pass: RMSNorm bounds every element by sqrt(D) * max|weight|
+(`rope_amax_bound`), so qk_norm_rope writes their codes directly with that static scale (k's bound plus
+max|centre|). The attention's 16-bit output o - c is bounded by 1.125 max|v - c|, a static scale too.
+
+The FFN's GELU output is quantized with a static per-tensor bound as well (`Conditioning.ffn_amax`, no amax pass):
+|h_j| = |n . w_j + b_j| <= ||n|| ||w_j|| + |b_j| (Cauchy-Schwarz) with ||n|| <= sqrt(D) max|1 + scale| + ||shift||
+for the modulated LayerNorm output n (||LN(x)|| <= sqrt(D)), and |gelu(h)| <= max(h, 0.17). The bound is ~10-20x
+the true amax on random weights; e4m3 is a floating-point format, so that costs nothing until values fall below
+2^-6 of the scale (subnormals), ~1e-4 of a typical element's magnitude here.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
             gate_residual=residual.gate_residual,
             quant_rowwise=quant.quant_fp8_rowwise,
             quant_tensorwise=quant.quant_fp8_tensorwise,
+            quant_static=quant.quant_fp8_static,
             gelu_quant=quant.gelu_tanh_quant_fp8,
         )
     return SimpleNamespace(
@@ -68,8 +73,13 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
         gate_residual=residual.gate_residual_reference,
         quant_rowwise=quant.quant_fp8_rowwise_reference,
         quant_tensorwise=quant.quant_fp8_tensorwise_reference,
+        quant_static=quant.quant_fp8_static_reference,
         gelu_quant=quant.gelu_tanh_quant_fp8_reference,
     )
+
+
+# |o - c| <= 1.125 * max|v - c| = 1.125 * 448 * sv for the FP8 attention kernels' 16-bit output (see _attention_fp8)
+O_AMAX_PER_V_SCALE = 448.0 * 1.125
 
 
 def sequence_mean(rows: torch.Tensor, b: int, s: int) -> torch.Tensor:
@@ -85,14 +95,12 @@ def o_projection_bias(v_centre: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 @dataclass
 class AttentionCalibration:
-    """The 8-bit attention's per-run constants for one batch size, all layers (written by the first step of a run,
+    """The 8-bit attention's per-run K constants for one batch size, all layers (written by the first step of a run,
     read by the others; fixed addresses, so a captured graph reads what its own first step wrote)."""
 
     k_centre: torch.Tensor  # [L, B, D] fp32: K's sequence mean at the first step
     k_amax: torch.Tensor  # [L, 1] fp32: static bound of |k - c_k| (rope bound + max|c_k|)
     k_scale: torch.Tensor  # [L, 1] fp32: k_amax / 448
-    v_centre: torch.Tensor  # [L, B, D] fp32: V's sequence mean at the first step
-    o_bias: torch.Tensor  # [L, B, D] model dtype: b_o + W_o c_v
 
 
 def gelu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -123,6 +131,7 @@ class Conditioning:
 
     block_mods: torch.Tensor  # [N, L, 6, B, D] fp32: shift, scale, gate, c_shift, c_scale, c_gate per block
     final_mods: torch.Tensor  # [N, 2, B, D] fp32: shift, scale of norm_out
+    ffn_amax: torch.Tensor | None = None  # fp8: [N, L, 1] fp32 static bound of |gelu(h)| per step and block
 
 
 class FastTransformer(nn.Module):
@@ -164,6 +173,11 @@ class FastTransformer(nn.Module):
                 })
                 for b in model.blocks
             )
+            # the GELU output's static bound (module docstring): ||w_j|| of the dequantized FP8 ff1 weight rows (what
+            # the GEMM multiplies by) and |b_j|, [L, F] fp32
+            self.ff1_row_norm = torch.stack([(blk["ff1"].codes.float() * blk["ff1"].scale.t()).norm(dim=1)
+                                             for blk in self.fp8_blocks])
+            self.ff1_bias_abs = torch.stack([b.ffn.net[0].proj.bias.detach().float().abs() for b in model.blocks])
 
     @property
     def fp8_attention(self) -> bool:
@@ -184,7 +198,20 @@ class FastTransformer(nn.Module):
                 [(blk.scale_shift_table + tproj.float()).permute(1, 0, 2) for blk in self.model.blocks]
             ))
             final_mods.append((self.model.scale_shift_table + temb.unsqueeze(1)).permute(1, 0, 2))
-        return Conditioning(torch.stack(block_mods).contiguous(), torch.stack(final_mods).contiguous())
+        block_mods = torch.stack(block_mods).contiguous()
+        ffn_amax = self.ffn_amax_bound(block_mods) if self.fp8 else None
+        return Conditioning(block_mods, torch.stack(final_mods).contiguous(), ffn_amax)
+
+    def ffn_amax_bound(self, block_mods: torch.Tensor) -> torch.Tensor:
+        """[N, L, 6, B, D] modulation rows -> [N, L, 1] fp32: a bound of |gelu(h)| for the FFN's hidden h = ff1(n) of
+        every step and block (module docstring). ||n|| <= sqrt(D) max|1 + c_scale| + ||c_shift|| per batch row;
+        x 1.07 for n's e4m3 rounding (<= 2^-4 per element) and the GEMM's rounding; the largest over the batch."""
+        c_shift, c_scale = block_mods[:, :, 3], block_mods[:, :, 4]  # [N, L, B, D]
+        d = c_shift.shape[-1]
+        n_norm = (d ** 0.5) * (1 + c_scale).abs().amax(-1) + c_shift.norm(dim=-1)  # [N, L, B]
+        n_norm = n_norm.amax(-1) * 1.07  # [N, L]
+        h_amax = (n_norm[..., None] * self.ff1_row_norm + self.ff1_bias_abs).amax(-1)  # [N, L]
+        return torch.clamp_min(h_amax, 0.17).unsqueeze(-1).contiguous()  # gelu(h) >= -0.17
 
     def _calibration(self, b: int, device: torch.device, create: bool) -> AttentionCalibration:
         key = (b, device)
@@ -196,8 +223,7 @@ class FastTransformer(nn.Module):
             n, d = len(self.model.blocks), self.config.num_attention_heads * self.config.attention_head_dim
             f32 = dict(dtype=torch.float32, device=device)
             cal = AttentionCalibration(torch.zeros(n, b, d, **f32), torch.zeros(n, 1, **f32),
-                                       torch.zeros(n, 1, **f32), torch.zeros(n, b, d, **f32),
-                                       torch.zeros(n, b, d, dtype=self.dtype, device=device))
+                                       torch.zeros(n, 1, **f32))
             self._calibrations[key] = cal
         return cal
 
@@ -208,38 +234,43 @@ class FastTransformer(nn.Module):
         b, s, heads = shape
         eps = self.config.eps
         cal = self._calibration(b, q.device, create=calibrate)
-        if calibrate:  # the run's first step: centres from this step's K and V, then frozen
+        if calibrate:  # the run's first step: K's centre from this step's K, then frozen
             k_half = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
             cal.k_centre[index].copy_(sequence_mean(k_half, b, s))
             cal.k_amax[index].copy_((self.k_bound[index] + cal.k_centre[index].abs().amax()).reshape(1))
             cal.k_scale[index].copy_(cal.k_amax[index] / cal.k_amax.new_full((), 448.0))  # quant.py's rule
-            cal.v_centre[index].copy_(sequence_mean(v, b, s))
-            cal.o_bias[index].copy_(o_projection_bias(cal.v_centre[index], attn.to_out[0].weight,
-                                                      attn.to_out[0].bias))
         q8 = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps, fp8_amax=self.q_amax[index])
         k8 = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps, fp8_amax=cal.k_amax[index],
                               centre=cal.k_centre[index])
-        v8, sv = ops.quant_tensorwise(v, cal.v_centre[index], s)
+        # V is centred on this step's own mean: the adaLN shift moves V's mean every step, and a stale centre let
+        # the FP8 P @ V accumulation lose the low bits again (W2 33.8 dB with a frozen one,
+        # bench/results/w2-fast-frozenv-*.json)
+        v_centre = sequence_mean(v, b, s)
+        o_bias = o_projection_bias(v_centre, attn.to_out[0].weight, attn.to_out[0].bias)  # [B, D]
+        v8, sv = ops.quant_tensorwise(v, v_centre, s)
         sq, sk = self.q_scale[index], cal.k_scale[index]
         q8, k8, v8 = (t.view(b, s, heads, -1) for t in (q8, k8, v8))
-        if self.fp8_attention_requant:  # 16-bit (o - c), requantized per row
+        if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
+            # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
+            # bounds it and the quantization needs no amax pass
             if self.attention_name == "fp8-fa3":
                 o_c = fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
             else:
                 o_c = flash3_fp8_codes(q8, k8, v8, sq, sk, sv)  # bf16
-            o_in = ops.quant_rowwise(o_c.view(b * s, -1))
+            o_in = ops.quant_static(o_c.view(b * s, -1), sv, O_AMAX_PER_V_SCALE)
         else:  # codes of (o - c) / sv
             o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
         o_proj = self.fp8_blocks[index]["o"]
         if b == 1:  # one batch: b_o + W_o c is the GEMM's bias (added in its fp32 epilogue, no extra pass)
-            return o_proj(*o_in, bias=cal.o_bias[index][0])
-        # the GEMM's bias is one row for all batches: W_o c per batch after it (o_bias holds b_o too)
-        o = o_proj(*o_in, bias=torch.zeros_like(cal.o_bias[index][0]))
-        o.view(b, s, -1).add_(cal.o_bias[index].unsqueeze(1))
+            return o_proj(*o_in, bias=o_bias[0])
+        # the GEMM's bias is one row for all batches: b_o + W_o c per batch after it
+        o = o_proj(*o_in, bias=torch.zeros_like(o_bias[0]))
+        o.view(b, s, -1).add_(o_bias.unsqueeze(1))
         return o
 
-    def _block(self, index: int, x: torch.Tensor, mods: torch.Tensor, rope, shape, calibrate: bool) -> torch.Tensor:
-        """x [M, D] residual stream (updated in place); mods [6, B, D]."""
+    def _block(self, index: int, x: torch.Tensor, mods: torch.Tensor, rope, shape, calibrate: bool,
+               ffn_amax: torch.Tensor | None) -> torch.Tensor:
+        """x [M, D] residual stream (updated in place); mods [6, B, D]; ffn_amax [1] (fp8: the GELU output's bound)."""
         ops, blk = self.ops, self.model.blocks[index]
         b, s, heads = shape
         eps = self.config.eps
@@ -264,7 +295,7 @@ class FastTransformer(nn.Module):
         if self.fp8:
             lin = self.fp8_blocks[index]
             h = lin["ff1"](*ops.adaln_modulate(x, mods[3], mods[4], s, eps, fp8=True))
-            f = lin["ff2"](*ops.gelu_quant(h))
+            f = lin["ff2"](*ops.quant_static(h, ffn_amax, gelu=True))
         else:
             n2 = ops.adaln_modulate(x, mods[3], mods[4], s, eps)
             ff = blk.ffn
@@ -282,9 +313,13 @@ class FastTransformer(nn.Module):
         s = grid[0] * grid[1] * grid[2]
         x = model.patch_embedding(hidden_states).flatten(2).transpose(1, 2).reshape(b * s, -1).contiguous()
         shape = (b, s, self.config.num_attention_heads)
+        if self.fp8 and cond.ffn_amax is None:
+            raise ValueError("FastTransformer(fp8=True).forward_step needs a Conditioning from an fp8 transformer's "
+                             "conditioning() (it carries the FFN's static quantization bounds)")
         mods = cond.block_mods[step]
         for i in range(len(model.blocks)):
-            x = self._block(i, x, mods[i], rope, shape, calibrate=step == 0)
+            x = self._block(i, x, mods[i], rope, shape, calibrate=step == 0,
+                            ffn_amax=None if cond.ffn_amax is None else cond.ffn_amax[step, i])
         final = cond.final_mods[step]
         y = self.ops.adaln_modulate(x, final[0], final[1], s, self.config.eps)
         return model.unpatchify(model.proj_out(y).view(b, s, -1), grid)

@@ -43,6 +43,8 @@ def _cases(m: int, dtype: torch.dtype, batch: int, dev: str = "cuda"):
     with torch.no_grad():
         norm.weight.copy_(w)
     xo = torch.empty_like(x)
+    h_amax = (h.float().abs().max() * 10).reshape(1)
+    qk_amax = qk_norm_rope.rope_amax_bound(w)
     xb, sh3, sc3, g3 = x.view(batch, s, d), shift[:, None], scale[:, None], gate[:, None]
 
     def eager_adaln():
@@ -77,6 +79,11 @@ def _cases(m: int, dtype: torch.dtype, batch: int, dev: str = "cuda"):
          lambda: quant.gelu_tanh_quant_fp8(h), m * ffn * (el + 1) + 4 * m),
         ("  (eager model F.gelu fp16)", eager_gelu_model, lambda: quant.gelu_tanh_quant_fp8(h),
          m * ffn * (el + 1) + 4 * m),
+        ("gelu static-scale fp8 N=8960", lambda: quant.quant_fp8_static_reference(h, h_amax, gelu=True),
+         lambda: quant.quant_fp8_static(h, h_amax, gelu=True), m * ffn * (el + 1) + 4 * m),
+        ("qk_norm_rope fp8 (static)", eager_qk, lambda: qk_norm_rope.qk_norm_rope(q, w, cos, sin, s, heads, eps,
+                                                                                  fp8_amax=qk_amax),
+         m * d * (el + 1)),
     ]
 
 

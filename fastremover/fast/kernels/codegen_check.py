@@ -105,10 +105,18 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
                   "CENTRE": "*fp32", "NPAIRS": "i32", "S": "i32", "stride_x": "i32", "inv_n": "fp32", "eps": "fp32"}
         out.append((f"qk_norm_rope[{xt}]", qk_norm_rope._qk_norm_rope_kernel, qk_sig,
                     {"HALF": 64, "HEAD": 512, "TAIL": 256, "DTYPE": tdt, "FP8": False, "HAS_CENTRE": False,
-                     "INTERPRET": f}, nw(1536)))
+                     "INTERPRET": f}, nw(1536) // 2))
         out.append((f"qk_norm_rope_fp8[{xt}]", qk_norm_rope._qk_norm_rope_kernel, {**qk_sig, "Y": "*fp8e4nv"},
                     {"HALF": 64, "HEAD": 512, "TAIL": 256, "DTYPE": tdt, "FP8": True, "HAS_CENTRE": True,
-                     "INTERPRET": f}, nw(1536)))
+                     "INTERPRET": f}, nw(1536) // 2))
+        out.append((f"quant_fp8_static_gelu[{xt}]", quant._static_quant_kernel,
+                    {"X": f"*{xt}", "AMAX": "*fp32", "Q": "*fp8e4nv", "RS": "*fp32", "M": "i32", "N": "i32",
+                     "amax_mult": "fp32"},
+                    {"GELU": True, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f}, 4))
+        out.append((f"quant_fp8_static[{xt}]", quant._static_quant_kernel,
+                    {"X": f"*{xt}", "AMAX": "*fp32", "Q": "*fp8e4nv", "RS": "*fp32", "M": "i32", "N": "i32",
+                     "amax_mult": "fp32"},
+                    {"GELU": False, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f}, 4))
         out.append((f"quant_fp8_rowwise[{xt}]", quant._quant_rows_kernel,
                     {"X": f"*{xt}", "Q": "*fp8e4nv", "RS": "*fp32", "N": "i32"},
                     {"HEAD": 1024, "TAIL": 512, "GELU": False, "QUANT": True, "INTERPRET": f}, nw(1536)))
@@ -143,13 +151,13 @@ def check(verbose: bool = True) -> list[str]:
         need(re.search(r"^\s*call|\.extern\s+\.func", ptx, re.M) is None, "a function call was left in the PTX")
         if sass is not None:
             need(re.search(r"\b(STL|LDL)\b", sass) is None, "SASS spills registers to local memory (STL/LDL)")
-        if fam == "gelu_tanh_quant_fp8":
+        if fam in ("gelu_tanh_quant_fp8", "quant_fp8_static_gelu"):
             need(any(o.startswith("ex2.approx") for o in ops), "expected ex2.approx for the sigmoid form's exp2")
         else:
             need(not any(o.startswith("div.full") or o.startswith("div.approx") for o in ops),
                  "approximate fp32 division")
         if fam in ("gate_residual", "adaln", "adaln_fp8", "qk_norm_rope", "qk_norm_rope_fp8", "quant_fp8_rowwise",
-                   "quant_fp8_rowwise_8960", "quant_fp8_tensorwise"):
+                   "quant_fp8_rowwise_8960", "quant_fp8_tensorwise", "quant_fp8_static"):
             fmas = sorted(o for o in ops if o.startswith("fma."))
             need(not fmas, f"PTX contains {fmas}")
             # PTX mul.rn/add.rn (explicit rounding) are never contracted by ptxas; where there is no div.rn (whose
@@ -162,7 +170,7 @@ def check(verbose: bool = True) -> list[str]:
             need(any(o.startswith("rsqrt.approx.f32") for o in ops), f"expected non-ftz rsqrt.approx.f32, got "
                  f"{sorted(o for o in ops if 'rsqrt' in o)}")
         if fam in ("adaln_fp8", "quant_fp8_rowwise", "quant_fp8_rowwise_8960", "gelu_tanh_quant_fp8",
-                   "quant_fp8_tensorwise", "qk_norm_rope_fp8"):
+                   "quant_fp8_tensorwise", "qk_norm_rope_fp8", "quant_fp8_static", "quant_fp8_static_gelu"):
             need("div.rn.f32" in ops, "expected IEEE div.rn.f32")
             need(any(o.startswith("cvt.rn.satfinite.e4m3x2.f32") for o in ops), "expected cvt.rn.satfinite.e4m3x2.f32")
         if bf16 and fam in ("gate_residual", "adaln", "qk_norm_rope"):

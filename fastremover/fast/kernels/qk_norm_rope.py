@@ -202,7 +202,9 @@ def qk_norm_rope(
             npairs, tokens_per_batch, x.stride(0), inv_n, float(eps),
             HALF=head_dim // 2, HEAD=head, TAIL=tail, DTYPE=dtype, FP8=fp8, HAS_CENTRE=centre is not None,
             INTERPRET=interpreting(_qk_norm_rope_kernel),
-            num_warps=row_num_warps(2 * (head + tail)), **launch_options(_qk_norm_rope_kernel),
+            # half the row kernels' usual warps: at 1536 wide, 2 warps take 0.079 ms vs 4 warps' 0.092 at W2 (and
+            # 0.0235 vs 0.0256 at W1), bench/results/row-kernel-warps-*.json
+            num_warps=max(1, row_num_warps(2 * (head + tail)) // 2), **launch_options(_qk_norm_rope_kernel),
         )
     return y
 

@@ -15,6 +15,12 @@ Kernels (one program per row; the row lives in registers as HEAD + TAIL power-of
     quant_fp8_rowwise(x)       y = x.float()
     gelu_tanh_quant_fp8(h)     y = gelu_tanh(h.float()) in fp32, then the same quantization
     gelu_tanh_f32(h)           y alone (fp32) - the exact intermediate of gelu_tanh_quant_fp8, for tests/debugging
+Static per-tensor scale (the amax is GIVEN, a [1] device tensor times a host factor: a bound known before the tensor
+exists, so one streaming pass with no reduction; 2D tiles):
+    quant_fp8_static(x, amax, amax_mult=1.0, gelu=False)   y = x.float() or gelu_tanh(x.float()); codes with the
+                                         rule above for amax = amax[0] * amax_mult (saturating, so a bound below the
+                                         true amax clamps instead of overflowing); also writes the [M, 1] row-scale
+                                         vector (every row the same scale) that the row-wise FP8 GEMM reads.
 Per-tensor (the 8-bit attention's q/k/v; two tile kernels, no host sync):
     quant_fp8_tensorwise(x, mean=None)   y = x.float() [- mean[b, col]], one scale for the whole tensor:
                                          amax by tile maxima + one fp32 atomic max, then codes with the rule above.
@@ -50,6 +56,7 @@ from fastremover.fast.kernels._common import (
     into,
     launch_options,
     load_f32,
+    mul_rn,
     quantize_fp8,
     row_num_warps,
     row_segments,
@@ -134,6 +141,45 @@ def gelu_tanh_quant_fp8(
 def gelu_tanh_f32(h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 y that gelu_tanh_quant_fp8 quantizes (same device code), [M, N] fp32."""
     return _launch_rows("h", h, gelu=True, quant=False, out=out, out_scale=None)
+
+
+@triton.jit
+def _static_quant_kernel(X, AMAX, Q, RS, M, N, amax_mult, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    y = load_f32(X + offs, mask, INTERPRET)
+    if GELU:
+        y = gelu_tanh_f32_device(y, INTERPRET)
+    amax = tl.maximum(mul_rn(tl.load(AMAX), amax_mult, INTERPRET), 1e-12)
+    tl.store(Q + offs, quantize_fp8(y, tl.math.div_rn(448.0, amax), INTERPRET), mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(RS + rows, tl.broadcast_to(tl.math.div_rn(amax, 448.0), rows.shape), mask=rows < M)
+
+
+def quant_fp8_static(
+    x: torch.Tensor, amax: torch.Tensor, amax_mult: float = 1.0, *, gelu: bool = False,
+    out: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, N] fp16/bf16/fp32 contiguous, amax [1] fp32 on x's device -> (codes float8_e4m3fn [M, N], row_scale fp32
+    [M, 1], every row = a / 448) for a = max(fl(amax[0] * amax_mult), 1e-12) and y = x.float() (gelu: the tanh-GELU of
+    it, `gelu_tanh_f32`): codes = RNE_e4m3(sat(y * fl(448 / a))). Bit-exact to `quant_fp8_static_reference`."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("amax", amax, ndim=1, dtypes=(torch.float32,), shape=(1,))
+    m, n = x.shape
+    check_device(_static_quant_kernel, x=x, amax=amax, out=out, out_scale=out_scale)
+    check_out("out", out, (m, n), torch.float8_e4m3fn, x.device)
+    check_out("out_scale", out_scale, (m, 1), torch.float32, x.device)
+    q = out if out is not None else torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    rs = out_scale if out_scale is not None else torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and n:
+        block_m, block_n = 16, min(256, triton.next_power_of_2(n))
+        _static_quant_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            x, amax, q, rs, m, n, float(amax_mult), GELU=gelu, BLOCK_M=block_m, BLOCK_N=block_n,
+            INTERPRET=interpreting(_static_quant_kernel), num_warps=4, **launch_options(_static_quant_kernel))
+    return q, rs
 
 
 @triton.jit
@@ -263,6 +309,16 @@ def quant_static_reference(y: torch.Tensor, amax: torch.Tensor, centre: torch.Te
         s = m if tokens_per_batch is None else tokens_per_batch
         yf = (yf.view(m // s, s, n) - centre.view(-1, 1, n)).view(m, n)
     return _codes(yf, amax.float().clamp_min(1e-12).reshape(()))
+
+
+def quant_fp8_static_reference(x: torch.Tensor, amax: torch.Tensor, amax_mult: float = 1.0, *, gelu: bool = False,
+                               out=None, out_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager `quant_fp8_static` on a given fp32 y (gelu=True: y = torch's tanh-GELU; bit-exact to the kernel only on
+    the kernel's own GELU values, see `gelu_tanh_f32`)."""
+    y = gelu_tanh_reference(x) if gelu else x.float()
+    a = (amax.float() * torch.tensor(amax_mult, dtype=torch.float32, device=amax.device)).clamp_min(1e-12)
+    q = _codes(y, a.reshape(()))
+    return into(q, out), into(_scale(a).reshape(1, 1).expand(x.shape[0], 1).contiguous(), out_scale)
 
 
 def gelu_tanh_reference(h: torch.Tensor, *, out=None) -> torch.Tensor:
