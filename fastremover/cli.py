@@ -105,8 +105,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
 def _add_attention_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["auto", "sdpa", "fp8", "fp8-triton", "fa3", "fp8-fa3", "fp8-flash3"],
                    default="auto",
-                   help="attention backend of modes exact/fast: auto (exact: sdpa; fast: fp8 = cuDNN FP8 attention "
-                   "with centred K and V, else fp8-triton = our Triton FP8 kernel), or one of them explicitly (an "
+                   help="attention backend of modes exact/fast: auto (exact: fa3 where it can run, else sdpa; fast: "
+                   "fp8-flash3 where it is built, else fp8 = cuDNN FP8 attention with centred K and V, else "
+                   "fp8-triton = our Triton FP8 kernel), or one of them explicitly (an "
                    "error if it cannot run here); fa3 / fp8-fa3: FlashInfer's FA3-style Hopper kernels, fp16 / FP8 "
                    "(needs pip install flashinfer-python); fp8-flash3: FlashAttention-3's own FP8 kernel (built "
                    "from source: bench/build_flash3.sh)")

@@ -297,9 +297,10 @@ def test_gpu_exact_and_fast_vs_eager_at_real_config(real_model):
     with torch.no_grad():
         eager = real_model(x, t)
         exact = FastTransformer(real_model, fp8=False)
-        cond = exact.conditioning(t, 1)
-        got_exact = exact.forward_step(x, cond, 0)
-        got_fast = FastTransformer(real_model, fp8=True).forward_step(x, cond, 0)
+        got_exact = exact.forward_step(x, exact.conditioning(t, 1), 0)
+        fast = FastTransformer(real_model, fp8=True)
+        cond = fast.conditioning(t, 1)  # an fp8 transformer's: it carries the FFN's static quantization bounds
+        got_fast = fast.forward_step(x, cond, 0)
         got_fast_attn = FastTransformer(real_model, fp8=True, attention="fp8").forward_step(x, cond, 0)
     c_exact, c_fast, c_attn = cos(got_exact, eager), cos(got_fast, eager), cos(got_fast_attn, eager)
     print(f"cos vs eager fp16: exact {c_exact:.6f}, fast(fp8 linears) {c_fast:.6f}, "
