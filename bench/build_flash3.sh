@@ -85,12 +85,13 @@ with open("/tmp/fa3build/out/flash_attn_config.py","w") as f:
 PY
 }
 
-# exp2 variants of the FP8 kernel (bench/flash3_exp2_patch.py patches a copy of the sources), each linked with the
-# same api/scheduler/bf16 objects into $B/out_<name>:  build.sh variant <name> <patch mode: f16x2 | emu:N>
+# Variants of the FP8 kernel (bench/flash3_variant_patch.py patches a copy of the sources: exp2 on f16x2 or partly on
+# the FMA pipe, another tile shape), each linked with the same api/scheduler/bf16 objects into $B/out_<name>:
+#   build.sh variant <name> <patch mode: f16x2 | emu:N | tile:M,N,RS,OVERLAP>
 variant() {
   local name=$1 mode=$2
   rm -rf $B/src_$name && mkdir -p $B/src_$name && cp -r $SRC $B/src_$name/
-  python3 "$(dirname "$0")/flash3_exp2_patch.py" $B/src_$name/hopper/softmax.h "$mode"
+  python3 "$(dirname "$0")/flash3_variant_patch.py" $B/src_$name/hopper "$mode"
   t hdim128_e4m3_sm90_$name $NVCC ${NVCC_FLAGS//-I$SRC/-I$B/src_$name/hopper} \
     -c $B/src_$name/hopper/instantiations/flash_fwd_hdim128_e4m3_sm90.cu -o $OBJ/flash_fwd_hdim128_e4m3_sm90_$name.o
   local BF=$OBJ/flash_fwd_hdim128_bf16_sm90.o

@@ -1,5 +1,7 @@
-"""Patch FlashAttention-3's hopper/softmax.h (a copy, for bench/build_flash3.sh's exp2 variants): in the FP8 kernels
-(Max_offset != 0) the online softmax's exp2 no longer runs only on the special-function unit (MUFU).
+"""Patch a copy of FlashAttention-3's hopper/ sources for bench/build_flash3.sh's variant builds of the FP8 kernel.
+
+exp2 variants (hopper/softmax.h): in the FP8 kernels (Max_offset != 0) the online softmax's exp2 no longer runs
+only on the special-function unit (MUFU).
 
 Why: at head dim 128 in FP8 the MUFU's exp2 (16 per clock per SM) needs as many cycles per score as the FP8 tensor
 cores' QK^T + PV (8192 FLOP per clock per SM over 4 * 128 FLOP per score), and FA3's FP8 forward sits near half of
@@ -16,7 +18,11 @@ Why either is harmless: P is rounded to e4m3 next (3 mantissa bits, relative rou
 rounding of x in [-16, 8] is <= 2^-8 in the exponent and the polynomial's error is 6e-4; the row sum is taken from
 the same values (fp32 accumulation as before).
 
-    python bench/flash3_exp2_patch.py path/to/hopper/softmax.h f16x2|emu:N
+Tile variants (hopper/tile_size.h): `tile:M,N,RS,OVERLAP` replaces the FP8 head-dim-128 tile {128, 224, true, true}
+(kBlockM, kBlockN, P @ V with P from registers, intra-warpgroup overlap) with the given one; M = 192 means three
+consumer warpgroups. A tile that does not fit shared memory fails to compile.
+
+    python bench/flash3_variant_patch.py path/to/hopper f16x2 | emu:N | tile:M,N,RS,OVERLAP
 """
 
 import sys
@@ -70,19 +76,31 @@ EMU = """        if constexpr (Max_offset != 0) {  // fastremover patch (emu:EVE
 """
 
 
-def main(path: str, mode: str) -> None:
+TILE_ORIGINAL = "return {128, paged_kv_non_TMA ? 160 : (v_colmajor || (softcap && is_local) ? 192 : 224), true, true};"
+
+
+def _patch(path: str, original: str, new: str) -> None:
     src = open(path).read()
     if "fastremover patch" in src:
         raise SystemExit(f"{path} is already patched")
-    if src.count(ORIGINAL) != 1:
-        raise SystemExit(f"{path}: the exp2 loop to patch was not found exactly once (FA3 source changed?)")
+    if src.count(original) != 1:
+        raise SystemExit(f"{path}: the code to patch was not found exactly once (FA3 source changed?)")
+    open(path, "w").write(src.replace(original, new))
+
+
+def main(hopper: str, mode: str) -> None:
     if mode == "f16x2":
-        new = F16X2
+        _patch(f"{hopper}/softmax.h", ORIGINAL, F16X2)
     elif mode.startswith("emu:") and mode[4:].isdigit() and int(mode[4:]) >= 2:
-        new = EMU.replace("EVERY", mode[4:])
+        _patch(f"{hopper}/softmax.h", ORIGINAL, EMU.replace("EVERY", mode[4:]))
+    elif mode.startswith("tile:") and len(parts := mode[5:].split(",")) == 4:
+        m, n, rs, overlap = parts
+        if not (m.isdigit() and n.isdigit() and rs in ("true", "false") and overlap in ("true", "false")):
+            raise SystemExit(f"bad tile {mode!r}: tile:M,N,true|false,true|false")
+        _patch(f"{hopper}/tile_size.h", TILE_ORIGINAL,
+               f"return {{{m}, {n}, {rs}, {overlap}}};  // fastremover patch (tile variant)")
     else:
-        raise SystemExit(f"unknown mode {mode!r}: f16x2 or emu:N (N >= 2)")
-    open(path, "w").write(src.replace(ORIGINAL, new))
+        raise SystemExit(f"unknown mode {mode!r}: f16x2, emu:N (N >= 2) or tile:M,N,RS,OVERLAP")
 
 
 if __name__ == "__main__":
