@@ -201,6 +201,33 @@ def test_adaln_fp8(dtype):
         assert torch.equal(rs, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gate_residual_adaln_is_the_two_kernels(dtype, fp8):
+    """The fused residual + adaLN equals gate_residual (in place) followed by adaln_modulate, bit for bit: the new x
+    and the normalized output (fp8: codes and row scales); and it matches the eager pair like adaln does."""
+    adaln, _, _, residual = kernels()
+    g = gen(61 + fp8)
+    b, s, d = 2, 5, 192
+    x = randn(g, b * s, d, dtype=dtype, scale=3.0)
+    br = randn(g, b * s, d, dtype=dtype)
+    gate, shift, scale = (randn(g, b, d, dtype=F32) for _ in range(3))
+    x_two = x.clone()
+    residual.gate_residual(x_two, br, gate, s, inplace=True)
+    two = adaln.adaln_modulate(x_two, shift, scale, s, EPS, fp8=fp8)
+    x_one = x.clone()
+    one = adaln.gate_residual_adaln(x_one, br, gate, shift, scale, s, EPS, fp8=fp8)
+    assert torch.equal(x_one, x_two)
+    if fp8:
+        assert torch.equal(one[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(one[1], two[1])
+    else:
+        assert torch.equal(one, two)
+        x_ref = x.clone()
+        ref = adaln.gate_residual_adaln_reference(x_ref, br, gate, shift, scale, s, EPS)
+        assert torch.equal(x_ref, x_one)
+        assert_lowp_close(one, ref, max_frac=2e-3, min_count=3, what=f"gate_residual_adaln {dtype}")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # qk_norm_rope
 
@@ -535,6 +562,28 @@ def test_gpu_fp8_quantization_of_own_y():
     q2, s2 = quant.fp8_rowwise_reference(y)
     st = assert_fp8_close(q, rs, q2, s2, y, scale_rtol=2.0**-20, max_frac=1e-5, what=f"seed {seed} gelu")
     print(f"gelu fp8 vs own y: {st}")
+
+
+@pytest.mark.gpu
+@gpu_real
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_gate_residual_adaln_is_the_two_kernels_at_real_shape(fp8):
+    """At W2's shape (two batch rows): the fused residual + adaLN kernel equals the two kernels it replaces, bit for bit
+    (the same LayerNorm code and launch, so the same reduction order)."""
+    adaln, _, _, residual = kernels()
+    g, seed = fresh_gen()
+    x = grandn(g, M_REAL, D_REAL, dtype=F16, scale=4.0)
+    br = grandn(g, M_REAL, D_REAL, dtype=F16)
+    gate, shift, scale = (grandn(g, B_REAL, D_REAL) for _ in range(3))
+    x_two = x.clone()
+    residual.gate_residual(x_two, br, gate, S_REAL, inplace=True)
+    two = adaln.adaln_modulate(x_two, shift, scale, S_REAL, EPS, fp8=fp8)
+    one = adaln.gate_residual_adaln(x, br, gate, shift, scale, S_REAL, EPS, fp8=fp8)
+    assert torch.equal(x, x_two), f"seed {seed}"
+    if fp8:
+        assert torch.equal(one[0].view(torch.uint8), two[0].view(torch.uint8)) and torch.equal(one[1], two[1])
+    else:
+        assert torch.equal(one, two), f"seed {seed}"
 
 
 @pytest.mark.gpu

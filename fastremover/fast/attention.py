@@ -33,7 +33,7 @@ stride in D and rows of H*D) and returns [B, S, H, D] in the same dtype.
   4.17 s), so `fast` keeps cuDNN's (bench/results/attention-fa3-*.json, w2-*-fa3-*.json).
 - `fp8-flash3`: FlashAttention-3's own FP8 forward kernel (fast/flash3_attention.py; built from source), the same
   quantization: 7.47 ms at S = 32760 vs cuDNN's 8.46 (kernel alone 6.94 ms, 950 TFLOP/s). With the fast transformer
-  feeding its O projection o - m (requantized per row, V's mean in the projection's bias) the W2 fast mode reaches
+  feeding its O projection o - m (quantized again, V's mean in the projection's bias) the W2 fast mode reaches
   48.6 dB at denoise 3.88 s vs cuDNN's 48.6 dB at 4.17 s (bench/results/w2-fast-fp8flash3-*-25812b9.json), so it is
   the `fast` mode's default where it is installed. (Requantizing o with the mean added back had given 47.2 dB.)
 A backend that cannot run here is an error naming why, never a silent fallback, so a bench row labelled fp8 always

@@ -24,6 +24,14 @@ Reduction order and rounding points (fp32 throughout):
        (correctly rounded), q = RNE_e4m3(y * (448 / max(amax, 1e-12))) (one div_rn per row), saturating.
 So the only differences from eager are in mean/var (summation order; eager CUDA uses Welford), which move y by a few
 fp32 ulps at most and flip the final fp16/bf16 rounding of a small fraction of elements by one ulp.
+
+`gate_residual_adaln` fuses the block's gated residual add (residual.py) with the adaLN that reads its result, as
+they follow each other in every block (after attention: x += o * gate, then the FFN's norm; after the FFN:
+x += f * c_gate, then the next block's norm or norm_out): x_new = RNE_dtype(x + fl(branch * gate[b])) is written
+back into x (residual.py's rounding points: mul.rn, add, RNE) and the same values, widened back exactly, go through
+the LayerNorm above - one read of x instead of two. The LayerNorm code and launch (segments, warps) are the plain
+kernel's, so the output is meant to equal `adaln_modulate(gate_residual(x, ...))` bit for bit (torch.equal in the
+tests).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from fastremover.fast.kernels._common import (
     into,
     load_f32,
     mul_rn,
+    round_through,
     round_to,
     row_num_warps,
     row_segments,
@@ -57,6 +66,27 @@ def _modulate(d, rstd, shift_row, scale_row, cols, mask, INTERPRET: tl.constexpr
     sh = tl.load(shift_row + cols, mask=mask, other=0.0)
     ln = mul_rn(d, rstd, INTERPRET)
     return mul_rn(ln, 1.0 + sc, INTERPRET) + sh
+
+
+@triton.jit
+def _layer_norm_modulate_store(x0, x1, m0, m1, c0, c1, row, b, SHIFT, SCALE, Y, RS, D, d_f, eps,
+                               FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """Steps 2-7 of the module docstring for one row held as two fp32 segments."""
+    mean = tl.math.div_rn(tl.sum(x0, axis=0) + tl.sum(x1, axis=0), d_f)
+    d0 = tl.where(m0, x0 - mean, 0.0)
+    d1 = tl.where(m1, x1 - mean, 0.0)
+    var = tl.math.div_rn(tl.sum(d0 * d0, axis=0) + tl.sum(d1 * d1, axis=0), d_f)
+    rstd = tl.math.rsqrt(var + eps)
+
+    y0 = _modulate(d0, rstd, SHIFT + b * D, SCALE + b * D, c0, m0, INTERPRET)
+    y1 = _modulate(d1, rstd, SHIFT + b * D, SCALE + b * D, c1, m1, INTERPRET)
+
+    y_row = Y + row * D
+    if FP8:
+        store_fp8_row(y0, y1, m0, m1, y_row, c0, c1, RS + row, INTERPRET)
+    else:
+        tl.store(y_row + c0, round_to(y0, Y.dtype.element_ty, INTERPRET), mask=m0)
+        tl.store(y_row + c1, round_to(y1, Y.dtype.element_ty, INTERPRET), mask=m1)
 
 
 @triton.jit
@@ -74,22 +104,59 @@ def _adaln_kernel(
     x_row = X + row * D
     x0 = load_f32(x_row + c0, m0, INTERPRET)
     x1 = load_f32(x_row + c1, m1, INTERPRET)
+    _layer_norm_modulate_store(x0, x1, m0, m1, c0, c1, row, b, SHIFT, SCALE, Y, RS, D, d_f, eps, FP8, INTERPRET)
 
-    mean = tl.math.div_rn(tl.sum(x0, axis=0) + tl.sum(x1, axis=0), d_f)
-    d0 = tl.where(m0, x0 - mean, 0.0)
-    d1 = tl.where(m1, x1 - mean, 0.0)
-    var = tl.math.div_rn(tl.sum(d0 * d0, axis=0) + tl.sum(d1 * d1, axis=0), d_f)
-    rstd = tl.math.rsqrt(var + eps)
 
-    y0 = _modulate(d0, rstd, SHIFT + b * D, SCALE + b * D, c0, m0, INTERPRET)
-    y1 = _modulate(d1, rstd, SHIFT + b * D, SCALE + b * D, c1, m1, INTERPRET)
+@triton.jit
+def _gate_residual_adaln_kernel(
+    X, BR, G, SHIFT, SCALE, Y, RS,  # X updated in place; Y: x.dtype, or float8e4nv with RS the [M] row scales
+    D, S, d_f, eps,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // S
+    c0 = tl.arange(0, HEAD)
+    c1 = HEAD + tl.arange(0, TAIL)
+    m0 = c0 < D
+    m1 = c1 < D
+    x_row = X + row * D
+    br_row = BR + row * D
+    XT = X.dtype.element_ty
+    # residual.py's gated add: product rounded (mul.rn), then the add, then RNE to x's dtype
+    x0 = load_f32(x_row + c0, m0, INTERPRET) + mul_rn(load_f32(br_row + c0, m0, INTERPRET),
+                                                       tl.load(G + b * D + c0, mask=m0, other=0.0), INTERPRET)
+    x1 = load_f32(x_row + c1, m1, INTERPRET) + mul_rn(load_f32(br_row + c1, m1, INTERPRET),
+                                                       tl.load(G + b * D + c1, mask=m1, other=0.0), INTERPRET)
+    tl.store(x_row + c0, round_to(x0, XT, INTERPRET), mask=m0)
+    tl.store(x_row + c1, round_to(x1, XT, INTERPRET), mask=m1)
+    x0 = tl.where(m0, round_through(x0, XT, INTERPRET), 0.0)  # the stored values, widened back exactly
+    x1 = tl.where(m1, round_through(x1, XT, INTERPRET), 0.0)
+    _layer_norm_modulate_store(x0, x1, m0, m1, c0, c1, row, b, SHIFT, SCALE, Y, RS, D, d_f, eps, FP8, INTERPRET)
 
-    y_row = Y + row * D
-    if FP8:
-        store_fp8_row(y0, y1, m0, m1, y_row, c0, c1, RS + row, INTERPRET)
+
+def _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale, kernel, **more):
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    m, d = x.shape
+    check_row_width("x", d)
+    check_tensor("shift", shift, ndim=2, dtypes=(torch.float32,))
+    check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), shape=tuple(shift.shape))
+    if shift.shape[1] != d:
+        raise ValueError(f"shift/scale must be [B, {d}] to match x [M, {d}], got {tuple(shift.shape)}")
+    check_tokens_per_batch(tokens_per_batch, m, shift.shape[0])
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    check_device(kernel, x=x, shift=shift, scale=scale, out=out, out_scale=out_scale, **more)
+    if not fp8 and out_scale is not None:
+        raise ValueError("out_scale is only used with fp8=True")
+    y_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+    check_out("out", out, (m, d), y_dtype, x.device)
+    y = out if out is not None else torch.empty((m, d), dtype=y_dtype, device=x.device)
+    if fp8:
+        check_out("out_scale", out_scale, (m, 1), torch.float32, x.device)
+        rs = out_scale if out_scale is not None else torch.empty((m, 1), dtype=torch.float32, device=x.device)
     else:
-        tl.store(y_row + c0, round_to(y0, Y.dtype.element_ty, INTERPRET), mask=m0)
-        tl.store(y_row + c1, round_to(y1, Y.dtype.element_ty, INTERPRET), mask=m1)
+        rs = y  # unused (FP8=False never touches RS); any pointer will do
+    return y, rs
 
 
 def adaln_modulate(
@@ -112,34 +179,45 @@ def adaln_modulate(
                  written into `out` / `out_scale` if given.
     D <= 16384.
     """
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    y, rs = _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale, _adaln_kernel)
     m, d = x.shape
-    check_row_width("x", d)
-    check_tensor("shift", shift, ndim=2, dtypes=(torch.float32,))
-    check_tensor("scale", scale, ndim=2, dtypes=(torch.float32,), shape=tuple(shift.shape))
-    if shift.shape[1] != d:
-        raise ValueError(f"shift/scale must be [B, {d}] to match x [M, {d}], got {tuple(shift.shape)}")
-    check_tokens_per_batch(tokens_per_batch, m, shift.shape[0])
-    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
-    check_device(_adaln_kernel, x=x, shift=shift, scale=scale, out=out, out_scale=out_scale)
-    if not fp8 and out_scale is not None:
-        raise ValueError("out_scale is only used with fp8=True")
-    y_dtype = torch.float8_e4m3fn if fp8 else x.dtype
-    check_out("out", out, (m, d), y_dtype, x.device)
-    y = out if out is not None else torch.empty((m, d), dtype=y_dtype, device=x.device)
-    if fp8:
-        check_out("out_scale", out_scale, (m, 1), torch.float32, x.device)
-        rs = out_scale if out_scale is not None else torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    else:
-        rs = y  # unused (FP8=False never touches RS); any pointer will do
     if m:
         head, tail = row_segments(d)
-        interp = interpreting(_adaln_kernel)
         _adaln_kernel[(m,)](
             x, shift, scale, y, rs, d, tokens_per_batch, float(d), float(eps),
-            HEAD=head, TAIL=tail, FP8=fp8, INTERPRET=interp,
+            HEAD=head, TAIL=tail, FP8=fp8, INTERPRET=interpreting(_adaln_kernel),
             num_warps=row_num_warps(head + tail), **launch_options(_adaln_kernel),
+        )
+    return (y, rs) if fp8 else y
+
+
+def gate_residual_adaln(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    tokens_per_batch: int,
+    eps: float,
+    *,
+    fp8: bool = False,
+    out: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x <- (x.float() + branch.float() * gate[b]).to(x.dtype) in place (residual.gate_residual), then
+    adaln_modulate(x, shift, scale, ...) of the new x, in one pass; returns what adaln_modulate returns.
+    branch [M, D] fp16/bf16/fp32 contiguous, gate [B, D] fp32; the rest as adaln_modulate."""
+    check_tensor("branch", branch, ndim=2, dtypes=FLOAT_DTYPES, shape=tuple(x.shape) if x.dim() == 2 else None)
+    check_tensor("gate", gate, ndim=2, dtypes=(torch.float32,), shape=tuple(shift.shape) if shift.dim() == 2 else None)
+    y, rs = _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale,
+                               _gate_residual_adaln_kernel, branch=branch, gate=gate)
+    m, d = x.shape
+    if m:
+        head, tail = row_segments(d)
+        _gate_residual_adaln_kernel[(m,)](
+            x, branch, gate, shift, scale, y, rs, d, tokens_per_batch, float(d), float(eps),
+            HEAD=head, TAIL=tail, FP8=fp8, INTERPRET=interpreting(_gate_residual_adaln_kernel),
+            num_warps=row_num_warps(head + tail), **launch_options(_gate_residual_adaln_kernel),
         )
     return (y, rs) if fp8 else y
 
@@ -169,3 +247,16 @@ def adaln_modulate_reference(
         q, rs = fp8_rowwise_reference(y.view(m, d))
         return into(q, out), into(rs, out_scale)
     return into(y.to(x.dtype).view(m, d), out)
+
+
+def gate_residual_adaln_reference(
+    x: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+    tokens_per_batch: int, eps: float, *, fp8: bool = False, out: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Eager torch: residual.gate_residual_reference(..., inplace=True), then adaln_modulate_reference. Same signature
+    as `gate_residual_adaln`."""
+    from fastremover.fast.kernels.residual import gate_residual_reference
+
+    gate_residual_reference(x, branch, gate, tokens_per_batch, inplace=True)
+    return adaln_modulate_reference(x, shift, scale, tokens_per_batch, eps, fp8=fp8, out=out, out_scale=out_scale)

@@ -96,6 +96,12 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
                     {"X": f"*{xt}", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": f"*{xt}", "RS": "*fp32", "D": "i32",
                      "S": "i32", "d_f": "fp32", "eps": "fp32"},
                     {"HEAD": 1024, "TAIL": 512, "FP8": False, "INTERPRET": f}, nw(1536)))
+        gra_sig = {"X": f"*{xt}", "BR": f"*{xt}", "G": "*fp32", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": f"*{xt}",
+                   "RS": "*fp32", "D": "i32", "S": "i32", "d_f": "fp32", "eps": "fp32"}
+        out.append((f"gate_residual_adaln[{xt}]", adaln._gate_residual_adaln_kernel, gra_sig,
+                    {"HEAD": 1024, "TAIL": 512, "FP8": False, "INTERPRET": f}, nw(1536)))
+        out.append((f"gate_residual_adaln_fp8[{xt}]", adaln._gate_residual_adaln_kernel, {**gra_sig, "Y": "*fp8e4nv"},
+                    {"HEAD": 1024, "TAIL": 512, "FP8": True, "INTERPRET": f}, nw(1536)))
         out.append((f"adaln_fp8[{xt}]", adaln._adaln_kernel,
                     {"X": f"*{xt}", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": "*fp8e4nv", "RS": "*fp32", "D": "i32",
                      "S": "i32", "d_f": "fp32", "eps": "fp32"},
@@ -156,7 +162,8 @@ def check(verbose: bool = True) -> list[str]:
         else:
             need(not any(o.startswith("div.full") or o.startswith("div.approx") for o in ops),
                  "approximate fp32 division")
-        if fam in ("gate_residual", "adaln", "adaln_fp8", "qk_norm_rope", "qk_norm_rope_fp8", "quant_fp8_rowwise",
+        if fam in ("gate_residual", "adaln", "adaln_fp8", "gate_residual_adaln", "gate_residual_adaln_fp8",
+                   "qk_norm_rope", "qk_norm_rope_fp8", "quant_fp8_rowwise",
                    "quant_fp8_rowwise_8960", "quant_fp8_tensorwise", "quant_fp8_static"):
             fmas = sorted(o for o in ops if o.startswith("fma."))
             need(not fmas, f"PTX contains {fmas}")
@@ -164,16 +171,18 @@ def check(verbose: bool = True) -> list[str]:
             # IEEE expansion is MUFU.RCP + FFMA Newton steps) the SASS must not contain a single FFMA either
             if sass is not None and "div.rn.f32" not in ops:
                 need(re.search(r"\bFFMA\b", sass) is None, "SASS contains FFMA")
-        if fam == "gate_residual":
+        if fam in ("gate_residual", "gate_residual_adaln", "gate_residual_adaln_fp8"):
             need("mul.rn.f32" in ptx, "the inline mul.rn.f32 is missing")
-        if fam in ("adaln", "adaln_fp8", "qk_norm_rope", "qk_norm_rope_fp8"):
+        if fam in ("adaln", "adaln_fp8", "gate_residual_adaln", "gate_residual_adaln_fp8", "qk_norm_rope",
+                   "qk_norm_rope_fp8"):
             need(any(o.startswith("rsqrt.approx.f32") for o in ops), f"expected non-ftz rsqrt.approx.f32, got "
                  f"{sorted(o for o in ops if 'rsqrt' in o)}")
-        if fam in ("adaln_fp8", "quant_fp8_rowwise", "quant_fp8_rowwise_8960", "gelu_tanh_quant_fp8",
+        if fam in ("adaln_fp8", "gate_residual_adaln_fp8", "quant_fp8_rowwise", "quant_fp8_rowwise_8960",
+                   "gelu_tanh_quant_fp8",
                    "quant_fp8_tensorwise", "qk_norm_rope_fp8", "quant_fp8_static", "quant_fp8_static_gelu"):
             need("div.rn.f32" in ops, "expected IEEE div.rn.f32")
             need(any(o.startswith("cvt.rn.satfinite.e4m3x2.f32") for o in ops), "expected cvt.rn.satfinite.e4m3x2.f32")
-        if bf16 and fam in ("gate_residual", "adaln", "qk_norm_rope"):
+        if bf16 and fam in ("gate_residual", "adaln", "gate_residual_adaln", "qk_norm_rope"):
             need(any(o.startswith("cvt.rn.bf16") for o in ops), "expected cvt.rn.bf16(x2).f32")
         if verbose:
             flt = sorted(o for o in ops if re.search(r"\.(f32|bf16|f16|e4m3x2)|^cvt|^div|^rsqrt|^fma|^mul\.rn", o))
