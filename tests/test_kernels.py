@@ -760,3 +760,39 @@ def test_gpu_quant_fp8_static_bit_exact_at_real_shape():
     q, s = quant_fp8_static(o, sv, 448.0 * 1.125)
     q_ref, s_ref = quant_fp8_static_reference(o, sv, 448.0 * 1.125)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_quant_fp8_centred_is_tensorwise_with_its_own_mean(dtype):
+    """One statistics pass (partial column sums / max / min, then one reduction): the codes and scale equal
+    quant_fp8_tensorwise's with the returned mean, bit for bit; the mean is the sequence mean (to fp32 summation
+    order); the amax really is max|x - mean| (a column's max or its min can set it)."""
+    from fastremover.fast.kernels.quant import quant_fp8_centred, quant_fp8_tensorwise_reference
+
+    g = gen(71)
+    b, s, n = 2, 150, 96  # 150 rows: three 64-row blocks, the last one masked
+    fused = (randn(g, b * s, 3 * n, dtype=F32, scale=2.0) + 3.0).to(dtype)  # a shared offset: V's situation
+    x = fused[:, 2 * n:]  # a column slice (row stride 3n), as the fused QKV output gives V
+    x[7, 5] = -40.0  # a column minimum sets the amax
+    q, scale, mean = quant_fp8_centred(x, s)
+    expect_mean = x.float().view(b, s, n).mean(1)
+    assert torch.allclose(mean, expect_mean, rtol=1e-5, atol=1e-5)
+    q_ref, scale_ref = quant_fp8_tensorwise_reference(x, mean, s)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    y = (x.float().view(b, s, n) - mean[:, None]).view(b * s, n)
+    assert float(scale) * 448 == pytest.approx(float(y.abs().max()), rel=1e-6)
+    assert float(y.abs().max()) == pytest.approx(40.0 + float(mean[0, 5]), rel=1e-3)
+
+
+@pytest.mark.gpu
+@gpu_real
+def test_gpu_quant_fp8_centred_at_real_shape():
+    from fastremover.fast.kernels.quant import quant_fp8_centred, quant_fp8_tensorwise_reference
+
+    g, seed = fresh_gen()
+    fused = grandn(g, M_REAL, 3 * D_REAL, dtype=F16, scale=2.0, offset=1.0)
+    v = fused[:, 2 * D_REAL:]
+    q, scale, mean = quant_fp8_centred(v, S_REAL)
+    assert torch.allclose(mean, v.float().view(B_REAL, S_REAL, D_REAL).mean(1), rtol=1e-4, atol=1e-5), f"seed {seed}"
+    q_ref, scale_ref = quant_fp8_tensorwise_reference(v, mean, S_REAL)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"seed {seed}"

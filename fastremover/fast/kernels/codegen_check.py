@@ -132,10 +132,18 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
         out.append((f"gelu_tanh_quant_fp8[{xt}]", quant._quant_rows_kernel,
                     {"X": f"*{xt}", "Q": "*fp8e4nv", "RS": "*fp32", "N": "i32"},
                     {"HEAD": 8192, "TAIL": 1024, "GELU": True, "QUANT": True, "INTERPRET": f}, nw(9216)))
+        out.append((f"column_stats[{xt}]", quant._column_stats_kernel,
+                    {"X": f"*{xt}", "PSUM": "*fp32", "PMAX": "*fp32", "PMIN": "*fp32", "S": "i32", "N": "i32",
+                     "stride_x": "i32", "NBLK": "i32"},
+                    {"BLOCK_M": 64, "BLOCK_N": 128, "INTERPRET": f}, 8))
         out.append((f"quant_fp8_tensorwise[{xt}]", quant._tensor_quant_kernel,
                     {"X": f"*{xt}", "MEAN": "*fp32", "AMAX": "*fp32", "Q": "*fp8e4nv", "SCALE": "*fp32", "M": "i32",
                      "N": "i32", "S": "i32", "stride_x": "i32"},
                     {"HAS_MEAN": True, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f}, 4))
+    out.append(("column_finalize", quant._column_finalize_kernel,
+                {"PSUM": "*fp32", "PMAX": "*fp32", "PMIN": "*fp32", "MEAN": "*fp32", "AMAX": "*fp32", "N": "i32",
+                 "NBLK": "i32", "s_f": "fp32"},
+                {"BLOCK_B": 512, "BLOCK_N": 16}, 8))
     return out
 
 
@@ -162,8 +170,10 @@ def check(verbose: bool = True) -> list[str]:
         else:
             need(not any(o.startswith("div.full") or o.startswith("div.approx") for o in ops),
                  "approximate fp32 division")
+        if fam == "column_finalize":
+            need("div.rn.f32" in ops, "expected IEEE div.rn.f32 for the mean")
         if fam in ("gate_residual", "adaln", "adaln_fp8", "gate_residual_adaln", "gate_residual_adaln_fp8",
-                   "qk_norm_rope", "qk_norm_rope_fp8", "quant_fp8_rowwise",
+                   "column_stats", "column_finalize", "qk_norm_rope", "qk_norm_rope_fp8", "quant_fp8_rowwise",
                    "quant_fp8_rowwise_8960", "quant_fp8_tensorwise", "quant_fp8_static"):
             fmas = sorted(o for o in ops if o.startswith("fma."))
             need(not fmas, f"PTX contains {fmas}")

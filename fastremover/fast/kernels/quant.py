@@ -24,6 +24,15 @@ exists, so one streaming pass with no reduction; 2D tiles):
 Per-tensor (the 8-bit attention's q/k/v; two tile kernels, no host sync):
     quant_fp8_tensorwise(x, mean=None)   y = x.float() [- mean[b, col]], one scale for the whole tensor:
                                          amax by tile maxima + one fp32 atomic max, then codes with the rule above.
+    quant_fp8_centred(x, S)              the same with mean = x's own mean over each batch's S rows, found by one
+                                         statistics pass instead of a mean pass plus an amax pass: per-column partial
+                                         sums, maxima and minima of row blocks, then one reduction over the blocks
+                                         (fixed order) that also gives amax|y| = max over columns of
+                                         max(fl(colmax - mean), fl(mean - colmin)) - exactly max_r |fl(x_r - mean)|,
+                                         since v -> fl(v - mean) is monotone and RNE is symmetric. So the codes and
+                                         scale are bit-identical to quant_fp8_tensorwise(x, returned mean); the mean
+                                         itself differs from torch.mean in summation order only. (A NaN in a column
+                                         makes that column's mean, and so its codes, NaN.)
 Reduction: amax is a max, so its value does not depend on the order; with y bit-identical to eager, scale and codes
 are bit-identical too (quant_fp8_rowwise always is).
 
@@ -249,6 +258,85 @@ def quant_fp8_tensorwise(
     return q, scale
 
 
+@triton.jit
+def _column_stats_kernel(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """Partial column sum / max / min of one [BLOCK_M, BLOCK_N] block of batch b's rows -> [B, NBLK, N] buffers."""
+    pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < S)[:, None] & (cols < N)[None, :]
+    x = load_f32(X + (b * S + rows).to(tl.int64)[:, None] * stride_x + cols[None, :], mask, INTERPRET)
+    out = (b * NBLK + pid_m).to(tl.int64) * N + cols
+    cmask = cols < N
+    tl.store(PSUM + out, tl.sum(tl.where(mask, x, 0.0), axis=0), mask=cmask)
+    tl.store(PMAX + out, tl.max(tl.where(mask, x, float("-inf")), axis=0), mask=cmask)
+    tl.store(PMIN + out, tl.min(tl.where(mask, x, float("inf")), axis=0), mask=cmask)
+
+
+@triton.jit
+def _column_finalize_kernel(PSUM, PMAX, PMIN, MEAN, AMAX, N, NBLK, s_f, BLOCK_B: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """Over the NBLK blocks of batch b (one tree reduction, fixed order): mean = fl(sum / S) per column -> MEAN [B, N];
+    max(fl(colmax - mean), fl(mean - colmin)) over the columns -> one fp32 atomic max into AMAX (order-free)."""
+    pid_n, b = tl.program_id(0), tl.program_id(1)
+    blks = tl.arange(0, BLOCK_B)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (blks < NBLK)[:, None] & cmask[None, :]
+    offs = (b * NBLK + blks).to(tl.int64)[:, None] * N + cols[None, :]
+    total = tl.sum(tl.load(PSUM + offs, mask=mask, other=0.0), axis=0)
+    cmax = tl.max(tl.load(PMAX + offs, mask=mask, other=float("-inf")), axis=0)
+    cmin = tl.min(tl.load(PMIN + offs, mask=mask, other=float("inf")), axis=0)
+    mean = tl.math.div_rn(total, s_f)
+    tl.store(MEAN + b * N + cols, mean, mask=cmask)
+    col_amax = tl.maximum(cmax - mean, mean - cmin)
+    tl.atomic_max(AMAX, tl.max(tl.where(cmask, col_amax, 0.0), axis=0))
+
+
+def quant_fp8_centred(
+    x: torch.Tensor, tokens_per_batch: int, *, out: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, N] fp16/bf16/fp32 with unit column stride (any row stride) -> (codes float8_e4m3fn [M, N], scale fp32
+    [1], mean fp32 [B, N]): x centred on its own mean over each batch's tokens_per_batch rows, one scale for the
+    whole tensor (see the module docstring: bit-identical to `quant_fp8_tensorwise(x, mean, tokens_per_batch)`)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, row_strided=True)
+    m, n = x.shape
+    s = tokens_per_batch
+    if not isinstance(s, int) or isinstance(s, bool) or s < 1 or m % s:
+        raise ValueError(f"quant_fp8_centred: tokens_per_batch must be a positive int dividing M={m}, got {s!r}")
+    check_device(_column_stats_kernel, x=x, out=out, out_scale=out_scale)
+    b = m // s
+    mean = torch.empty((b, n), dtype=torch.float32, device=x.device)
+    if not (m and n):
+        q, scale = quant_fp8_tensorwise(x, mean, s, out=out, out_scale=out_scale)
+        return q, scale, mean.zero_()
+    block_m, block_n = 64, min(128, triton.next_power_of_2(n))
+    nblk = triton.cdiv(s, block_m)
+    partial = torch.empty((3, b, nblk, n), dtype=torch.float32, device=x.device)
+    interp = interpreting(_column_stats_kernel)
+    opts = launch_options(_column_stats_kernel)
+    _column_stats_kernel[(nblk, triton.cdiv(n, block_n), b)](
+        x, partial[0], partial[1], partial[2], s, n, x.stride(0), nblk, BLOCK_M=block_m, BLOCK_N=block_n,
+        INTERPRET=interp, num_warps=8, **opts)
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    block_b = triton.next_power_of_2(nblk)
+    fin_n = max(1, min(block_n, 8192 // block_b))
+    _column_finalize_kernel[(triton.cdiv(n, fin_n), b)](
+        partial[0], partial[1], partial[2], mean, amax, n, nblk, float(s), BLOCK_B=block_b, BLOCK_N=fin_n,
+        num_warps=8, **opts)
+    check_out("out", out, (m, n), torch.float8_e4m3fn, x.device)
+    check_out("out_scale", out_scale, (1,), torch.float32, x.device)
+    q = out if out is not None else torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = out_scale if out_scale is not None else torch.empty(1, dtype=torch.float32, device=x.device)
+    qm, qn = 16, min(256, triton.next_power_of_2(n))
+    _tensor_quant_kernel[(triton.cdiv(m, qm), triton.cdiv(n, qn))](
+        x, mean, amax, q, scale, m, n, s, x.stride(0), HAS_MEAN=True, BLOCK_M=qm, BLOCK_N=qn,
+        INTERPRET=interpreting(_tensor_quant_kernel), num_warps=4, **launch_options(_tensor_quant_kernel))
+    return q, scale, mean
+
+
 def quant_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel fp8 of a Linear weight w [N, K] (plain torch, runs once at load):
     scale [N] fp32 = max(amax_k |w[n]|, 1e-12) / 448, q [N, K] float8_e4m3fn = RNE(w * (448 / max(amax, 1e-12)))."""
@@ -319,6 +407,14 @@ def quant_fp8_static_reference(x: torch.Tensor, amax: torch.Tensor, amax_mult: f
     a = (amax.float() * torch.tensor(amax_mult, dtype=torch.float32, device=amax.device)).clamp_min(1e-12)
     q = _codes(y, a.reshape(()))
     return into(q, out), into(_scale(a).reshape(1, 1).expand(x.shape[0], 1).contiguous(), out_scale)
+
+
+def quant_fp8_centred_reference(x: torch.Tensor, tokens_per_batch: int, *, out=None, out_scale=None):
+    """Eager: torch's fp32 sequence mean, then `quant_fp8_tensorwise_reference` with it."""
+    m, n = x.shape
+    mean = torch.mean(x.float().view(m // tokens_per_batch, tokens_per_batch, n), dim=1)
+    q, scale = quant_fp8_tensorwise_reference(x, mean, tokens_per_batch, out=out, out_scale=out_scale)
+    return q, scale, mean
 
 
 def gelu_tanh_reference(h: torch.Tensor, *, out=None) -> torch.Tensor:
