@@ -163,7 +163,6 @@ class FastTransformer(nn.Module):
             self.q_amax = [rope_amax_bound(b.attn1.norm_q.weight) for b in model.blocks]
             self.q_scale = [a / a.new_full((), 448.0) for a in self.q_amax]
             self.k_bound = torch.cat([rope_amax_bound(b.attn1.norm_k.weight) for b in model.blocks])
-        if fp8:
             # Quantize every block linear once: q/k/v as one fused GEMM (per-output-channel scales, so the fused
             # weight's codes and scales are exactly the three separate ones), out/ffn their own.
             self.fp8_blocks = nn.ModuleList(
@@ -178,7 +177,10 @@ class FastTransformer(nn.Module):
             # the GEMM multiplies by) and |b_j|, [L, F] fp32
             self.ff1_row_norm = torch.stack([(blk["ff1"].codes.float() * blk["ff1"].scale.t()).norm(dim=1)
                                              for blk in self.fp8_blocks])
-            self.ff1_bias_abs = torch.stack([b.ffn.net[0].proj.bias.detach().float().abs() for b in model.blocks])
+            self.ff1_bias_abs = torch.stack([
+                blk["ff1"].bias.float().abs() if blk["ff1"].bias is not None else torch.zeros_like(norm)
+                for blk, norm in zip(self.fp8_blocks, self.ff1_row_norm)
+            ])
 
     @property
     def fp8_attention(self) -> bool:
