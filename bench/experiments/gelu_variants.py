@@ -44,12 +44,7 @@ def _exp2_poly(t):
 
 
 @triton.jit
-def _variant_kernel(X, AMAX, Q, M, N, VARIANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = load_f32(X + offs, mask, False)
+def _gelu_variant(x, VARIANT: tl.constexpr):
     if VARIANT == 0:
         y = gelu_tanh_f32_device(x, False)
     elif VARIANT == 1:
@@ -62,28 +57,29 @@ def _variant_kernel(X, AMAX, Q, M, N, VARIANT: tl.constexpr, BLOCK_M: tl.constex
         y = x / (1.0 + _exp2_poly(inner * MINUS_TWO_LOG2E))
     else:
         y = x
-    amax = tl.maximum(tl.load(AMAX), 1e-12)
-    tl.store(Q + offs, quantize_fp8(y, tl.math.div_rn(448.0, amax), False), mask=mask)
+    return y
 
 
 @triton.jit
-def _variant_f32_kernel(X, Y, M, N, VARIANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile(X, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = load_f32(X + offs, mask, False)
-    if VARIANT == 0:
-        y = gelu_tanh_f32_device(x, False)
-    elif VARIANT == 1:
-        u = GELU_BETA * tl.fma(GELU_KAPPA, (x * x) * x, x)
-        th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
-                                       pack=1)
-        y = 0.5 * x * (1.0 + th)
-    else:
-        inner = GELU_BETA * tl.fma(GELU_KAPPA, (x * x) * x, x)
-        y = x / (1.0 + _exp2_poly(inner * MINUS_TWO_LOG2E))
-    tl.store(Y + offs, y, mask=mask)
+    return offs, mask, load_f32(X + offs, mask, False)
+
+
+@triton.jit
+def _variant_kernel(X, AMAX, Q, M, N, VARIANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs, mask, x = _tile(X, M, N, BLOCK_M, BLOCK_N)
+    amax = tl.maximum(tl.load(AMAX), 1e-12)
+    tl.store(Q + offs, quantize_fp8(_gelu_variant(x, VARIANT), tl.math.div_rn(448.0, amax), False), mask=mask)
+
+
+@triton.jit
+def _variant_f32_kernel(X, Y, M, N, VARIANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs, mask, x = _tile(X, M, N, BLOCK_M, BLOCK_N)
+    tl.store(Y + offs, _gelu_variant(x, VARIANT), mask=mask)
 
 
 NAMES = {0: "sigmoid (shipped)", 1: "tanh.approx", 2: "poly-exp2", 3: "no GELU (copy + quantize)"}

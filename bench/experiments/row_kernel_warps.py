@@ -44,7 +44,8 @@ def main(argv=None) -> int:
                 h, q8, rs, 8960, HEAD=hh, TAIL=ht, GELU=True, QUANT=True, INTERPRET=False, num_warps=nw,
                 **launch_options(quant._quant_rows_kernel)), m * 8960 * 3),
             "adaln fp8 1536": (lambda nw: adaln._adaln_kernel[(m,)](
-                x, shift, scale, a8, rs, 1536, m, 1536.0, 1e-6, HEAD=dh, TAIL=dt, FP8=True, INTERPRET=False,
+                x, x, shift, shift, scale, a8, rs, 1536, m, 1536.0, 1e-6, HEAD=dh, TAIL=dt, FP8=True, RESIDUAL=False,
+                INTERPRET=False,
                 num_warps=nw, **launch_options(adaln._adaln_kernel)), m * 1536 * 3),
             "qk_norm_rope fp8 1536": (lambda nw: qk_norm_rope._qk_norm_rope_kernel[(m,)](
                 x, w, cos, sin, a8, amax, cos, 768, m, 1536, 1.0 / 1536, 1e-6, HALF=64, HEAD=ph, TAIL=pt,

@@ -66,7 +66,6 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
             quant_rowwise=quant.quant_fp8_rowwise,
             quant_centred=quant.quant_fp8_centred,
             quant_static=quant.quant_fp8_static,
-            gelu_quant=quant.gelu_tanh_quant_fp8,
         )
     return SimpleNamespace(
         adaln_modulate=adaln.adaln_modulate_reference,
@@ -75,7 +74,6 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
         quant_rowwise=quant.quant_fp8_rowwise_reference,
         quant_centred=quant.quant_fp8_centred_reference,
         quant_static=quant.quant_fp8_static_reference,
-        gelu_quant=quant.gelu_tanh_quant_fp8_reference,
     )
 
 

@@ -29,8 +29,8 @@ fp32 ulps at most and flip the final fp16/bf16 rounding of a small fraction of e
 they follow each other in every block (after attention: x += o * gate, then the FFN's norm; after the FFN:
 x += f * c_gate, then the next block's norm or norm_out): x_new = RNE_dtype(x + fl(branch * gate[b])) is written
 back into x (residual.py's rounding points: mul.rn, add, RNE) and the same values, widened back exactly, go through
-the LayerNorm above - one read of x instead of two. The LayerNorm code and launch (segments, warps) are the plain
-kernel's, so the output is meant to equal `adaln_modulate(gate_residual(x, ...))` bit for bit (torch.equal in the
+the LayerNorm above - one read of x instead of two. It is the same kernel as `adaln_modulate` (RESIDUAL=True), so the
+LayerNorm code and launch (segments, warps) are shared and the output is meant to equal `adaln_modulate(gate_residual(x, ...))` bit for bit (torch.equal in the
 tests).
 """
 
@@ -90,29 +90,23 @@ def _layer_norm_modulate_store(x0, x1, m0, m1, c0, c1, row, b, SHIFT, SCALE, Y, 
 
 
 @triton.jit
-def _adaln_kernel(
-    X, SHIFT, SCALE, Y, RS,  # Y: x.dtype, or float8e4nv with RS the [M] fp32 row scales
-    D, S, d_f, eps,
-    HEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    b = row // S
-    c0 = tl.arange(0, HEAD)
-    c1 = HEAD + tl.arange(0, TAIL)
-    m0 = c0 < D
-    m1 = c1 < D
-    x_row = X + row * D
-    x0 = load_f32(x_row + c0, m0, INTERPRET)
-    x1 = load_f32(x_row + c1, m1, INTERPRET)
-    _layer_norm_modulate_store(x0, x1, m0, m1, c0, c1, row, b, SHIFT, SCALE, Y, RS, D, d_f, eps, FP8, INTERPRET)
+def _gated_add(x_row, br_row, g_row, c, m, XT: tl.constexpr, INTERPRET: tl.constexpr):
+    """residual.py's gated add on one segment: RNE_XT(x + fl(branch * gate)), stored back into x's row and returned
+    widened back to fp32 exactly (0 on masked lanes)."""
+    y = load_f32(x_row + c, m, INTERPRET) + mul_rn(load_f32(br_row + c, m, INTERPRET),
+                                                   tl.load(g_row + c, mask=m, other=0.0), INTERPRET)
+    tl.store(x_row + c, round_to(y, XT, INTERPRET), mask=m)
+    return tl.where(m, round_through(y, XT, INTERPRET), 0.0)
 
 
 @triton.jit
-def _gate_residual_adaln_kernel(
-    X, BR, G, SHIFT, SCALE, Y, RS,  # X updated in place; Y: x.dtype, or float8e4nv with RS the [M] row scales
+def _adaln_kernel(
+    X, BR, G, SHIFT, SCALE, Y, RS,  # Y: x.dtype, or float8e4nv with RS the [M] fp32 row scales
     D, S, d_f, eps,
-    HEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """RESIDUAL: x += branch * gate[b] first (X updated in place, BR [M, D], G [B, D] fp32), then the norm of the new
+    x; else BR and G are unused."""
     row = tl.program_id(0).to(tl.int64)
     b = row // S
     c0 = tl.arange(0, HEAD)
@@ -120,21 +114,28 @@ def _gate_residual_adaln_kernel(
     m0 = c0 < D
     m1 = c1 < D
     x_row = X + row * D
-    br_row = BR + row * D
-    XT = X.dtype.element_ty
-    # residual.py's gated add: product rounded (mul.rn), then the add, then RNE to x's dtype
-    x0 = load_f32(x_row + c0, m0, INTERPRET) + mul_rn(load_f32(br_row + c0, m0, INTERPRET),
-                                                       tl.load(G + b * D + c0, mask=m0, other=0.0), INTERPRET)
-    x1 = load_f32(x_row + c1, m1, INTERPRET) + mul_rn(load_f32(br_row + c1, m1, INTERPRET),
-                                                       tl.load(G + b * D + c1, mask=m1, other=0.0), INTERPRET)
-    tl.store(x_row + c0, round_to(x0, XT, INTERPRET), mask=m0)
-    tl.store(x_row + c1, round_to(x1, XT, INTERPRET), mask=m1)
-    x0 = tl.where(m0, round_through(x0, XT, INTERPRET), 0.0)  # the stored values, widened back exactly
-    x1 = tl.where(m1, round_through(x1, XT, INTERPRET), 0.0)
+    if RESIDUAL:
+        XT: tl.constexpr = X.dtype.element_ty
+        x0 = _gated_add(x_row, BR + row * D, G + b * D, c0, m0, XT, INTERPRET)
+        x1 = _gated_add(x_row, BR + row * D, G + b * D, c1, m1, XT, INTERPRET)
+    else:
+        x0 = load_f32(x_row + c0, m0, INTERPRET)
+        x1 = load_f32(x_row + c1, m1, INTERPRET)
     _layer_norm_modulate_store(x0, x1, m0, m1, c0, c1, row, b, SHIFT, SCALE, Y, RS, D, d_f, eps, FP8, INTERPRET)
 
 
-def _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale, kernel, **more):
+def _launch(x, branch, gate, shift, scale, y, rs, tokens_per_batch, eps, fp8, residual):
+    m, d = x.shape
+    if m:
+        head, tail = row_segments(d)
+        _adaln_kernel[(m,)](
+            x, branch, gate, shift, scale, y, rs, d, tokens_per_batch, float(d), float(eps),
+            HEAD=head, TAIL=tail, FP8=fp8, RESIDUAL=residual, INTERPRET=interpreting(_adaln_kernel),
+            num_warps=row_num_warps(head + tail), **launch_options(_adaln_kernel),
+        )
+
+
+def _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale, **more):
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     m, d = x.shape
     check_row_width("x", d)
@@ -145,7 +146,7 @@ def _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_sca
     check_tokens_per_batch(tokens_per_batch, m, shift.shape[0])
     if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
-    check_device(kernel, x=x, shift=shift, scale=scale, out=out, out_scale=out_scale, **more)
+    check_device(_adaln_kernel, x=x, shift=shift, scale=scale, out=out, out_scale=out_scale, **more)
     if not fp8 and out_scale is not None:
         raise ValueError("out_scale is only used with fp8=True")
     y_dtype = torch.float8_e4m3fn if fp8 else x.dtype
@@ -179,15 +180,8 @@ def adaln_modulate(
                  written into `out` / `out_scale` if given.
     D <= 16384.
     """
-    y, rs = _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale, _adaln_kernel)
-    m, d = x.shape
-    if m:
-        head, tail = row_segments(d)
-        _adaln_kernel[(m,)](
-            x, shift, scale, y, rs, d, tokens_per_batch, float(d), float(eps),
-            HEAD=head, TAIL=tail, FP8=fp8, INTERPRET=interpreting(_adaln_kernel),
-            num_warps=row_num_warps(head + tail), **launch_options(_adaln_kernel),
-        )
+    y, rs = _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale)
+    _launch(x, x, shift, shift, scale, y, rs, tokens_per_batch, eps, fp8, residual=False)
     return (y, rs) if fp8 else y
 
 
@@ -209,16 +203,8 @@ def gate_residual_adaln(
     branch [M, D] fp16/bf16/fp32 contiguous, gate [B, D] fp32; the rest as adaln_modulate."""
     check_tensor("branch", branch, ndim=2, dtypes=FLOAT_DTYPES, shape=tuple(x.shape) if x.dim() == 2 else None)
     check_tensor("gate", gate, ndim=2, dtypes=(torch.float32,), shape=tuple(shift.shape) if shift.dim() == 2 else None)
-    y, rs = _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale,
-                               _gate_residual_adaln_kernel, branch=branch, gate=gate)
-    m, d = x.shape
-    if m:
-        head, tail = row_segments(d)
-        _gate_residual_adaln_kernel[(m,)](
-            x, branch, gate, shift, scale, y, rs, d, tokens_per_batch, float(d), float(eps),
-            HEAD=head, TAIL=tail, FP8=fp8, INTERPRET=interpreting(_gate_residual_adaln_kernel),
-            num_warps=row_num_warps(head + tail), **launch_options(_gate_residual_adaln_kernel),
-        )
+    y, rs = _check_and_outputs(x, shift, scale, tokens_per_batch, eps, fp8, out, out_scale, branch=branch, gate=gate)
+    _launch(x, branch, gate, shift, scale, y, rs, tokens_per_batch, eps, fp8, residual=True)
     return (y, rs) if fp8 else y
 
 

@@ -92,20 +92,13 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
         out.append((f"gate_residual[{xt}]", residual._gate_residual_kernel,
                     {"X": f"*{xt}", "BR": f"*{xt}", "G": "*fp32", "Y": f"*{xt}", "M": "i32", "D": "i32", "S": "i32"},
                     {"BLOCK_M": 8, "BLOCK_D": 512, "INTERPRET": f}, 8))
-        out.append((f"adaln[{xt}]", adaln._adaln_kernel,
-                    {"X": f"*{xt}", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": f"*{xt}", "RS": "*fp32", "D": "i32",
-                     "S": "i32", "d_f": "fp32", "eps": "fp32"},
-                    {"HEAD": 1024, "TAIL": 512, "FP8": False, "INTERPRET": f}, nw(1536)))
-        gra_sig = {"X": f"*{xt}", "BR": f"*{xt}", "G": "*fp32", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": f"*{xt}",
-                   "RS": "*fp32", "D": "i32", "S": "i32", "d_f": "fp32", "eps": "fp32"}
-        out.append((f"gate_residual_adaln[{xt}]", adaln._gate_residual_adaln_kernel, gra_sig,
-                    {"HEAD": 1024, "TAIL": 512, "FP8": False, "INTERPRET": f}, nw(1536)))
-        out.append((f"gate_residual_adaln_fp8[{xt}]", adaln._gate_residual_adaln_kernel, {**gra_sig, "Y": "*fp8e4nv"},
-                    {"HEAD": 1024, "TAIL": 512, "FP8": True, "INTERPRET": f}, nw(1536)))
-        out.append((f"adaln_fp8[{xt}]", adaln._adaln_kernel,
-                    {"X": f"*{xt}", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": "*fp8e4nv", "RS": "*fp32", "D": "i32",
-                     "S": "i32", "d_f": "fp32", "eps": "fp32"},
-                    {"HEAD": 1024, "TAIL": 512, "FP8": True, "INTERPRET": f}, nw(1536)))
+        ad_sig = {"X": f"*{xt}", "BR": f"*{xt}", "G": "*fp32", "SHIFT": "*fp32", "SCALE": "*fp32", "Y": f"*{xt}",
+                  "RS": "*fp32", "D": "i32", "S": "i32", "d_f": "fp32", "eps": "fp32"}
+        for name, y_type, fp8, with_add in (("adaln", f"*{xt}", False, False), ("adaln_fp8", "*fp8e4nv", True, False),
+                                            ("gate_residual_adaln", f"*{xt}", False, True),
+                                            ("gate_residual_adaln_fp8", "*fp8e4nv", True, True)):
+            out.append((f"{name}[{xt}]", adaln._adaln_kernel, {**ad_sig, "Y": y_type},
+                        {"HEAD": 1024, "TAIL": 512, "FP8": fp8, "RESIDUAL": with_add, "INTERPRET": f}, nw(1536)))
         tdt = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[xt]
         qk_sig = {"X": f"*{xt}", "W": f"*{xt}", "COS": "*fp32", "SIN": "*fp32", "Y": f"*{xt}", "AMAX": "*fp32",
                   "CENTRE": "*fp32", "NPAIRS": "i32", "S": "i32", "stride_x": "i32", "inv_n": "fp32", "eps": "fp32"}
