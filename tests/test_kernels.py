@@ -767,10 +767,11 @@ def test_quant_fp8_centred_is_tensorwise_with_its_own_mean(dtype):
     """One statistics pass (partial column sums / max / min, then one reduction): the codes and scale equal
     quant_fp8_tensorwise's with the returned mean, bit for bit; the mean is the sequence mean (to fp32 summation
     order); the amax really is max|x - mean| (a column's max or its min can set it)."""
-    from fastremover.fast.kernels.quant import quant_fp8_centred, quant_fp8_tensorwise_reference
+    from fastremover.fast.kernels.quant import column_stats_config, quant_fp8_centred, quant_fp8_tensorwise_reference
 
     g = gen(71)
-    b, s, n = 2, 150, 96  # 150 rows: three 64-row blocks, the last one masked
+    b, s, n = 2, 600, 96  # 600 rows: three 256-row blocks of eight 32-row steps (column_stats_config), the last masked
+    assert column_stats_config(s, n)[2] == 256
     fused = (randn(g, b * s, 3 * n, dtype=F32, scale=2.0) + 3.0).to(dtype)  # a shared offset: V's situation
     x = fused[:, 2 * n:]  # a column slice (row stride 3n), as the fused QKV output gives V
     x[7, 5] = -40.0  # a column minimum sets the amax
