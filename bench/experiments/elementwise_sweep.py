@@ -91,19 +91,19 @@ def sweep(s: int) -> list[dict]:
     centre = torch.randn(1, D, device=dev, generator=g) * 0.1
     kamax = qk_norm_rope.rope_amax_bound(wk) + 0.5
     yk = torch.empty(s, D, device=dev, dtype=torch.float8_e4m3fn)
-    phead, ptail = row_segments(D // 2)
+    hh, ht = row_segments(HEADS)
     for w in (1, 2, 4):
         def run(w=w):
             qk_norm_rope._qk_norm_rope_kernel[(s,)](
-                k, wk, cos, sin, yk, kamax, centre, D // 2, s, k.stride(0), 1.0 / D, 1e-6, HALF=64, HEAD=phead,
-                TAIL=ptail, DTYPE=triton.language.float16, FP8=True, HAS_CENTRE=True, INTERPRET=INTERP, num_warps=w,
+                k, wk, cos, sin, yk, kamax, centre, s, k.stride(0), 1.0 / D, 1e-6, H=HEADS, HALF=64, HH=hh, HT=ht,
+                HALF_P=64, DTYPE=triton.language.float16, FP8=True, HAS_CENTRE=True, INTERPRET=INTERP, num_warps=w,
                 **launch_options(qk_norm_rope._qk_norm_rope_kernel))
         record("qk", f"warps={w}", _ms(run), s * D * 3 + s * 128 * 4)
 
     # V: the column statistics pass (old: one 64-row tile per program), then the quantization pass
     v = qkv[:, 2 * D:]
-    for bm, bn, rpb, w in ((64, 128, 64, 8), (32, 128, 0, 8), (32, 128, 0, 4), (64, 128, 0, 8), (16, 256, 0, 8),
-                           (32, 256, 0, 8), (32, 128, 256, 8), (32, 128, 512, 8), (32, 128, 1024, 8)):
+    for bm, bn, rpb, w in ((32, 128, 0, 4), (32, 128, 0, 8), (64, 128, 0, 4), (32, 128, 512, 4), (32, 128, 1024, 4),
+                           (32, 128, 2048, 4), (16, 128, 0, 4), (32, 128, 0, 2)):
         rpb = rpb or quant.column_stats_config(s, D)[2]
         nblk = triton.cdiv(s, rpb)
         part = torch.empty(3, 1, nblk, D, device=dev, dtype=f32)

@@ -21,7 +21,7 @@ import sys
 
 
 def _compile(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int | None = None,
-             divisible: tuple = ("D", "N", "NPAIRS")):
+             divisible: tuple = ("D", "N", "stride_x")):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -101,12 +101,12 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
                         {"HEAD": 1024, "TAIL": 512, "FP8": fp8, "RESIDUAL": with_add, "INTERPRET": f}, nw(1536)))
         tdt = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[xt]
         qk_sig = {"X": f"*{xt}", "W": f"*{xt}", "COS": "*fp32", "SIN": "*fp32", "Y": f"*{xt}", "AMAX": "*fp32",
-                  "CENTRE": "*fp32", "NPAIRS": "i32", "S": "i32", "stride_x": "i32", "inv_n": "fp32", "eps": "fp32"}
+                  "CENTRE": "*fp32", "S": "i32", "stride_x": "i32", "inv_n": "fp32", "eps": "fp32"}
         out.append((f"qk_norm_rope[{xt}]", qk_norm_rope._qk_norm_rope_kernel, qk_sig,
-                    {"HALF": 64, "HEAD": 512, "TAIL": 256, "DTYPE": tdt, "FP8": False, "HAS_CENTRE": False,
+                    {"H": 12, "HALF": 64, "HH": 8, "HT": 4, "HALF_P": 64, "DTYPE": tdt, "FP8": False, "HAS_CENTRE": False,
                      "INTERPRET": f}, nw(1536) // 2))
         out.append((f"qk_norm_rope_fp8[{xt}]", qk_norm_rope._qk_norm_rope_kernel, {**qk_sig, "Y": "*fp8e4nv"},
-                    {"HALF": 64, "HEAD": 512, "TAIL": 256, "DTYPE": tdt, "FP8": True, "HAS_CENTRE": True,
+                    {"H": 12, "HALF": 64, "HH": 8, "HT": 4, "HALF_P": 64, "DTYPE": tdt, "FP8": True, "HAS_CENTRE": True,
                      "INTERPRET": f}, nw(1536) // 2))
         out.append((f"quant_fp8_static_gelu[{xt}]", quant._static_quant_kernel,
                     {"X": f"*{xt}", "AMAX": "*fp32", "Q": "*fp8e4nv", "RS": "*fp32", "M": "i32", "N": "i32",
@@ -127,7 +127,7 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
                     {"HEAD": 8192, "TAIL": 1024, "GELU": True, "QUANT": True, "INTERPRET": f}, nw(9216)))
         out.append((f"column_stats[{xt}]", quant._column_stats_kernel,
                     {"X": f"*{xt}", "PSUM": "*fp32", "PMAX": "*fp32", "PMIN": "*fp32", "S": "i32", "N": "i32",
-                     "stride_x": "i32", "NBLK": "i32"},
+                     "stride_x": "i32", "NBLK": "i32", "ROWS_PER_BLK": "i32"},
                     {"BLOCK_M": 64, "BLOCK_N": 128, "INTERPRET": f}, 8))
         out.append((f"quant_fp8_tensorwise[{xt}]", quant._tensor_quant_kernel,
                     {"X": f"*{xt}", "MEAN": "*fp32", "AMAX": "*fp32", "Q": "*fp8e4nv", "SCALE": "*fp32", "M": "i32",

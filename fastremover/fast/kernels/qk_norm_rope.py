@@ -6,12 +6,14 @@ Replaces this eager composition of fastremover/models/transformer.py (SelfAttent
     out = apply_rope(n.unflatten(-1, (heads, -1)), cos, sin)   # fp32 rotation of (even, odd) pairs, .to(dtype)
 
 Layout: x [M, H*Dh] token-major (M = B * S), weight [H*Dh] in x.dtype, cos/sin [S, Dh/2] fp32 (row s = token % S,
-column j = pair index within the head). The row is handled as [pairs, 2] tiles split into (even, odd) vectors, in
-two power-of-two pair segments (768 pairs -> 512 + 256).
+column j = pair index within the head). The row is handled as [heads, Dh/2, 2] tiles split into (even, odd)
+[heads, Dh/2] tiles, in two power-of-two head segments (12 heads -> 8 + 4), so each token's cos/sin row is loaded
+once and broadcast over the heads (a per-pair gather of the tables was half the kernel's memory instructions).
 
 Reduction order and rounding points:
     1. x widened to fp32 exactly; squares rounded to fp32 (eager: x.float().pow(2) is its own tensor).
-    2. ss = sum over the row of (e^2 + o^2): per pair add, then tl.sum tree order per segment, head + tail.
+    2. ss = sum over the row of (e^2 + o^2): per pair add, then tl.sum over pairs, then over heads, per segment;
+       head segment + tail segment.
     3. var = ss * fl(1 / (H*Dh)): PyTorch's CUDA `mean` multiplies the sum by the fp32 factor 1/N (MeanOps); its
        CPU mean divides instead (<= 1 ulp apart).
     4. r = rsqrt(var + eps): `rsqrt.approx.f32` on the GPU = torch.rsqrt's rsqrtf(); interpreter: 1 / sqrt.
@@ -62,16 +64,24 @@ from fastremover.fast.kernels._common import (
 
 
 @triton.jit
-def _pair_offsets(p, npairs):
-    offs = p[:, None] * 2 + tl.arange(0, 2)[None, :]
-    mask = tl.broadcast_to((p < npairs)[:, None], offs.shape)
+def _head_offsets(h0, H: tl.constexpr, NH: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """Offsets and mask of heads [h0, h0 + NH) of a row as a [NH, 2 * HALF_P] tile (contiguous per head: the loads
+    and stores vectorize; `_pairs` / `_interleave` reshape it to and from (even, odd) [NH, HALF_P] tiles)."""
+    hh = h0 + tl.arange(0, NH)
+    c = tl.arange(0, 2 * HALF_P)
+    offs = hh[:, None] * (2 * HALF) + c[None, :]
+    mask = (hh < H)[:, None] & (c < 2 * HALF)[None, :]
     return offs, mask
 
 
 @triton.jit
-def _load_pairs(row_ptr, p, npairs, INTERPRET: tl.constexpr):
-    offs, mask = _pair_offsets(p, npairs)
-    return tl.split(load_f32(row_ptr + offs, mask, INTERPRET))
+def _pairs(v, NH: tl.constexpr, HALF_P: tl.constexpr):
+    return tl.split(tl.reshape(v, (NH, HALF_P, 2)))
+
+
+@triton.jit
+def _interleave(e, o, NH: tl.constexpr, HALF_P: tl.constexpr):
+    return tl.reshape(tl.join(e, o), (NH, 2 * HALF_P))
 
 
 @triton.jit
@@ -82,62 +92,62 @@ def _rms_scale(v, r, w, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _fp8_codes(v, DTYPE: tl.constexpr, CENTRE_ROW, offs, mask, inv, HAS_CENTRE: tl.constexpr,
-               INTERPRET: tl.constexpr):
-    """The dtype-rounded output value, minus the centre, times inv, RNE to e4m3 (saturating)."""
-    y = round_through(v, DTYPE, INTERPRET)
-    if HAS_CENTRE:
-        y = y - tl.load(CENTRE_ROW + offs, mask=mask, other=0.0)
-    return quantize_fp8(y, inv, INTERPRET)
-
-
-@triton.jit
-def _norm_rope_store(e, o, r, W, COS_ROW, SIN_ROW, Y_ROW, p, npairs, CENTRE_ROW, inv,
-                     HALF: tl.constexpr, DTYPE: tl.constexpr, FP8: tl.constexpr, HAS_CENTRE: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    offs, mask = _pair_offsets(p, npairs)
-    we, wo = tl.split(load_f32(W + offs, mask, INTERPRET))
+def _norm_rope_store(e, o, r, W, c, s, Y_ROW, CENTRE_ROW, inv, h0, H: tl.constexpr, NH: tl.constexpr,
+                     HALF: tl.constexpr, HALF_P: tl.constexpr,
+                     DTYPE: tl.constexpr, FP8: tl.constexpr, HAS_CENTRE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Steps 5-6 (and the fp8 codes) for heads [h0, h0 + NH) held as (even, odd) [NH, HALF_P] tiles; c, s: the
+    token's [HALF_P] cos / sin row, shared by every head (loaded once per row, not once per pair)."""
+    offs, mask = _head_offsets(h0, H, NH, HALF, HALF_P)
+    we, wo = _pairs(load_f32(W + offs, mask, INTERPRET), NH, HALF_P)
     ne = _rms_scale(e, r, we, DTYPE, INTERPRET)
     no = _rms_scale(o, r, wo, DTYPE, INTERPRET)
-    j = p % HALF
-    pm = p < npairs
-    c = tl.load(COS_ROW + j, mask=pm, other=0.0)
-    s = tl.load(SIN_ROW + j, mask=pm, other=0.0)
+    c = c[None, :]
+    s = s[None, :]
     re = mul_rn(ne, c, INTERPRET) - mul_rn(no, s, INTERPRET)
     ro = mul_rn(ne, s, INTERPRET) + mul_rn(no, c, INTERPRET)
-    if FP8:
-        ce = _fp8_codes(re, DTYPE, CENTRE_ROW, p * 2, pm, inv, HAS_CENTRE, INTERPRET)
-        co = _fp8_codes(ro, DTYPE, CENTRE_ROW, p * 2 + 1, pm, inv, HAS_CENTRE, INTERPRET)
-        tl.store(Y_ROW + offs, tl.join(ce, co), mask=mask)
+    if FP8:  # the dtype-rounded output, minus the centre (one rounded fp32 subtraction), times inv, RNE to e4m3
+        ye = round_through(re, DTYPE, INTERPRET)
+        yo = round_through(ro, DTYPE, INTERPRET)
+        if HAS_CENTRE:
+            ce, co = _pairs(tl.load(CENTRE_ROW + offs, mask=mask, other=0.0), NH, HALF_P)
+            ye = ye - ce
+            yo = yo - co
+        y = _interleave(quantize_fp8(ye, inv, INTERPRET), quantize_fp8(yo, inv, INTERPRET), NH, HALF_P)
     else:
-        tl.store(Y_ROW + offs, tl.join(round_to(re, DTYPE, INTERPRET), round_to(ro, DTYPE, INTERPRET)), mask=mask)
+        y = _interleave(round_to(re, DTYPE, INTERPRET), round_to(ro, DTYPE, INTERPRET), NH, HALF_P)
+    tl.store(Y_ROW + offs, y, mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    X, W, COS, SIN, Y, AMAX, CENTRE,  # FP8: Y float8e4nv codes, AMAX the given [1] amax, CENTRE [B, 2*NPAIRS] fp32
-    NPAIRS, S, stride_x, inv_n, eps,
-    HALF: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, DTYPE: tl.constexpr, FP8: tl.constexpr,
-    HAS_CENTRE: tl.constexpr, INTERPRET: tl.constexpr,
+    X, W, COS, SIN, Y, AMAX, CENTRE,  # FP8: Y float8e4nv codes, AMAX the given [1] amax, CENTRE [B, H*Dh] fp32
+    S, stride_x, inv_n, eps,
+    H: tl.constexpr, HALF: tl.constexpr, HH: tl.constexpr, HT: tl.constexpr, HALF_P: tl.constexpr,
+    DTYPE: tl.constexpr, FP8: tl.constexpr, HAS_CENTRE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """One token row as two head segments (HH + HT heads, `row_segments(H)`: 12 -> 8 + 4) of [heads, HALF_P, 2]
+    tiles; HALF_P = next power of two of Dh / 2 (masked past HALF)."""
     row = tl.program_id(0).to(tl.int64)
     s = row % S
     inv = 0.0
     if FP8:
         inv = tl.math.div_rn(448.0, tl.maximum(tl.load(AMAX), 1e-12))
-    centre_row = CENTRE + (row // S) * (2 * NPAIRS)
-    p0 = tl.arange(0, HEAD)
-    p1 = HEAD + tl.arange(0, TAIL)
     x_row = X + row * stride_x
-    e0, o0 = _load_pairs(x_row, p0, NPAIRS, INTERPRET)
-    e1, o1 = _load_pairs(x_row, p1, NPAIRS, INTERPRET)
-    ss = tl.sum(e0 * e0 + o0 * o0, axis=0) + tl.sum(e1 * e1 + o1 * o1, axis=0)
+    offs0, mask0 = _head_offsets(0, H, HH, HALF, HALF_P)
+    offs1, mask1 = _head_offsets(HH, H, HT, HALF, HALF_P)
+    e0, o0 = _pairs(load_f32(x_row + offs0, mask0, INTERPRET), HH, HALF_P)
+    e1, o1 = _pairs(load_f32(x_row + offs1, mask1, INTERPRET), HT, HALF_P)
+    ss = tl.sum(tl.sum(e0 * e0 + o0 * o0, axis=1), axis=0) + tl.sum(tl.sum(e1 * e1 + o1 * o1, axis=1), axis=0)
     r = tl.math.rsqrt(ss * inv_n + eps)
-    y_row = Y + row * (2 * NPAIRS)
-    _norm_rope_store(e0, o0, r, W, COS + s * HALF, SIN + s * HALF, y_row, p0, NPAIRS, centre_row, inv,
-                     HALF, DTYPE, FP8, HAS_CENTRE, INTERPRET)
-    _norm_rope_store(e1, o1, r, W, COS + s * HALF, SIN + s * HALF, y_row, p1, NPAIRS, centre_row, inv,
-                     HALF, DTYPE, FP8, HAS_CENTRE, INTERPRET)
+    j = tl.arange(0, HALF_P)
+    c = tl.load(COS + s * HALF + j, mask=j < HALF, other=0.0)
+    sn = tl.load(SIN + s * HALF + j, mask=j < HALF, other=0.0)
+    centre_row = CENTRE + (row // S) * (2 * HALF * H)
+    y_row = Y + row * (2 * HALF * H)
+    _norm_rope_store(e0, o0, r, W, c, sn, y_row, centre_row, inv, 0, H, HH, HALF, HALF_P, DTYPE, FP8, HAS_CENTRE,
+                     INTERPRET)
+    _norm_rope_store(e1, o1, r, W, c, sn, y_row, centre_row, inv, HH, H, HT, HALF, HALF_P, DTYPE, FP8, HAS_CENTRE,
+                     INTERPRET)
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,18 +203,15 @@ def qk_norm_rope(
     check_out("out", out, (m, width), y_dtype, x.device)
     y = out if out is not None else torch.empty((m, width), dtype=y_dtype, device=x.device)
     if m:
-        npairs = width // 2
-        head, tail = row_segments(npairs)
+        hh, ht = row_segments(heads)
         inv_n = _fp32_reciprocal(width)  # fp32 1/N, as torch's CUDA mean factor
         dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[x.dtype]
         _qk_norm_rope_kernel[(m,)](
             x, weight, cos, sin, y, fp8_amax if fp8 else cos, centre if centre is not None else cos,
-            npairs, tokens_per_batch, x.stride(0), inv_n, float(eps),
-            HALF=head_dim // 2, HEAD=head, TAIL=tail, DTYPE=dtype, FP8=fp8, HAS_CENTRE=centre is not None,
-            INTERPRET=interpreting(_qk_norm_rope_kernel),
-            # half the row kernels' usual warps: at 1536 wide, 2 warps take 0.079 ms vs 4 warps' 0.092 at W2 (and
-            # 0.0235 vs 0.0256 at W1), bench/results/row-kernel-warps-*.json
-            num_warps=max(1, row_num_warps(2 * (head + tail)) // 2), **launch_options(_qk_norm_rope_kernel),
+            tokens_per_batch, x.stride(0), inv_n, float(eps), H=heads, HALF=head_dim // 2, HH=hh, HT=ht, HALF_P=triton.next_power_of_2(head_dim // 2), DTYPE=dtype, FP8=fp8,
+            HAS_CENTRE=centre is not None, INTERPRET=interpreting(_qk_norm_rope_kernel),
+            # 2 warps at 1536 wide (bench/results/row-kernel-warps-*.json, elementwise-sweep-*.json)
+            num_warps=max(1, row_num_warps(width) // 2), **launch_options(_qk_norm_rope_kernel),
         )
     return y
 
