@@ -589,8 +589,10 @@ def test_gpu_gate_residual_adaln_is_the_two_kernels_at_real_shape(fp8):
 @pytest.mark.gpu
 @gpu_real
 def test_gpu_qk_norm_rope_fp8_codes_at_real_shape():
-    """The fused q/k codes at W2's shape (a strided column view of a fused QKV output, K centred): bit-exact to the
-    kernel's own fp16 output quantized with the same static amax, and close to fp16 (cosine of the dequantized)."""
+    """The fused q/k codes at W2's shape (a strided column view of a fused QKV output, K centred): the kernel's own
+    fp16 output quantized with the same static amax, up to the row reduction's order (qk_norm_rope.py's docstring:
+    the fp8 and fp16 variants compile to different register layouts, so r can move by an ulp): at most one e4m3
+    step apart, in under 1e-4 of the codes; and close to fp16 (cosine of the dequantized)."""
     from fastremover.models.transformer import rope_cos_sin
 
     qk, quant = kernels()[1], kernels()[2]
@@ -605,7 +607,11 @@ def test_gpu_qk_norm_rope_fp8_codes_at_real_shape():
     amax = qk.rope_amax_bound(w) + centre.abs().max()
     got = qk.qk_norm_rope(x, w, cos, sin, S_REAL, HEADS, EPS, fp8_amax=amax.reshape(1), centre=centre)
     expect = quant.quant_static_reference(y, amax.reshape(1), centre, S_REAL)
-    assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), f"seed {seed}"
+    a, b = got.float(), expect.float()
+    moved = a != b
+    step = 0.125 * torch.maximum(a.abs(), b.abs()) + 2.0 ** -9  # one e4m3 step (3 mantissa bits; subnormal 2^-9)
+    print(f"seed {seed}: qk fp8 codes off the fp16 output's quantization by one step: {int(moved.sum())} of {a.numel()}")
+    assert float(moved.float().mean()) < 1e-4 and bool(((a - b).abs() <= step)[moved].all()), f"seed {seed}"
     deq = ((got.float() * (amax / 448.0)).view(B_REAL, S_REAL, d) + centre[:, None]).view(M_REAL, d)
     c = torch.nn.functional.cosine_similarity(deq.flatten(), y.float().flatten(), dim=0).item()
     print(f"seed {seed}: qk fp8 codes (static bound scale) cos vs fp16 {c:.6f}")
