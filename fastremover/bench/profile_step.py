@@ -2,7 +2,10 @@
 one `FastTransformer.forward_step` at a workload's token count, or (--vae) one encode of both inputs and one decode
 of the fast VAE at the workload's size.
 
-    python -m fastremover.bench.profile_step --workload w2 --modes exact fast [--attention fp8] [--out FILE]
+    python -m fastremover.bench.profile_step --workload w2 --modes exact fast [--attention fp8] [--graph] [--out FILE]
+
+A steady-state step is profiled (step 1: step 0 also calibrates the 8-bit attention's K centres); --graph profiles it
+as a CUDA-graph replay, as the denoise loop runs it.
     python -m fastremover.bench.profile_step --vae [--workload w2] [--vae-precision fp8] [--out FILE]
 """
 
@@ -73,7 +76,7 @@ def real_model():
     return random_models("minimax-remover", seed=0).transformer.to("cuda").to_inference_dtype(torch.float16)
 
 
-def profile(model, workload: str, mode: str, attention: str, steps: int = 12) -> dict:
+def profile(model, workload: str, mode: str, attention: str, steps: int = 12, graph: bool = False) -> dict:
     frames, height, width = WORKLOADS[workload]
     device = torch.device("cuda")
     backend, notes = resolve_attention(attention, mode, device)
@@ -92,12 +95,34 @@ def profile(model, workload: str, mode: str, attention: str, steps: int = 12) ->
     end.record()
     torch.cuda.synchronize()
     step_ms = start.elapsed_time(end) / 3
-    # a steady-state step (step 0 also calibrates the 8-bit attention's K centres: extra kernels once per run)
-    by_group, top = kernel_times(lambda: fast.forward_step(x, cond, 1), GROUPS, top=20)
+    out = {"workload": workload, "mode": mode, "attention": backend, "notes": notes, "step_ms_eager_launch": step_ms}
+    step = lambda: fast.forward_step(x, cond, 1)  # noqa: E731  (step 0 also calibrates the K centres: once per run)
+    if graph:
+        # the step as the denoise loop runs it: captured once, replayed back to back (no launch gaps, so the clocks
+        # see the loop's sustained load)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(10):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out["step_ms_graph"] = start.elapsed_time(end) / 10
+        step = g.replay
+    by_group, top = kernel_times(step, GROUPS, top=20)
     del fast
     torch.cuda.empty_cache()
-    return {"workload": workload, "mode": mode, "attention": backend, "notes": notes, "step_ms_eager_launch": step_ms,
-            "profiled_ms_by_group": by_group, "top_kernels": top}
+    return {**out, "profiled_ms_by_group": by_group, "profiled_ms_total": round(sum(by_group.values()), 3),
+            "top_kernels": top}
 
 
 def profile_vae(workload: str = "w2", precision: str = "auto") -> dict:
@@ -127,6 +152,8 @@ def main(argv=None) -> None:
     parser.add_argument("--vae", action="store_true", help="profile the fast VAE instead of a denoise step")
     parser.add_argument("--vae-precision", default="auto", choices=("auto", "fp16", "fp8"),
                         help="with --vae: the fast VAE's conv precision")
+    parser.add_argument("--graph", action="store_true",
+                        help="profile a CUDA-graph replay of the step (as the denoise loop runs it)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.vae:
@@ -138,13 +165,14 @@ def main(argv=None) -> None:
         payload = {"gpu": torch.cuda.get_device_name(), "vae_precision": args.vae_precision, "vae": results}
     else:
         model = real_model()
-        results = [profile(model, args.workload, mode, args.attention) for mode in args.modes]
+        results = [profile(model, args.workload, mode, args.attention, graph=args.graph) for mode in args.modes]
         for r in results:
+            graph_ms = f", {r['step_ms_graph']:.1f} ms/step as a graph replay" if "step_ms_graph" in r else ""
             print(f"\n{r['workload']} {r['mode']} attention={r['attention']}: {r['step_ms_eager_launch']:.1f} ms/step "
-                  f"(no graph) {r['notes']}")
+                  f"(no graph){graph_ms}; kernels profiled {r['profiled_ms_total']:.1f} ms {r['notes']}")
             for group, ms in r["profiled_ms_by_group"].items():
                 print(f"   {group:<14} {ms:8.2f} ms")
-            for k in r["top_kernels"][:8]:
+            for k in r["top_kernels"][:14]:
                 print(f"      {k['ms']:8.2f} ms x{k['count']:<4} {k['name']}")
         payload = {"gpu": torch.cuda.get_device_name(), "results": results}
     if args.out:
