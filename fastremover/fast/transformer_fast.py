@@ -13,7 +13,8 @@ Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     x      = gate_residual(x, o, gate)                  in place, fp32 math; fused with the adaLN that follows
     n2     = adaln_modulate(x, c_shift, c_scale)        (one kernel: gate_residual_adaln)
     f      = linear(gelu_tanh(linear(n2)))              fp8: GELU fused with the quantization of its output (static
-                                                        per-tensor bound, see below)
+                                                        per-tensor bound, see below); on sm_90 both in the first
+                                                        GEMM's epilogue (kernels/gemm_fp8.py)
     x      = gate_residual(x, f, c_gate)                fused with the next block's first adaLN (or norm_out)
 Everything that depends only on the timestep (time embedding, every block's modulation rows, the final norm's rows)
 is precomputed for all steps by `conditioning()`, so a denoise step is pure device work and can be graph-captured.
@@ -175,6 +176,15 @@ class FastTransformer(nn.Module):
             # the GEMM multiplies by) and |b_j|, [L, F] fp32
             self.ff1_row_norm = torch.stack([(blk["ff1"].codes.float() * blk["ff1"].scale.t()).norm(dim=1)
                                              for blk in self.fp8_blocks])
+            # ff1 + GELU + the static-bound quantization in one Triton GEMM where it runs (kernels/gemm_fp8.py: sm_90
+            # or the interpreter), else _scaled_mm then quant_fp8_static; the fused epilogue needs a bias vector
+            from fastremover.fast.kernels.gemm_fp8 import fused_ffn1_available
+
+            ff1 = self.fp8_blocks[0]["ff1"]
+            self.fused_ffn1 = self.use_triton and fused_ffn1_available(device, ff1.codes.shape[1], ff1.out_features)
+            self.ff1_bias = [blk["ff1"].bias if blk["ff1"].bias is not None
+                             else torch.zeros(blk["ff1"].out_features, device=device, dtype=torch.float32)
+                             for blk in self.fp8_blocks]
             self.ff1_bias_abs = torch.stack([
                 blk["ff1"].bias.float().abs() if blk["ff1"].bias is not None else torch.zeros_like(norm)
                 for blk, norm in zip(self.fp8_blocks, self.ff1_row_norm)
@@ -186,8 +196,11 @@ class FastTransformer(nn.Module):
         return self.fp8_attention_codes or self.fp8_attention_requant
 
     def describe(self) -> dict:
-        return {"fused_kernels": "triton" if self.use_triton else "eager-reference", "fp8_linears": self.fp8,
-                "attention": self.attention_name}
+        out = {"fused_kernels": "triton" if self.use_triton else "eager-reference", "fp8_linears": self.fp8,
+               "attention": self.attention_name}
+        if self.fp8:
+            out["ffn1"] = "fused GEMM+GELU+quant (Triton)" if self.fused_ffn1 else "_scaled_mm + GELU quant"
+        return out
 
     @torch.no_grad()
     def conditioning(self, timesteps: torch.Tensor, batch: int) -> Conditioning:
@@ -296,7 +309,14 @@ class FastTransformer(nn.Module):
         n2 = ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, eps, fp8=self.fp8)
         if self.fp8:
             lin = self.fp8_blocks[index]
-            f = lin["ff2"](*ops.quant_static(lin["ff1"](*n2), ffn_amax, gelu=True))
+            if self.fused_ffn1:  # the GELU codes straight from ff1's epilogue (the 16-bit hidden is never written)
+                from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant
+
+                ff1 = lin["ff1"]
+                h8 = gemm_fp8_gelu_quant(*n2, ff1.codes, ff1.scale, self.ff1_bias[index], ffn_amax)
+            else:
+                h8 = ops.quant_static(lin["ff1"](*n2), ffn_amax, gelu=True)
+            f = lin["ff2"](*h8)
         else:
             ff = blk.ffn
             h = gelu_linear(n2, ff.net[0].proj.weight, ff.net[0].proj.bias)
