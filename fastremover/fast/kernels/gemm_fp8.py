@@ -88,7 +88,8 @@ def _gemm_gelu_quant_kernel(
         c_desc.store([off_m, off_n], quantize_fp8(gelu_tanh_f32_device(y, INTERPRET), inv, INTERPRET))
         # the row scales from the first column tile of each row block (a mask, not an `if`: a branch inside the
         # flattened persistent loop breaks Triton 3.6's loop fusion pass)
-        tl.store(RS + rows, tl.broadcast_to(row_scale, rows.shape), mask=(rows < M) & (pid_n == 0))
+        first_col_tile = (tl.zeros_like(rows) + pid_n) == 0
+        tl.store(RS + rows, tl.broadcast_to(row_scale, rows.shape), mask=(rows < M) & first_col_tile)
 
 
 def fused_ffn1_available(device: torch.device, k: int, n: int) -> bool:
