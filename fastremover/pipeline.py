@@ -133,6 +133,7 @@ class EngineConfig:
     fused_kernels: str = "none"
     fp8_linears: bool = False
     attention: str = "sdpa"
+    ffn1: str = "none"  # fp8 mode: the FFN's first GEMM + GELU quantization path (fast/transformer_fast.py)
     vae: str = "eager"  # the VAE path that runs: "eager" (models.vae.WanVAE) or "fast-fp16" / "fast-bf16" / "fast-fp8"
     vae_precision: str = "auto"  # as requested: auto | fp16 (the model dtype) | fp8 (FP8 conv3d in the fast VAE)
     cuda_graphs: bool = False

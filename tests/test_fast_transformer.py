@@ -70,8 +70,9 @@ def test_fp8_mode_with_the_fused_ffn_gemm_matches_the_unfused_ops():
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest.py without a GPU)")
     model = tiny_model(5)
-    fused = FastTransformer(model, fp8=True, use_triton=True)
-    plain = FastTransformer(model, fp8=True, use_triton=False)
+    fused = FastTransformer(model, fp8=True, use_triton=True, fused_ffn1=True)
+    plain = FastTransformer(model, fp8=True, use_triton=False, fused_ffn1=True)  # no Triton: the unfused ops
+    assert not FastTransformer(model, fp8=True, use_triton=True).describe()["ffn1"].startswith("fused")  # opt-in
     assert fused.describe()["ffn1"].startswith("fused") and not plain.describe()["ffn1"].startswith("fused")
     x = inputs(6)
     cond = fused.conditioning(torch.tensor([600.0]), batch=1)

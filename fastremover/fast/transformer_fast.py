@@ -13,8 +13,8 @@ Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     x      = gate_residual(x, o, gate)                  in place, fp32 math; fused with the adaLN that follows
     n2     = adaln_modulate(x, c_shift, c_scale)        (one kernel: gate_residual_adaln)
     f      = linear(gelu_tanh(linear(n2)))              fp8: GELU fused with the quantization of its output (static
-                                                        per-tensor bound, see below); on sm_90 both in the first
-                                                        GEMM's epilogue (kernels/gemm_fp8.py)
+                                                        per-tensor bound, see below); opt-in (fused_ffn1=True) on
+                                                        sm_90: both in the first GEMM's epilogue (kernels/gemm_fp8.py)
     x      = gate_residual(x, f, c_gate)                fused with the next block's first adaLN (or norm_out)
 Everything that depends only on the timestep (time embedding, every block's modulation rows, the final norm's rows)
 is precomputed for all steps by `conditioning()`, so a denoise step is pure device work and can be graph-captured.
@@ -136,7 +136,7 @@ class Conditioning:
 
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
-                 use_triton: bool | None = None):
+                 use_triton: bool | None = None, fused_ffn1: bool = False):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -176,12 +176,15 @@ class FastTransformer(nn.Module):
             # the GEMM multiplies by) and |b_j|, [L, F] fp32
             self.ff1_row_norm = torch.stack([(blk["ff1"].codes.float() * blk["ff1"].scale.t()).norm(dim=1)
                                              for blk in self.fp8_blocks])
-            # ff1 + GELU + the static-bound quantization in one Triton GEMM where it runs (kernels/gemm_fp8.py: sm_90
-            # or the interpreter), else _scaled_mm then quant_fp8_static; the fused epilogue needs a bias vector
+            # fused_ffn1=True: ff1 + GELU + the static-bound quantization in one Triton GEMM where it runs
+            # (kernels/gemm_fp8.py: sm_90 or the interpreter), else _scaled_mm then quant_fp8_static. Opt-in until its
+            # end-to-end GPU run: the kernel alone measured 0.968 vs 1.027 ms at W2 (ffn1-fused-gemm-*.json), the
+            # pipeline with it not yet. The fused epilogue needs a bias vector.
             from fastremover.fast.kernels.gemm_fp8 import fused_ffn1_available
 
             ff1 = self.fp8_blocks[0]["ff1"]
-            self.fused_ffn1 = self.use_triton and fused_ffn1_available(device, ff1.codes.shape[1], ff1.out_features)
+            self.fused_ffn1 = (fused_ffn1 and self.use_triton
+                               and fused_ffn1_available(device, ff1.codes.shape[1], ff1.out_features))
             self.ff1_bias = [blk["ff1"].bias if blk["ff1"].bias is not None
                              else torch.zeros(blk["ff1"].out_features, device=device, dtype=torch.float32)
                              for blk in self.fp8_blocks]
