@@ -396,3 +396,32 @@ def test_gpu_fast_mode_defaults_to_the_fastest_fp8_attention():
     assert resolve_attention("auto", "fast", dev) == (fast_default, [])
     exact_default = "fa3" if unavailable_reason("fa3", dev) is None else "sdpa"  # FlashInfer's FA3 when installed
     assert resolve_attention("auto", "exact", dev) == (exact_default, [])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_denoiser_description_fits_the_engine_config(fp8):
+    """The pipeline builds its EngineConfig from the denoiser's describe(): every key must be a field (an fp8-only
+    key once crashed the GPU bench, bench/results/w2-fast-fusedffn1-crash-*-8dd3c19.txt)."""
+    from dataclasses import fields
+
+    from fastremover.pipeline import EngineConfig
+
+    denoiser = FastDenoiser(FastTransformer(tiny_model(1), fp8=fp8, use_triton=False), DEFAULT_SCHEDULER_CONFIG,
+                            cuda_graphs=False)
+    described = denoiser.describe()
+    assert set(described) <= {f.name for f in fields(EngineConfig)}, set(described)
+    assert EngineConfig(model="m", device="cpu", precision="fp32", **described).fp8_linears == fp8
+
+
+def test_fused_ffn1_opt_in_says_when_it_cannot_run(monkeypatch):
+    """FASTREMOVER_FUSED_FFN1=1 where the fused GEMM cannot run (no sm_90 GPU / no Triton ops): the two-pass FFN
+    runs, with a note; without the variable, no note and no fused path."""
+    from fastremover.fast.engine import build_denoiser
+
+    model = tiny_model(3)
+    monkeypatch.setenv("FASTREMOVER_FUSED_FFN1", "1")
+    denoiser, notes = build_denoiser(model, DEFAULT_SCHEDULER_CONFIG, "fast", torch.device("cpu"), attention="sdpa")
+    assert not denoiser.fast.fused_ffn1 and any("FASTREMOVER_FUSED_FFN1" in n for n in notes), notes
+    monkeypatch.delenv("FASTREMOVER_FUSED_FFN1")
+    denoiser, notes = build_denoiser(model, DEFAULT_SCHEDULER_CONFIG, "fast", torch.device("cpu"), attention="sdpa")
+    assert not denoiser.fast.fused_ffn1 and not any("FFN1" in n for n in notes)

@@ -13,13 +13,13 @@ slower only next to the GEMMs and the clock is lower there, the 700 W power cap 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 
 from fastremover.fast.attention import quantize_qkv
 from fastremover.fast.flash3_attention import flash3_fp8_codes, import_error
+from fastremover.bench.harness import save_experiment
 
 GEMMS = {"qkv": (4608, 1536), "o": (1536, 1536), "ff1": (8960, 1536), "ff2": (1536, 8960)}
 
@@ -82,9 +82,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{name:12s} attention {row['ms_median']:.3f} ms median ({row['ms_min']:.3f}-{row['ms_max']:.3f}); "
               f"SM clock {clocks}; power {power}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    save_experiment(a.out, rows)
     return 0
 
 

@@ -12,7 +12,6 @@ builds is timed; prints ms, TFLOP/s and the error vs fp16 (cosine). --out writes
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ import cudnn
 
 from fastremover.fast.cudnn_sdpa import _build, _dtype  # graph build (all plans: the survey), dtype map
 from fastremover.timing import cuda_time_ms
+from fastremover.bench.harness import save_experiment
 
 FP8 = torch.float8_e4m3fn
 
@@ -129,9 +129,7 @@ def main():
             print(f"{str(r['shape']):<26} {r['variant']:<34} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s"
                   f"  cos {r['cos'] if r.get('cos') is not None else float('nan'):.5f}  {r.get('plan', '')[:50]}"
                   + (f"  equal {r['equal_to_torch']}" if "equal_to_torch" in r else ""))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    save_experiment(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ which tile / warp counts close the gap?
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
@@ -24,6 +23,7 @@ import triton.testing
 
 from fastremover.fast.kernels import adaln, qk_norm_rope, quant
 from fastremover.fast.kernels._common import interpreting, launch_options, row_segments
+from fastremover.bench.harness import save_experiment
 
 D, FFN, HEADS = 1536, 8960, 12
 
@@ -136,9 +136,7 @@ def main(argv=None) -> int:
         for kernel in dict.fromkeys(r["kernel"] for r in rows):
             best = min((r for r in rows if r["tokens"] == s and r["kernel"] == kernel), key=lambda r: r["ms"])
             print(f"S={s:6d} {kernel:14s} {best['config']:34s} {best['ms']:8.4f} ms {best['gbps']:8.0f} GB/s")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    save_experiment(a.out, rows)
     return 0
 
 

@@ -22,7 +22,6 @@ cosine of the dequantized values).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
@@ -30,6 +29,7 @@ import triton.language as tl
 
 from fastremover.fast.kernels._common import interpreting, launch_options, quantize_fp8
 from fastremover.fast.kernels.quant import gelu_tanh_f32_device, quant_fp8_static, quant_fp8_weight
+from fastremover.bench.harness import save_experiment
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -203,10 +203,7 @@ def main(argv=None) -> int:
         rows = run(48, 64, 96, [(32, 32, 32, 2, 2, 4, True, False), (32, 64, 32, 2, 2, 4, False, False)], True)
     else:
         rows = [r for m in (32760, 7290) for r in run(m, 1536, 8960, CONFIGS, False)]
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "rows": rows}, f,
-                      indent=1)
+    save_experiment(a.out, rows)
     return 0
 
 

@@ -14,7 +14,6 @@ plus the plain copy-and-quantize (no GELU) as the bandwidth floor.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
@@ -23,6 +22,7 @@ import triton.testing
 
 from fastremover.fast.kernels._common import launch_options, load_f32, quantize_fp8
 from fastremover.fast.kernels.quant import GELU_BETA, GELU_KAPPA, MINUS_TWO_LOG2E, gelu_tanh_f32_device
+from fastremover.bench.harness import save_experiment
 
 
 
@@ -116,9 +116,7 @@ def main(argv=None) -> int:
             gbps = m * 8960 * 3 / ms / 1e6
             rows.append({"m": m, "variant": NAMES[variant], "ms": ms, "gbps": gbps})
             print(f"M={m:6d} {NAMES[variant]:28s} {ms:8.4f} ms {gbps:7.0f} GB/s")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    save_experiment(a.out, rows)
     return 0
 
 

@@ -9,7 +9,6 @@ traffic (inputs read once, outputs written once).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
@@ -18,6 +17,7 @@ import triton.testing
 from fastremover.fast.kernels import adaln, qk_norm_rope, quant
 from fastremover.fast.kernels._common import launch_options, row_segments
 from fastremover.models.transformer import rope_cos_sin
+from fastremover.bench.harness import save_experiment
 
 
 def main(argv=None) -> int:
@@ -62,9 +62,7 @@ def main(argv=None) -> int:
                     continue
                 rows.append({"m": m, "kernel": name, "num_warps": nw, "ms": ms, "gbps": nbytes / ms / 1e6})
                 print(f"M={m:6d} {name:24s} warps={nw:2d} {ms:8.4f} ms {nbytes / ms / 1e6:7.0f} GB/s")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    save_experiment(a.out, rows)
     return 0
 
 

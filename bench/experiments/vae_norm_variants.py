@@ -11,7 +11,6 @@ other block sizes. Prints ms per call and effective GB/s; --out writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
@@ -20,6 +19,7 @@ import triton.language as tl
 from fastremover.fast.kernels._common import launch_options, load_f32, round_through, round_to
 from fastremover.fast.kernels.vae_norm import _exp_f32, vae_rms_norm
 from fastremover.timing import cuda_time_ms
+from fastremover.bench.harness import save_experiment
 
 
 @triton.jit
@@ -124,9 +124,7 @@ def main():
     for r in rows:
         extra = "" if "frac_diff" not in r else f"  equal_precise={r['equal_to_precise']} diff_frac={r['frac_diff']:.2e} max={r['max_abs_diff']:.2e}"
         print(f"{str(r['shape']):<22} {r['variant']:<32} {r['ms']:7.3f} ms {r['gbps']:7.0f} GB/s{extra}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    save_experiment(args.out, rows)
 
 
 if __name__ == "__main__":

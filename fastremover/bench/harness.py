@@ -287,6 +287,16 @@ def environment() -> dict:
             "command": " ".join(["fastremover", *sys.argv[1:]]) if sys.argv else "", "python": platform.python_version()}
 
 
+def save_experiment(path: str | None, rows: list, **fields) -> None:
+    """An experiment script's JSON (bench/experiments): its rows with the provenance the results need (GPU, torch,
+    commit, the command line as run)."""
+    if not path:
+        return
+    env = {**environment(), "command": " ".join(["python", *sys.argv])}
+    with open(path, "w") as f:
+        json.dump({**env, **fields, "rows": rows}, f, indent=1)
+
+
 def compare(
     models: RemoverModels,
     inputs: BenchInputs,

@@ -8,9 +8,15 @@
                                                                                   (GPUs with FP8 tensor cores, sm_89+)
 A mode the device cannot run falls back to the next safer one with a note (never silently): the pipeline's config
 records what is active, `fastremover info` and the bench JSON print it.
+
+Experimental opt-in: FASTREMOVER_FUSED_FFN1=1 runs the fast mode's first FFN GEMM with the GELU and its quantization
+in the GEMM's epilogue (fast/kernels/gemm_fp8.py; sm_89+ GPUs without it keep the two-pass path, with a note) until
+that path has its end-to-end GPU validation.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -73,5 +79,9 @@ def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode
     backend, notes = resolve_attention(attention, mode, device)
     if mode == "eager":
         return EagerDenoiser(transformer, scheduler_config), notes
-    fast = FastTransformer(transformer, fp8=(mode == "fast"), attention=backend)
+    fused_ffn1 = mode == "fast" and os.environ.get("FASTREMOVER_FUSED_FFN1") == "1"
+    fast = FastTransformer(transformer, fp8=(mode == "fast"), attention=backend, fused_ffn1=fused_ffn1)
+    if fused_ffn1 and not fast.fused_ffn1:
+        notes.append("FASTREMOVER_FUSED_FFN1=1: the fused FFN GEMM needs an sm_90 GPU with Triton tensor descriptors; "
+                     "running the two-pass FFN")
     return FastDenoiser(fast, scheduler_config, cuda_graphs=device.type == "cuda"), notes

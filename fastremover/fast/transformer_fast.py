@@ -143,6 +143,7 @@ class FastTransformer(nn.Module):
         device = model.proj_out.weight.device
         self.dtype = model.proj_out.weight.dtype
         self.fp8 = fp8
+        self.fused_ffn1 = False  # set below in fp8 mode
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton
         self.ops = kernel_ops(self.use_triton)
         self.attention_name = attention
