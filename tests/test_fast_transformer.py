@@ -67,8 +67,9 @@ def test_fp8_mode_with_the_fused_ffn_gemm_matches_the_unfused_ops():
     fused epilogue skips the 16-bit rounding of the hidden, so identical output would mean it did not run)."""
     import os
 
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest.py without a GPU)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton ops run on this test's CPU tensors only in the interpreter (conftest.py sets "
+                    "TRITON_INTERPRET=1 without a GPU); the GPU path is test_gemm_fp8's real-shape test")
     model = tiny_model(5)
     fused = FastTransformer(model, fp8=True, use_triton=True, fused_ffn1=True)
     plain = FastTransformer(model, fp8=True, use_triton=False, fused_ffn1=True)  # no Triton: the unfused ops

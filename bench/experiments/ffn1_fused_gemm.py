@@ -27,27 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fastremover.fast.kernels._common import interpreting, launch_options, quantize_fp8
-from fastremover.fast.kernels.quant import gelu_tanh_f32_device, quant_fp8_static, quant_fp8_weight
 from fastremover.bench.harness import save_experiment
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # older Triton: no host descriptors
-    TensorDescriptor = None
+from fastremover.fast.kernels._common import interpreting, launch_options, quantize_fp8
+from fastremover.fast.kernels.gemm_fp8 import TensorDescriptor, _tile_coords  # TensorDescriptor: None on old Triton
+from fastremover.fast.kernels.quant import gelu_tanh_f32_device, quant_fp8_static, quant_fp8_weight
 
 FP8 = torch.float8_e4m3fn
-
-
-@triton.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M row tiles sweep the columns together (their B tiles stay in L2)."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % size_m
-    pid_n = (tile % per_group) // size_m
-    return pid_m, pid_n
 
 
 @triton.jit

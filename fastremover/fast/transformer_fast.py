@@ -189,10 +189,7 @@ class FastTransformer(nn.Module):
             self.ff1_bias = [blk["ff1"].bias if blk["ff1"].bias is not None
                              else torch.zeros(blk["ff1"].out_features, device=device, dtype=torch.float32)
                              for blk in self.fp8_blocks]
-            self.ff1_bias_abs = torch.stack([
-                blk["ff1"].bias.float().abs() if blk["ff1"].bias is not None else torch.zeros_like(norm)
-                for blk, norm in zip(self.fp8_blocks, self.ff1_row_norm)
-            ])
+            self.ff1_bias_abs = torch.stack([b.float().abs() for b in self.ff1_bias])
 
     @property
     def fp8_attention(self) -> bool:
