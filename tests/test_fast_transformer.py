@@ -71,9 +71,9 @@ def test_fp8_mode_with_the_fused_ffn_gemm_matches_the_unfused_ops():
         pytest.skip("the Triton ops run on this test's CPU tensors only in the interpreter (conftest.py sets "
                     "TRITON_INTERPRET=1 without a GPU); the GPU path is test_gemm_fp8's real-shape test")
     model = tiny_model(5)
-    fused = FastTransformer(model, fp8=True, use_triton=True, fused_ffn1=True)
-    plain = FastTransformer(model, fp8=True, use_triton=False, fused_ffn1=True)  # no Triton: the unfused ops
-    assert not FastTransformer(model, fp8=True, use_triton=True).describe()["ffn1"].startswith("fused")  # opt-in
+    fused = FastTransformer(model, fp8=True, use_triton=True)  # the default where the kernel runs
+    plain = FastTransformer(model, fp8=True, use_triton=False)  # no Triton: the unfused ops
+    assert not FastTransformer(model, fp8=True, use_triton=True, fused_ffn1=False).describe()["ffn1"].startswith("fused")
     assert fused.describe()["ffn1"].startswith("fused") and not plain.describe()["ffn1"].startswith("fused")
     x = inputs(6)
     cond = fused.conditioning(torch.tensor([600.0]), batch=1)
@@ -380,6 +380,35 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["auto", "fp8"])
+def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
+    """The 8-bit attention's q / k / V preparation on three streams (the default on CUDA) runs the same kernels on
+    the same inputs as one stream after another: torch.equal at W1's token count, for a calibrating first step and a
+    later one, eagerly and as a captured graph."""
+    from fastremover.fast.engine import resolve_attention
+
+    backend = resolve_attention(attention, "fast", torch.device("cuda"))[0]
+    x = inputs(21, (1, 48, 10, 54, 54), "cuda", torch.float16)  # 7290 tokens
+    t = torch.tensor([937.0, 500.0], device="cuda")
+    outs = {}
+    for concurrent in (True, False):
+        fast = FastTransformer(real_model, fp8=True, attention=backend, concurrent=concurrent)
+        assert fast.describe()["concurrent_branches"] == concurrent
+        cond = fast.conditioning(t, 1)
+        with torch.no_grad():
+            eager = [fast.forward_step(x, cond, i) for i in (0, 1)]
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                static = fast.forward_step(x, cond, 1)
+            g.replay()
+            torch.cuda.synchronize()
+        outs[concurrent] = (*eager, static.clone())
+    for got, expect in zip(outs[True], outs[False]):
+        assert torch.equal(got, expect)
+    assert torch.equal(outs[True][1], outs[True][2])  # the captured step is the eager one
+
+
+@pytest.mark.gpu
 def test_gpu_fast_mode_defaults_to_the_fastest_fp8_attention():
     """On a Hopper GPU the fast mode's `auto` attention is FlashAttention-3's `fp8-flash3` where it is built, else
     cuDNN's `fp8` (both with K and V centred: W2 48.6 dB, fast/attention.py); exact takes FlashInfer's FA3 when it
@@ -414,15 +443,24 @@ def test_denoiser_description_fits_the_engine_config(fp8):
     assert EngineConfig(model="m", device="cpu", precision="fp32", **described).fp8_linears == fp8
 
 
-def test_fused_ffn1_opt_in_says_when_it_cannot_run(monkeypatch):
+def test_fused_ffn1_switch_says_when_it_cannot_run(monkeypatch):
     """FASTREMOVER_FUSED_FFN1=1 where the fused GEMM cannot run (no sm_90 GPU / no Triton ops): the two-pass FFN
-    runs, with a note; without the variable, no note and no fused path."""
+    runs, with a note; unset (the default: fused where it runs) or 0, no note; any other value is an error."""
+    from fastremover.errors import FastRemoverError
     from fastremover.fast.engine import build_denoiser
 
     model = tiny_model(3)
     monkeypatch.setenv("FASTREMOVER_FUSED_FFN1", "1")
     denoiser, notes = build_denoiser(model, DEFAULT_SCHEDULER_CONFIG, "fast", torch.device("cpu"), attention="sdpa")
     assert not denoiser.fast.fused_ffn1 and any("FASTREMOVER_FUSED_FFN1" in n for n in notes), notes
-    monkeypatch.delenv("FASTREMOVER_FUSED_FFN1")
-    denoiser, notes = build_denoiser(model, DEFAULT_SCHEDULER_CONFIG, "fast", torch.device("cpu"), attention="sdpa")
-    assert not denoiser.fast.fused_ffn1 and not any("FFN1" in n for n in notes)
+    for value in ("0", None):
+        if value is None:
+            monkeypatch.delenv("FASTREMOVER_FUSED_FFN1")
+        else:
+            monkeypatch.setenv("FASTREMOVER_FUSED_FFN1", value)
+        denoiser, notes = build_denoiser(model, DEFAULT_SCHEDULER_CONFIG, "fast", torch.device("cpu"),
+                                         attention="sdpa")
+        assert not denoiser.fast.fused_ffn1 and not any("FFN1" in n for n in notes)
+    monkeypatch.setenv("FASTREMOVER_FUSED_FFN1", "yes")
+    with pytest.raises(FastRemoverError, match="FASTREMOVER_FUSED_FFN1"):
+        build_denoiser(model, DEFAULT_SCHEDULER_CONFIG, "fast", torch.device("cpu"), attention="sdpa")

@@ -18,7 +18,7 @@ DEV = "cpu" if INTERPRET else "cuda"
 FP8 = torch.float8_e4m3fn
 from test_kernels import ulp_distance  # noqa: E402  (fp8 codes -> their distance in e4m3 steps)
 
-TINY = (32, 32, 32, 2, 2, 4)  # a configuration small enough for the interpreter's tiny shapes
+TINY = (32, 32, 32, 2, 2, 4, 1, "sigmoid")  # a configuration small enough for the interpreter's tiny shapes
 
 
 def _inputs(m, k, n, seed, device=DEV):
@@ -41,12 +41,13 @@ def _within_one_step(q, ref):
     return bool(u.max() <= 1), float((u == 0).float().mean())
 
 
+@pytest.mark.parametrize("gelu", ["sigmoid", "tanh"])
 @pytest.mark.parametrize("m,k,n", [(48, 64, 96), (70, 32, 160)])  # partial row and column tiles
-def test_gemm_fp8_gelu_quant_matches_fp32_composition(m, k, n):
+def test_gemm_fp8_gelu_quant_matches_fp32_composition(m, k, n, gelu):
     from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant, gemm_fp8_gelu_quant_reference
 
     args = _inputs(m, k, n, seed=m + n)
-    q, rs = gemm_fp8_gelu_quant(*args, config=TINY)
+    q, rs = gemm_fp8_gelu_quant(*args, config=TINY[:-1] + (gelu,))
     q_ref, rs_ref = gemm_fp8_gelu_quant_reference(*args)
     assert q.dtype == FP8 and q.shape == (m, n) and rs.shape == (m, 1)
     assert torch.equal(rs, rs_ref)  # every row max(amax, 1e-12) / 448, correctly rounded
@@ -68,6 +69,8 @@ def test_gemm_fp8_gelu_quant_rejects_bad_inputs():
     a2, sa2, w2, sw2, bias2, amax2 = _inputs(32, 40, 96, seed=2)  # K = 40: not a TMA-able row stride
     with pytest.raises(ValueError, match="multiples of 16"):
         gemm_fp8_gelu_quant(a2, sa2, w2, sw2, bias2, amax2, config=TINY)
+    with pytest.raises(ValueError, match="GELU form"):
+        gemm_fp8_gelu_quant(a, sa, w, sw, bias, amax, config=TINY[:-1] + ("erf",))
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ cosine of the dequantized values).
 
     python bench/experiments/ffn1_fused_gemm.py --out ffn1.json            (GPU)
     TRITON_INTERPRET=1 python bench/experiments/ffn1_fused_gemm.py --smoke  (CPU: the kernel's logic at a tiny shape)
+    python bench/experiments/ffn1_fused_gemm.py --shipped --out ffn1.json  (GPU: the engine's kernel, its configs)
 """
 
 from __future__ import annotations
@@ -114,6 +115,74 @@ CONFIGS = [
 ]
 
 
+# the shipped kernel's configurations (gemm_fp8.CONFIG's fields): more CTAs per SM so that one program's epilogue
+# overlaps another's main loop (128 x 128 tiles: two fit an SM's shared memory and registers), and the GELU on the
+# MUFU's tanh.approx
+SHIPPED_CONFIGS = [  # 2 CTAs per SM only with 4 warps: at 8 warps the 128 x 128 kernels take 178-193 registers per
+    # thread, two CTAs would need 94K of the SM's 64K (offline sm_90 compile: 4 warps 212-255 registers, shared memory
+    # 82 KB with BLOCK_K 64 / 4 stages, 115 KB with BLOCK_K 128 / 3 stages - two of those just fit 228 KB)
+    (128, 256, 128, 8, 3, 8, 1, "sigmoid"),
+    (128, 256, 128, 8, 3, 8, 1, "tanh"),
+    (128, 128, 128, 8, 3, 4, 2, "sigmoid"),
+    (128, 128, 64, 8, 4, 4, 2, "sigmoid"),
+    (128, 128, 64, 8, 4, 4, 2, "tanh"),
+    (128, 128, 128, 8, 3, 4, 2, "tanh"),
+    (128, 128, 64, 8, 3, 4, 2, "tanh"),
+    (128, 128, 64, 8, 4, 4, 1, "tanh"),
+]
+
+
+def run_shipped(m: int, k: int, n: int, configs) -> list[dict]:
+    """gemm_fp8.gemm_fp8_gelu_quant at each configuration against the shipped pair (cuBLAS + quant_fp8_static):
+    ms, and the codes' agreement with the pair's."""
+    import triton.testing
+
+    from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, k, device=dev, generator=g)
+    sa = x.abs().amax(1, keepdim=True) / 448.0
+    a = (x / sa).to(FP8)
+    w, sw = quant_fp8_weight(torch.randn(n, k, device=dev, generator=g) / k ** 0.5)
+    sw = sw.view(1, -1).contiguous()
+    bias = (0.1 * torch.randn(n, device=dev, generator=g)).to(torch.float16)
+    flops = 2.0 * m * n * k
+
+    def pair():
+        h = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw, bias=bias, out_dtype=torch.float16,
+                             use_fast_accum=True)
+        return quant_fp8_static(h, amax, gelu=True)
+
+    h = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw, bias=bias, out_dtype=torch.float16, use_fast_accum=True)
+    amax = (h.float().abs().amax() * 1.5).reshape(1)
+    ref_codes, _ = pair()
+    rows = []
+
+    def timed(name, fn, extra=None):
+        fn()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+        rows.append({"m": m, "k": k, "n": n, "variant": name, "ms": ms, "tflops": flops / ms / 1e9, **(extra or {})})
+        print(f"M={m} K={k} N={n}  {name:44s} {ms:8.4f} ms {flops / ms / 1e9:7.0f} TFLOP/s {extra or ''}", flush=True)
+
+    timed("cuBLAS + quant_fp8_static(gelu)", pair)
+    for cfg in configs:
+        label = "shipped " + "x".join(map(str, cfg[:3])) + f" g{cfg[3]} s{cfg[4]} w{cfg[5]} c{cfg[6]} {cfg[7]}"
+        try:
+            codes, _ = gemm_fp8_gelu_quant(a, sa, w, sw, bias, amax, config=cfg)
+        except Exception as e:  # a config that does not compile / fit here: say so, go on
+            print(f"config {label}: {type(e).__name__}: {str(e)[:200]}")
+            rows.append({"m": m, "k": k, "n": n, "variant": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        qa, qb = codes.float(), ref_codes.float()
+        step = 0.125 * torch.maximum(qa.abs(), qb.abs()) + 2.0 ** -9
+        check = {"codes equal": float((qa == qb).float().mean()),
+                 "codes > 1 step apart": float(((qa - qb).abs() > step).float().mean())}
+        timed(label, lambda cfg=cfg: gemm_fp8_gelu_quant(a, sa, w, sw, bias, amax, config=cfg), check)
+    return rows
+
+
 def run(m: int, k: int, n: int, configs, smoke: bool) -> list[dict]:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -182,9 +251,13 @@ def run(m: int, k: int, n: int, configs, smoke: bool) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one tiny shape, one config (the CPU interpreter)")
+    ap.add_argument("--shipped", action="store_true",
+                    help="time the shipped kernel (gemm_fp8.py) at SHIPPED_CONFIGS instead of this file's variants")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if a.smoke:
+    if a.shipped:
+        rows = [r for m in (32760, 7290) for r in run_shipped(m, 1536, 8960, SHIPPED_CONFIGS)]
+    elif a.smoke:
         rows = run(48, 64, 96, [(32, 32, 32, 2, 2, 4, True, False), (32, 64, 32, 2, 2, 4, False, False)], True)
     else:
         rows = [r for m in (32760, 7290) for r in run(m, 1536, 8960, CONFIGS, False)]

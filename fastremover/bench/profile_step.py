@@ -7,6 +7,7 @@ of the fast VAE at the workload's size.
 A steady-state step is profiled (step 1: step 0 also calibrates the 8-bit attention's K centres); --graph profiles it
 as a CUDA-graph replay, as the denoise loop runs it.
     python -m fastremover.bench.profile_step --vae [--workload w2] [--vae-precision fp8] [--out FILE]
+    python -m fastremover.bench.profile_step --workload w1 --compare shipped serial unfused-ffn1 [--out FILE]
 """
 
 from __future__ import annotations
@@ -125,6 +126,62 @@ def profile(model, workload: str, mode: str, attention: str, steps: int = 12, gr
             "top_kernels": top}
 
 
+VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
+    "shipped": {},
+    "serial": {"concurrent": False},
+    "unfused-ffn1": {"fused_ffn1": False},
+    "serial-unfused": {"concurrent": False, "fused_ffn1": False},
+}
+
+
+def compare_graph_steps(model, workload: str, labels: list[str], attention: str = "auto", rounds: int = 4,
+                        replays: int = 10) -> dict:
+    """Fast-mode step variants side by side: each captured as a CUDA graph of step 1 (after an eager step 0, which
+    calibrates), then replayed in interleaved rounds (so clock drift hits every variant alike); ms per step as the
+    median over rounds, and each variant's output compared with the first one's (torch.equal, or the cosine)."""
+    frames, height, width = WORKLOADS[workload]
+    device = torch.device("cuda")
+    backend, notes = resolve_attention(attention, "fast", device)
+    t = (frames - 1) // 4 + 1
+    x = torch.randn(1, model.config.in_channels, t, height // 8, width // 8, device=device, dtype=torch.float16)
+    timesteps = torch.linspace(999, 1, 12, device=device)
+    runs = {}
+    for label in labels:
+        fast = FastTransformer(model, fp8=True, attention=backend, **VARIANTS[label])
+        cond = fast.conditioning(timesteps, 1)
+        fast.forward_step(x, cond, 0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fast.forward_step(x, cond, 1)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fast.forward_step(x, cond, 1)
+        g.replay()
+        runs[label] = {"graph": g, "out": out, "describe": fast.describe(), "ms": [], "keep": (fast, cond)}
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for r in runs.values():
+            r["graph"].replay()
+            start.record()
+            for _ in range(replays):
+                r["graph"].replay()
+            end.record()
+            torch.cuda.synchronize()
+            r["ms"].append(start.elapsed_time(end) / replays)
+    first = runs[labels[0]]["out"]
+    rows = []
+    for label, r in runs.items():
+        same = bool(torch.equal(r["out"], first))
+        c = float(torch.nn.functional.cosine_similarity(r["out"].float().flatten(), first.float().flatten(), dim=0))
+        rows.append({"variant": label, "options": VARIANTS[label], "describe": r["describe"],
+                     "step_ms_graph": sorted(r["ms"])[len(r["ms"]) // 2], "step_ms_rounds": r["ms"],
+                     f"equal_to_{labels[0]}": same, f"cos_to_{labels[0]}": c})
+    return {"workload": workload, "attention": backend, "notes": notes, "variants": rows}
+
+
 def profile_vae(workload: str = "w2", precision: str = "auto") -> dict:
     from fastremover.fast.vae_fast import FastWanVAE
 
@@ -154,9 +211,18 @@ def main(argv=None) -> None:
                         help="with --vae: the fast VAE's conv precision")
     parser.add_argument("--graph", action="store_true",
                         help="profile a CUDA-graph replay of the step (as the denoise loop runs it)")
+    parser.add_argument("--compare", nargs="+", default=None, choices=sorted(VARIANTS),
+                        help="fast-mode variants timed side by side as graph replays (interleaved rounds)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if args.vae:
+    if args.compare:
+        result = compare_graph_steps(real_model(), args.workload, args.compare, args.attention)
+        for r in result["variants"]:
+            flags = {k: v for k, v in r.items() if k.startswith(("equal_to", "cos_to"))}
+            print(f"{args.workload} {r['variant']:<16} {r['step_ms_graph']:8.3f} ms/step (graph)  "
+                  f"rounds {[round(v, 2) for v in r['step_ms_rounds']]}  {flags}")
+        payload = {"gpu": torch.cuda.get_device_name(), **result}
+    elif args.vae:
         results = profile_vae(args.workload, args.vae_precision)
         for stage, r in results.items():
             print(f"\nfast VAE {stage}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms_by_group"].items()))

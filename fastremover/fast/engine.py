@@ -9,9 +9,9 @@
 A mode the device cannot run falls back to the next safer one with a note (never silently): the pipeline's config
 records what is active, `fastremover info` and the bench JSON print it.
 
-Experimental opt-in: FASTREMOVER_FUSED_FFN1=1 runs the fast mode's first FFN GEMM with the GELU and its quantization
-in the GEMM's epilogue (fast/kernels/gemm_fp8.py; sm_89+ GPUs without it keep the two-pass path, with a note) until
-that path has its end-to-end GPU validation.
+The fast mode runs its first FFN GEMM with the GELU and its quantization in the GEMM's epilogue where that kernel runs
+(fast/kernels/gemm_fp8.py: sm_90), else the two-pass path (`_scaled_mm`, then the GELU quantization) - the config's
+`ffn1` says which. FASTREMOVER_FUSED_FFN1=0 forces the two-pass path (A/B runs, or a suspected fused-kernel problem).
 """
 
 from __future__ import annotations
@@ -79,9 +79,13 @@ def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode
     backend, notes = resolve_attention(attention, mode, device)
     if mode == "eager":
         return EagerDenoiser(transformer, scheduler_config), notes
-    fused_ffn1 = mode == "fast" and os.environ.get("FASTREMOVER_FUSED_FFN1") == "1"
+    flag = os.environ.get("FASTREMOVER_FUSED_FFN1", "")
+    if flag not in ("", "0", "1"):
+        raise FastRemoverError(f"FASTREMOVER_FUSED_FFN1={flag!r}: use 1 (the default: fused where it runs) or 0 "
+                               "(the two-pass FFN)")
+    fused_ffn1 = mode == "fast" and flag != "0"
     fast = FastTransformer(transformer, fp8=(mode == "fast"), attention=backend, fused_ffn1=fused_ffn1)
-    if fused_ffn1 and not fast.fused_ffn1:
+    if flag == "1" and mode == "fast" and not fast.fused_ffn1:
         notes.append("FASTREMOVER_FUSED_FFN1=1: the fused FFN GEMM needs an sm_90 GPU with Triton tensor descriptors; "
                      "running the two-pass FFN")
     return FastDenoiser(fast, scheduler_config, cuda_graphs=device.type == "cuda"), notes

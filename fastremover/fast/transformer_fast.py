@@ -13,8 +13,8 @@ Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     x      = gate_residual(x, o, gate)                  in place, fp32 math; fused with the adaLN that follows
     n2     = adaln_modulate(x, c_shift, c_scale)        (one kernel: gate_residual_adaln)
     f      = linear(gelu_tanh(linear(n2)))              fp8: GELU fused with the quantization of its output (static
-                                                        per-tensor bound, see below); opt-in (fused_ffn1=True) on
-                                                        sm_90: both in the first GEMM's epilogue (kernels/gemm_fp8.py)
+                                                        per-tensor bound, see below); on sm_90 both in the first
+                                                        GEMM's epilogue (kernels/gemm_fp8.py, fused_ffn1)
     x      = gate_residual(x, f, c_gate)                fused with the next block's first adaLN (or norm_out)
 Everything that depends only on the timestep (time embedding, every block's modulation rows, the final norm's rows)
 is precomputed for all steps by `conditioning()`, so a denoise step is pure device work and can be graph-captured.
@@ -39,6 +39,7 @@ floating-point format, so a looser scale costs nothing until values fall below 2
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -103,6 +104,11 @@ class AttentionCalibration:
     k_scale: torch.Tensor  # [L, 1] fp32: k_amax / 448
 
 
+def _on(stream):
+    """`with torch.cuda.stream(stream)`, or nothing for None (the current stream)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def gelu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x @ weight.T + bias). On CUDA one cuBLASLt GEMM with the GELU_BIAS epilogue (torch's
     `_addmm_activation`): the tanh-GELU is applied to the fp32 accumulator before the single rounding to x.dtype,
@@ -136,7 +142,7 @@ class Conditioning:
 
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
-                 use_triton: bool | None = None, fused_ffn1: bool = False):
+                 use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -158,6 +164,11 @@ class FastTransformer(nn.Module):
         # included, would spend the e4m3 codes' range on the centre)
         self.fp8_attention_requant = fp8 and attention in ("fp8-fa3", "fp8-flash3")
         self._calibrations: dict[tuple, AttentionCalibration] = {}
+        # CUDA: the 8-bit attention's three independent preparations (q, k, V statistics + codes) run on their own
+        # streams, and b_o + W_o c beside the attention kernel (see _attention_fp8); a captured graph keeps them as
+        # parallel branches
+        self.concurrent = concurrent and device.type == "cuda"
+        self._side_streams: dict[torch.device, tuple] = {}
         if fp8:
             # static amax bounds of the q and k rope outputs, and q's dequantization scale (quant.py's rule)
             self.q_amax = [rope_amax_bound(b.attn1.norm_q.weight) for b in model.blocks]
@@ -177,10 +188,9 @@ class FastTransformer(nn.Module):
             # the GEMM multiplies by) and |b_j|, [L, F] fp32
             self.ff1_row_norm = torch.stack([(blk["ff1"].codes.float() * blk["ff1"].scale.t()).norm(dim=1)
                                              for blk in self.fp8_blocks])
-            # fused_ffn1=True: ff1 + GELU + the static-bound quantization in one Triton GEMM where it runs
-            # (kernels/gemm_fp8.py: sm_90 or the interpreter), else _scaled_mm then quant_fp8_static. Opt-in until its
-            # end-to-end GPU run: the kernel alone measured 0.968 vs 1.027 ms at W2 (ffn1-fused-gemm-*.json), the
-            # pipeline with it not yet. The fused epilogue needs a bias vector.
+            # fused_ffn1 (the default): ff1 + GELU + the static-bound quantization in one Triton GEMM where it runs
+            # (kernels/gemm_fp8.py: sm_90 or the interpreter), else _scaled_mm then quant_fp8_static. The fused
+            # epilogue needs a bias vector (zeros for a bias-free ff1).
             from fastremover.fast.kernels.gemm_fp8 import fused_ffn1_available
 
             ff1 = self.fp8_blocks[0]["ff1"]
@@ -201,7 +211,15 @@ class FastTransformer(nn.Module):
                "attention": self.attention_name}
         if self.fp8:
             out["ffn1"] = "fused GEMM+GELU+quant (Triton)" if self.fused_ffn1 else "_scaled_mm + GELU quant"
+            out["concurrent_branches"] = self.concurrent and self.fp8_attention
         return out
+
+    def _streams(self, device: torch.device) -> tuple:
+        """Two side streams per device (created once: a captured graph refers to the streams it was recorded on)."""
+        streams = self._side_streams.get(device)
+        if streams is None:
+            streams = self._side_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return streams
 
     @torch.no_grad()
     def conditioning(self, timesteps: torch.Tensor, batch: int) -> Conditioning:
@@ -254,15 +272,35 @@ class FastTransformer(nn.Module):
             cal.k_centre[index].copy_(sequence_mean(k_half, b, s))
             cal.k_amax[index].copy_((self.k_bound[index] + cal.k_centre[index].abs().amax()).reshape(1))
             cal.k_scale[index].copy_(cal.k_amax[index] / cal.k_amax.new_full((), 448.0))  # quant.py's rule
+        # Three independent chains feed the attention kernel: q's codes, k's codes, and V's statistics + codes (V's
+        # chain, three kernels, is the longest). With `concurrent` they run on the current stream and two side
+        # streams, joined before the attention; b_o + W_o c (only the O projection reads it) runs on a side stream
+        # beside the attention kernel. At W1 these kernels are too small to fill the GPU one after another.
+        # Memory: everything a side stream allocates is read only by work ordered before the next layer's fork
+        # (each fork waits on the current stream, which waited on both side streams), so the caching allocator
+        # never hands a block to a new writer while an old reader may still run.
+        main = torch.cuda.current_stream(q.device) if self.concurrent else None
+        side_v, side_k = self._streams(q.device) if self.concurrent else (None, None)
+        if main is not None:
+            side_v.wait_stream(main)
+            side_k.wait_stream(main)
+        with _on(side_v):
+            # V is centred on this step's own mean: the adaLN shift moves V's mean every step, and a stale centre
+            # let the FP8 P @ V accumulation lose the low bits again (W2 33.8 dB with a frozen one,
+            # bench/results/w2-fast-frozenv-*.json)
+            # (one statistics pass finds the mean and the amax of v - mean together: quant.quant_fp8_centred)
+            v8, sv, v_centre = ops.quant_centred(v, s)
+        with _on(side_k):
+            k8 = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps, fp8_amax=cal.k_amax[index],
+                                  centre=cal.k_centre[index])
         q8 = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps, fp8_amax=self.q_amax[index])
-        k8 = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps, fp8_amax=cal.k_amax[index],
-                              centre=cal.k_centre[index])
-        # V is centred on this step's own mean: the adaLN shift moves V's mean every step, and a stale centre let
-        # the FP8 P @ V accumulation lose the low bits again (W2 33.8 dB with a frozen one,
-        # bench/results/w2-fast-frozenv-*.json)
-        # (one statistics pass finds the mean and the amax of v - mean together: quant.quant_fp8_centred)
-        v8, sv, v_centre = ops.quant_centred(v, s)
-        o_bias = o_projection_bias(v_centre, attn.to_out[0].weight, attn.to_out[0].bias)  # [B, D]
+        if main is not None:
+            main.wait_stream(side_v)
+            main.wait_stream(side_k)
+        with _on(side_k):  # side_k is past k's codes; it waits for V's centre
+            if side_k is not None:
+                side_k.wait_stream(side_v)
+            o_bias = o_projection_bias(v_centre, attn.to_out[0].weight, attn.to_out[0].bias)  # [B, D]
         sq, sk = self.q_scale[index], cal.k_scale[index]
         q8, k8, v8 = (t.view(b, s, heads, -1) for t in (q8, k8, v8))
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
@@ -276,6 +314,8 @@ class FastTransformer(nn.Module):
         else:  # codes of (o - c) / sv
             o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
         o_proj = self.fp8_blocks[index]["o"]
+        if main is not None:
+            main.wait_stream(side_k)
         if b == 1:  # one batch: b_o + W_o c is the GEMM's bias (added in its fp32 epilogue, no extra pass)
             return o_proj(*o_in, bias=o_bias[0])
         # the GEMM's bias is one row for all batches: b_o + W_o c per batch after it

@@ -43,7 +43,7 @@ from fastremover.fast.kernels._common import (
     launch_options,
     quantize_fp8,
 )
-from fastremover.fast.kernels.quant import gelu_tanh_f32_device
+from fastremover.fast.kernels.quant import GELU_BETA, GELU_KAPPA, gelu_tanh_f32_device
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -51,9 +51,14 @@ except ImportError:  # older Triton: no host descriptors, the fused path is unav
     TensorDescriptor = None
 
 FP8 = torch.float8_e4m3fn
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps): bench/results/ffn1-fused-gemm-*.json
-CONFIG = (128, 256, 128, 8, 3, 8)
-INTERPRETER_CONFIG = (32, 32, 32, 2, 2, 4)
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps, CTAs per SM, GELU form): bench/results/ffn1-fused-gemm-*.json.
+# CTAs per SM > 1 launches that many persistent programs per SM (they must fit its shared memory and registers
+# together): one program's epilogue then overlaps another's main loop. GELU form "sigmoid" is quant.py's
+# x / (1 + exp(-2u)); "tanh" is 0.5 x (1 + tanh(u)) with the MUFU's tanh.approx.f32 (one special-function op instead
+# of ex2 + a division; max relative error ~2^-11, far below an e4m3 step), the formula in the interpreter.
+CONFIG = (128, 256, 128, 8, 3, 8, 1, "sigmoid")
+INTERPRETER_CONFIG = (32, 32, 32, 2, 2, 4, 1, "sigmoid")
+GELU_FORMS = ("sigmoid", "tanh")
 
 
 @triton.jit
@@ -66,10 +71,26 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def gelu_tanh_approx_device(x, INTERPRET: tl.constexpr):
+    """fp32 tanh-GELU as 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3): tanh.approx.f32 on the GPU, the
+    exact tanh formula (1 - e) / (1 + e), e = exp(-2|u|), with u's sign, in the interpreter."""
+    u = GELU_BETA * tl.fma(GELU_KAPPA, (x * x) * x, x)
+    if INTERPRET:
+        e = tl.exp(-2.0 * tl.abs(u))
+        t = (1.0 - e) / (1.0 + e)
+        t = tl.where(u < 0, -t, t)
+    else:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    h = 0.5 * x
+    return tl.fma(h, t, h)
+
+
+@triton.jit
 def _gemm_gelu_quant_kernel(
     a_desc, b_desc, c_desc, SA, SW, BIAS, AMAX, RS, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, INTERPRET: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, TANH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -89,7 +110,11 @@ def _gemm_gelu_quant_kernel(
         sw = tl.load(SW + cols, mask=cols < N, other=0.0)
         b = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)
         y = acc * sa[:, None] * sw[None, :] + b[None, :]  # three rounded fp32 ops (launches never fuse into FMAs)
-        c_desc.store([off_m, off_n], quantize_fp8(gelu_tanh_f32_device(y, INTERPRET), inv, INTERPRET))
+        if TANH:
+            g = gelu_tanh_approx_device(y, INTERPRET)
+        else:
+            g = gelu_tanh_f32_device(y, INTERPRET)
+        c_desc.store([off_m, off_n], quantize_fp8(g, inv, INTERPRET))
         # the row scales from the first column tile of each row block (a mask, not an `if`: a branch inside the
         # flattened persistent loop breaks Triton 3.6's loop fusion pass)
         first_col_tile = (tl.zeros_like(rows) + pid_n) == 0
@@ -133,16 +158,18 @@ def gemm_fp8_gelu_quant(
         return codes, row_scale
     if config is None:  # the interpreter (tests) gets small tiles: the real ones would be mostly padding there
         config = INTERPRETER_CONFIG if interpreting(_gemm_gelu_quant_kernel) else CONFIG
-    bm, bn, bk, group_m, stages, warps = config
+    bm, bn, bk, group_m, stages, warps, ctas_per_sm, gelu = config
+    if gelu not in GELU_FORMS:
+        raise ValueError(f"gemm_fp8_gelu_quant: GELU form {gelu!r} is not one of {GELU_FORMS}")
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if interpreting(_gemm_gelu_quant_kernel):
         programs = min(4, tiles)
     else:
-        programs = min(torch.cuda.get_device_properties(a.device).multi_processor_count, tiles)
+        programs = min(ctas_per_sm * torch.cuda.get_device_properties(a.device).multi_processor_count, tiles)
     _gemm_gelu_quant_kernel[(programs,)](
         TensorDescriptor(a, [m, k], [k, 1], [bm, bk]), TensorDescriptor(w, [n, k], [k, 1], [bn, bk]),
         TensorDescriptor(codes, [m, n], [n, 1], [bm, bn]), a_scale, w_scale, bias, amax, row_scale, m, n, k,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, NUM_PROGRAMS=programs,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, NUM_PROGRAMS=programs, TANH=gelu == "tanh",
         INTERPRET=interpreting(_gemm_gelu_quant_kernel), num_stages=stages, num_warps=warps,
         **launch_options(_gemm_gelu_quant_kernel),
     )
