@@ -1,5 +1,7 @@
 """The fast transformer (exact and fp8 modes), its denoise loop and CUDA graph, against the eager module."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,6 +190,58 @@ def test_static_fp8_bounds_hold_and_are_not_absurd(monkeypatch, batch):
         assert bound < 100 * true_amax, (kind, true_amax, bound)
     worst = {k: max(b / a for kk, a, b in seen if kk == k) for k in ("gelu", "o")}
     print(f"bound / true amax, worst: {worst}")
+
+
+def test_attention_row_split_leaves_the_partial_last_wave():
+    from fastremover.fast.transformer_fast import attention_row_split
+
+    # W2 / W1 on an H200 (132 SMs, 12 heads, 128-row tiles): 3072 tiles -> 3036 (23 waves) + 36; 684 -> 660 + 24
+    assert attention_row_split(32760, 12, 132) == 253 * 128
+    assert attention_row_split(7290, 12, 132) == 55 * 128
+    assert attention_row_split(11 * 128 * 2, 12, 132) is None  # 264 tiles: two whole waves
+    assert attention_row_split(1000, 12, 132) is None  # 96 tiles: one partial wave, nothing to overlap it with
+    assert attention_row_split(777, 3, 10) is None  # 7 block rows: whole waves need 10 of them
+    for s, per_row, sms in ((5000, 12, 132), (777, 3, 6), (4096 + 1, 24, 108)):
+        rows_a = attention_row_split(s, per_row, sms)
+        blocks = -(-s // 128)
+        assert rows_a is not None and rows_a % 128 == 0 and 0 < rows_a < s
+        assert (rows_a // 128 * per_row) % sms == 0  # whole waves
+        assert blocks - rows_a // 128 <= sms // math.gcd(sms, per_row)  # at most one wave's worth left over
+
+
+def test_attention_tail_split_matches_one_call(monkeypatch):
+    """fp8-flash3 with one batch splits the attention's query rows where its tiles would leave a partial last wave
+    (faked here with a 16-row tile and 4 SMs): two attention calls, each followed by its rows' O projection and
+    residual + adaLN into row slices of shared outputs. Every step of the CPU composition is row-wise, so the result
+    equals the unsplit path's."""
+    from fastremover.fast import transformer_fast
+
+    model = tiny_model(15)
+    x = inputs(16, shape=(1, 48, 3, 8, 12))  # 72 tokens
+    calls = []
+
+    def fake_flash3(q8, k8, v8, sq, sk, sv):
+        calls.append(q8.shape[1])
+        q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return o.transpose(1, 2).to(torch.bfloat16)
+
+    monkeypatch.setattr(transformer_fast, "flash3_fp8_codes", fake_flash3)
+    monkeypatch.setattr(transformer_fast, "FLASH3_FP8_BLOCK_M", 16)
+    outs = {}
+    for overlap in (True, False):
+        fast = FastTransformer(model, fp8=True, use_triton=False, tail_overlap=overlap)
+        fast.fp8_attention_requant, fast.attention_name, fast.sm_count = True, "fp8-flash3", 4
+        cond = fast.conditioning(torch.tensor([900.0, 500.0]), batch=1)
+        calls.clear()
+        with torch.no_grad():
+            outs[overlap] = [fast.forward_step(x, cond, i) for i in (0, 1)]
+        heads = model.config.num_attention_heads
+        expect = [64, 8] if overlap else [72]
+        assert fast.split_rows(1, 72, heads) == (64 if overlap else None)
+        assert calls == expect * 2 * len(model.blocks), calls
+    for got, ref in zip(outs[True], outs[False]):
+        assert torch.equal(got, ref)
 
 
 def test_fp8_linear_matches_dequantized_math():
@@ -382,18 +436,22 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["auto", "fp8"])
 def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
-    """The 8-bit attention's q / k / V preparation on three streams (the default on CUDA) runs the same kernels on
-    the same inputs as one stream after another: torch.equal at W1's token count, for a calibrating first step and a
-    later one, eagerly and as a captured graph."""
+    """The 8-bit attention's q / k / V preparation on three streams and the attention's split-off last wave on a
+    side stream (the defaults on CUDA) run the same kernels on the same inputs as one stream after another:
+    torch.equal at W1's token count, for a calibrating first step and a later one, eagerly and as a captured graph.
+    Without the split, close."""
     from fastremover.fast.engine import resolve_attention
 
     backend = resolve_attention(attention, "fast", torch.device("cuda"))[0]
     x = inputs(21, (1, 48, 10, 54, 54), "cuda", torch.float16)  # 7290 tokens
     t = torch.tensor([937.0, 500.0], device="cuda")
     outs = {}
-    for concurrent in (True, False):
-        fast = FastTransformer(real_model, fp8=True, attention=backend, concurrent=concurrent)
+    for concurrent, tail_overlap in ((True, True), (False, True), (False, False)):
+        fast = FastTransformer(real_model, fp8=True, attention=backend, concurrent=concurrent,
+                               tail_overlap=tail_overlap)
         assert fast.describe()["concurrent_branches"] == concurrent
+        if backend == "fp8-flash3" and tail_overlap and fast.sm_count == 132:  # H200 / H100 SXM: 684 tiles, rows
+            assert fast.split_rows(1, 7290, 12) == 7040  # [7040, 7290) are the last wave's 24
         cond = fast.conditioning(t, 1)
         with torch.no_grad():
             eager = [fast.forward_step(x, cond, i) for i in (0, 1)]
@@ -402,10 +460,16 @@ def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
                 static = fast.forward_step(x, cond, 1)
             g.replay()
             torch.cuda.synchronize()
-        outs[concurrent] = (*eager, static.clone())
-    for got, expect in zip(outs[True], outs[False]):
+        outs[concurrent, tail_overlap] = (*eager, static.clone())
+    for got, expect in zip(outs[True, True], outs[False, True]):
         assert torch.equal(got, expect)
-    assert torch.equal(outs[True][1], outs[True][2])  # the captured step is the eager one
+    assert torch.equal(outs[True, True][1], outs[True, True][2])  # the captured step is the eager one
+    # the attention split into two calls (fp8-flash3): the same per-row attention; the O projection's GEMM at two
+    # row counts may pick other cuBLAS kernels, so close rather than equal
+    for got, expect in zip(outs[True, True], outs[False, False]):
+        c = cos(got, expect)
+        print(f"{backend}: tail split vs one call: cos {c:.8f}, equal {torch.equal(got, expect)}")
+        assert c > 0.99999
 
 
 @pytest.mark.gpu

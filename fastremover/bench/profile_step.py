@@ -131,6 +131,8 @@ VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
     "serial": {"concurrent": False},
     "unfused-ffn1": {"fused_ffn1": False},
     "serial-unfused": {"concurrent": False, "fused_ffn1": False},
+    "no-tail-split": {"tail_overlap": False},
+    "serial-no-tail-split": {"concurrent": False, "tail_overlap": False},
 }
 
 

@@ -40,6 +40,7 @@ floating-point format, so a looser scale costs nothing until values fall below 2
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -81,6 +82,25 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
 
 # |o - c| <= 1.125 * max|v - c| = 1.125 * 448 * sv for the FP8 attention kernels' 16-bit output (see _attention_fp8)
 O_AMAX_PER_V_SCALE = 448.0 * 1.125
+
+
+# FlashAttention-3's FP8 forward at head dim 128 works on 128-query-row tiles (hopper/tile_size.h: 128 x 224)
+FLASH3_FP8_BLOCK_M = 128
+
+
+def attention_row_split(s: int, tiles_per_block_row: int, sms: int, block_m: int = FLASH3_FP8_BLOCK_M) -> int | None:
+    """Query rows [0, s_a) whose attention tiles fill whole waves of `sms` SMs, or None where there is no partial
+    last wave to split off. The attention kernel is persistent: ceil(s / block_m) * tiles_per_block_row (= batch *
+    heads) equal tiles over the SMs, so the last wave runs on (tiles mod sms) SMs while the rest idle (W2: 3072 tiles,
+    36 in the last wave on an H200's 132 SMs; W1: 684 tiles, 24). Rows [s_a, s) - the last wave's tiles - then run
+    as a second attention call beside the first rows' O projection and residual + adaLN (_attention_fp8)."""
+    m_blocks = -(-s // block_m)
+    tiles = m_blocks * tiles_per_block_row
+    if tiles <= sms or tiles % sms == 0:
+        return None
+    step = sms // math.gcd(sms, tiles_per_block_row)  # block rows per whole number of waves
+    m_a = (m_blocks - 1) // step * step
+    return m_a * block_m if m_a > 0 else None
 
 
 def sequence_mean(rows: torch.Tensor, b: int, s: int) -> torch.Tensor:
@@ -142,7 +162,8 @@ class Conditioning:
 
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
-                 use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True):
+                 use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
+                 tail_overlap: bool = True):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -169,6 +190,11 @@ class FastTransformer(nn.Module):
         # parallel branches
         self.concurrent = concurrent and device.type == "cuda"
         self._side_streams: dict[torch.device, tuple] = {}
+        # fp8-flash3, one batch: the attention's partial last wave of tiles as a second call, overlapped with the
+        # other rows' O projection and residual + adaLN (attention_row_split); sm_count None = no split (a test
+        # may set it on the CPU to exercise the split with a faked kernel)
+        self.tail_overlap = tail_overlap
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         if fp8:
             # static amax bounds of the q and k rope outputs, and q's dequantization scale (quant.py's rule)
             self.q_amax = [rope_amax_bound(b.attn1.norm_q.weight) for b in model.blocks]
@@ -213,6 +239,13 @@ class FastTransformer(nn.Module):
             out["ffn1"] = "fused GEMM+GELU+quant (Triton)" if self.fused_ffn1 else "_scaled_mm + GELU quant"
             out["concurrent_branches"] = self.concurrent and self.fp8_attention
         return out
+
+    def split_rows(self, b: int, s: int, heads: int) -> int | None:
+        """The first attention call's query rows when the last wave is split off (attention_row_split), else None."""
+        if not (self.tail_overlap and self.attention_name == "fp8-flash3" and self.fp8_attention_requant and b == 1
+                and self.sm_count):
+            return None
+        return attention_row_split(s, b * heads, self.sm_count, FLASH3_FP8_BLOCK_M)
 
     def _streams(self, device: torch.device) -> tuple:
         """Two side streams per device (created once: a captured graph refers to the streams it was recorded on)."""
@@ -260,9 +293,10 @@ class FastTransformer(nn.Module):
             self._calibrations[key] = cal
         return cal
 
-    def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool) -> torch.Tensor:
-        """8-bit attention + O projection (see the module docstring): q, k, v [M, D] column views of the fused QKV
-        output -> the O projection's output [M, D]."""
+    def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool, x: torch.Tensor, mods: torch.Tensor):
+        """8-bit attention + O projection + gated residual + the FFN's adaLN (see the module docstring): q, k, v
+        [M, D] column views of the fused QKV output, x the residual stream (updated in place), mods the block's
+        modulation rows -> the FFN's normalized input (e4m3 codes, row scales)."""
         ops, attn = self.ops, self.model.blocks[index].attn1
         b, s, heads = shape
         eps = self.config.eps
@@ -303,6 +337,11 @@ class FastTransformer(nn.Module):
             o_bias = o_projection_bias(v_centre, attn.to_out[0].weight, attn.to_out[0].bias)  # [B, D]
         sq, sk = self.q_scale[index], cal.k_scale[index]
         q8, k8, v8 = (t.view(b, s, heads, -1) for t in (q8, k8, v8))
+        o_proj = self.fp8_blocks[index]["o"]
+        rows_a = self.split_rows(b, s, heads)
+        if rows_a is not None:
+            return self._attention_tail_overlap(rows_a, q8, k8, v8, sq, sk, sv, o_proj, o_bias[0], x, mods, main,
+                                                side_v, side_k)
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
             # bounds it and the quantization needs no amax pass
@@ -313,15 +352,49 @@ class FastTransformer(nn.Module):
             o_in = ops.quant_static(o_c.view(b * s, -1), sv, O_AMAX_PER_V_SCALE)
         else:  # codes of (o - c) / sv
             o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
-        o_proj = self.fp8_blocks[index]["o"]
         if main is not None:
             main.wait_stream(side_k)
         if b == 1:  # one batch: b_o + W_o c is the GEMM's bias (added in its fp32 epilogue, no extra pass)
-            return o_proj(*o_in, bias=o_bias[0])
-        # the GEMM's bias is one row for all batches: b_o + W_o c per batch after it
-        o = o_proj(*o_in, bias=torch.zeros_like(o_bias[0]))
-        o.view(b, s, -1).add_(o_bias.unsqueeze(1))
-        return o
+            o = o_proj(*o_in, bias=o_bias[0])
+        else:  # the GEMM's bias is one row for all batches: b_o + W_o c per batch after it
+            o = o_proj(*o_in, bias=torch.zeros_like(o_bias[0]))
+            o.view(b, s, -1).add_(o_bias.unsqueeze(1))
+        return ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, self.config.eps, fp8=True)
+
+    def _attention_tail_overlap(self, rows_a: int, q8, k8, v8, sq, sk, sv, o_proj, o_bias, x, mods, main, side_v,
+                                side_k):
+        """One batch, FlashAttention-3: query rows [0, rows_a) (whole waves of tiles) and [rows_a, S) (the partial
+        last wave) as two attention calls, each followed by its rows' O projection and gated residual + adaLN - all
+        row-wise, written into row slices of shared outputs. With `concurrent` the second chain runs on a side
+        stream: its attention's few tiles share the GPU with the first rows' O projection and norm instead of
+        leaving most SMs idle. Each query row's attention is the same computation either way; the O projection's
+        GEMM runs at two row counts (cuBLAS may pick other kernels for them than for one call)."""
+        ops, eps = self.ops, self.config.eps
+        m, d = x.shape
+        o = torch.empty((m, d), dtype=self.dtype, device=x.device)
+        n2 = (torch.empty((m, d), dtype=torch.float8_e4m3fn, device=x.device),
+              torch.empty((m, 1), dtype=torch.float32, device=x.device))
+        side = side_v  # past V's codes; the first rows' chain stays on the current stream
+        if main is not None:
+            side.wait_stream(main)  # q's codes (k's and V's: main waited on both)
+        chunks = ((slice(0, rows_a), None), (slice(rows_a, m), side))
+        # both attention calls first (the second's tiles start as the first's CTAs leave), then the row-wise tails
+        outs = []
+        for rows, stream in chunks:
+            with _on(stream):
+                outs.append(flash3_fp8_codes(q8[:, rows], k8, v8, sq, sk, sv))  # bf16 (o - c) of these rows
+        for (rows, stream), o_c in zip(chunks, outs):
+            with _on(stream):
+                if main is not None:
+                    (stream or main).wait_stream(side_k)  # b_o + W_o c
+                n = rows.stop - rows.start
+                o_in = ops.quant_static(o_c.view(n, d), sv, O_AMAX_PER_V_SCALE)
+                o_proj(*o_in, bias=o_bias, out=o[rows])
+                ops.gate_residual_adaln(x[rows], o[rows], mods[2], mods[3], mods[4], n, eps, fp8=True,
+                                        out=n2[0][rows], out_scale=n2[1][rows])
+        if main is not None:
+            main.wait_stream(side)
+        return n2
 
     def _block(self, index: int, x: torch.Tensor, n_in, mods: torch.Tensor, next_mods: tuple, rope, shape,
                calibrate: bool, ffn_amax: torch.Tensor | None):
@@ -339,7 +412,7 @@ class FastTransformer(nn.Module):
         else:
             q, k, v = self.qkv[index](n_in).chunk(3, dim=1)
         if self.fp8_attention:
-            o = self._attention_fp8(index, q, k, v, rope, shape, calibrate)
+            n2 = self._attention_fp8(index, q, k, v, rope, shape, calibrate, x, mods)
         else:
             q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
             k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
@@ -347,7 +420,7 @@ class FastTransformer(nn.Module):
                                v.unflatten(1, (heads, -1)).view(b, s, heads, -1))
             o = o.reshape(b * s, -1)
             o = self.fp8_blocks[index]["o"](*ops.quant_rowwise(o)) if self.fp8 else F.linear(o, attn.to_out[0].weight, attn.to_out[0].bias)
-        n2 = ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, eps, fp8=self.fp8)
+            n2 = ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, eps, fp8=self.fp8)
         if self.fp8:
             lin = self.fp8_blocks[index]
             if self.fused_ffn1:  # the GELU codes straight from ff1's epilogue (the 16-bit hidden is never written)

@@ -1,33 +1,36 @@
 """The FFN's first FP8 GEMM with its tanh-GELU and the static-scale e4m3 quantization in the epilogue (Hopper, TMA).
 
-Replaces, when opted in (FASTREMOVER_FUSED_FFN1=1 / FastTransformer(fused_ffn1=True): not yet validated end to end
-on the GPU), this pair of the fast transformer (transformer_fast.py, fp8 mode):
+The fast transformer's default on sm_90 (transformer_fast.py, `fused_ffn1`; FASTREMOVER_FUSED_FFN1=0 turns it off).
+It replaces this pair, which still runs everywhere else:
 
     h     = torch._scaled_mm(a, w.T, scale_a=sa, scale_b=sw, bias=b, out_dtype=fp16)   # [M, F] 16-bit, written
     codes = quant_fp8_static(h, amax, gelu=True)                                          # read back, e4m3 written
 
 with one kernel that never writes h: y = acc * sa[m] * sw[n] + b[n] in fp32 from the tensor cores' fp32 accumulator,
-gelu = quant.gelu_tanh_f32_device(y) (the same sigmoid form as quant_fp8_static), codes = RNE_e4m3(gelu * fl(448 /
-max(amax, 1e-12))) (quant.py's rule), plus the [M, 1] row-scale vector (every row max(amax, 1e-12) / 448) that the
-next FP8 GEMM reads as its row-wise scale. At W2's ff1 ([32760, 1536] x [1536, 8960]) the pair takes 1.027 ms and
-this kernel 0.968 ms (bench/results/ffn1-fused-gemm-*.json; 1.77 ms per W2 step); at W1 0.231 -> 0.216 ms.
+the tanh-GELU of y, codes = RNE_e4m3(gelu * fl(448 / max(amax, 1e-12))) (quant.py's rule), plus the [M, 1] row-scale
+vector (every row max(amax, 1e-12) / 448) that the next FP8 GEMM reads as its row-wise scale.
+
+The GELU form decides whether the fusion pays (bench/results/ffn1-fused-gemm-shipped-*.json, H200, same inputs):
+quant.py's sigmoid form x / (1 + exp(-2u)) costs an ex2 and a division per element, and the epilogue then eats the
+saved memory traffic (W2's [32760, 1536] x [1536, 8960]: 0.915 ms against 0.901 for the pair); 0.5 x (1 + tanh(u))
+with the MUFU's `tanh.approx.f32` takes 0.781 ms (W1, M = 7290: 0.1765 against 0.2258 ms at 128 x 128 tiles with
+two CTAs per SM). tanh.approx's relative error (~2^-11) is far below an e4m3 step (2^-4).
 
 This is a lossy path next to the pair, not a bit-exact one: the pair rounds h to fp16 before the GELU, this kernel
-does not, and its accumulation order differs from cuBLAS's. In the experiment the codes agreed with the pair's on
-99.8 % of elements and were never more than one e4m3 step apart (same file). tests/test_gemm_fp8.py asserts that bound
-against the fp32 composition `gemm_fp8_gelu_quant_reference` (interpreter) and, at the real shape on the GPU, against
-the pair and the fp32 GEMM with the kernel's own GELU form; its first GPU run compared with torch's GELU instead and
-failed (97.9 % equal, a few codes further apart: bench/results/gpu-tests-gemm-fp8-*-8dd3c19.log), which is why the
-path is opt-in until the rewritten test and an end-to-end bench have run.
+does not, its GELU is approximate, and its accumulation order differs from cuBLAS's. The codes agreed with the pair's
+on 99.77 % (W2) / 99.79 % (W1) of elements and were never more than one e4m3 step apart (same file).
+tests/test_gemm_fp8.py asserts that bound against the fp32 composition `gemm_fp8_gelu_quant_reference`
+(interpreter, both GELU forms) and, at the real shape on the GPU, against the pair and the fp32 GEMM with the
+sigmoid GELU.
 
-Kernel: persistent (one program per SM, tiles in grouped order so GROUP_M row tiles share their B tiles in L2), A
-[M, K] and B [N, K] e4m3 K-major through TMA descriptors, fp32 accumulation (tl.dot of e4m3 on wgmma), the codes
-stored through a TMA descriptor. One configuration, the fastest of the six the experiment tried at both W2 and W1:
-128 x 256 x 128 tiles, 3 stages, 8 warps, no warp specialization, the epilogue on the whole tile.
+Kernel: persistent (CTAs-per-SM programs per SM, tiles in grouped order so GROUP_M row tiles share their B tiles in
+L2), A [M, K] and B [N, K] e4m3 K-major through TMA descriptors, fp32 accumulation (tl.dot of e4m3 on wgmma), the
+codes stored through a TMA descriptor. Two CTAs per SM let one CTA's epilogue overlap the other's main loop; they
+need 4 warps (at 8 the 128 x 128 kernels take 178-193 registers per thread: two CTAs would not fit the SM's 64K).
 
-Gate (`fused_ffn1_available`): CUDA sm_90 exactly (the configuration is Hopper's; other GPUs keep the pair), Triton
-with host tensor descriptors, and K and N multiples of 16 (TMA's 16-byte row strides). The interpreter runs the
-kernel on the CPU for the tests.
+Gate (`fused_ffn1_available`): CUDA sm_90 exactly (the configurations are Hopper's; other GPUs keep the pair),
+Triton with host tensor descriptors, and K and N multiples of 16 (TMA's 16-byte row strides). The interpreter runs
+the kernel on the CPU for the tests.
 """
 
 from __future__ import annotations
@@ -56,7 +59,13 @@ FP8 = torch.float8_e4m3fn
 # together): one program's epilogue then overlaps another's main loop. GELU form "sigmoid" is quant.py's
 # x / (1 + exp(-2u)); "tanh" is 0.5 x (1 + tanh(u)) with the MUFU's tanh.approx.f32 (one special-function op instead
 # of ex2 + a division; max relative error ~2^-11, far below an e4m3 step), the formula in the interpreter.
-CONFIG = (128, 256, 128, 8, 3, 8, 1, "sigmoid")
+# Measured side by side with the shipped pair (bench/results/ffn1-fused-gemm-shipped-*.json, H200): the tanh form is
+# what makes the fusion pay - W2 (M = 32760) 0.781 ms at 128 x 256 tiles against 0.915 with the sigmoid form and 0.901
+# for cuBLAS + quant_fp8_static; W1 (M = 7290) 0.1765 ms at 128 x 128 tiles, two CTAs per SM, against 0.2258 for the
+# pair. Smaller M gets the smaller tiles (more tiles to spread over the SMs).
+CONFIG = (128, 256, 128, 8, 3, 8, 1, "tanh")
+CONFIG_SMALL_M = (128, 128, 128, 8, 3, 4, 2, "tanh")
+SMALL_M = 16384
 INTERPRETER_CONFIG = (32, 32, 32, 2, 2, 4, 1, "sigmoid")
 GELU_FORMS = ("sigmoid", "tanh")
 
@@ -157,7 +166,10 @@ def gemm_fp8_gelu_quant(
     if m == 0:
         return codes, row_scale
     if config is None:  # the interpreter (tests) gets small tiles: the real ones would be mostly padding there
-        config = INTERPRETER_CONFIG if interpreting(_gemm_gelu_quant_kernel) else CONFIG
+        if interpreting(_gemm_gelu_quant_kernel):
+            config = INTERPRETER_CONFIG
+        else:
+            config = CONFIG_SMALL_M if m <= SMALL_M else CONFIG
     bm, bn, bk, group_m, stages, warps, ctas_per_sm, gelu = config
     if gelu not in GELU_FORMS:
         raise ValueError(f"gemm_fp8_gelu_quant: GELU form {gelu!r} is not one of {GELU_FORMS}")
