@@ -64,6 +64,8 @@ from fastremover.fast.kernels._common import (
     interpreting,
     into,
     launch_options,
+    pdl_options,
+    pdl_prologue,
     load_f32,
     mul_rn,
     quantize_fp8,
@@ -154,7 +156,8 @@ def gelu_tanh_f32(h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.
 
 @triton.jit
 def _static_quant_kernel(X, AMAX, Q, RS, M, N, amax_mult, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -187,7 +190,8 @@ def quant_fp8_static(
         block_m, block_n = 16, min(256, triton.next_power_of_2(n))
         _static_quant_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             x, amax, q, rs, m, n, float(amax_mult), GELU=gelu, BLOCK_M=block_m, BLOCK_N=block_n,
-            INTERPRET=interpreting(_static_quant_kernel), num_warps=4, **launch_options(_static_quant_kernel))
+            INTERPRET=interpreting(_static_quant_kernel), num_warps=4, **launch_options(_static_quant_kernel),
+            **pdl_options(_static_quant_kernel, x.device))
     return q, rs
 
 
@@ -213,7 +217,8 @@ def _tensor_amax_kernel(X, MEAN, AMAX, M, N, S, stride_x, HAS_MEAN: tl.constexpr
 
 @triton.jit
 def _tensor_quant_kernel(X, MEAN, AMAX, Q, SCALE, M, N, S, stride_x, HAS_MEAN: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     rows, cols, mask, y = _tile_values(X, MEAN, M, N, S, stride_x, HAS_MEAN, BLOCK_M, BLOCK_N, INTERPRET)
     amax = tl.load(AMAX)
     inv = tl.math.div_rn(448.0, tl.maximum(amax, 1e-12))
@@ -260,12 +265,13 @@ def quant_fp8_tensorwise(
 
 @triton.jit
 def _column_stats_kernel(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, ROWS_PER_BLK, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """Partial column sum / max / min of ROWS_PER_BLK (a multiple of BLOCK_M) of batch b's rows, BLOCK_N columns ->
     [B, NBLK, N] buffers. The rows stream through a [BLOCK_M, BLOCK_N] register tile in BLOCK_M steps (each lane adds
     its own rows in order), then one tree reduction over the tile's rows: a fixed order, so the sums are deterministic.
     (One tile per program was 0.2 ms for W2's V, a quarter of HBM bandwidth: the three cross-warp reductions and the
     partial stores dominated a 16 KB tile.)"""
+    pdl_prologue(PDL)
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -298,9 +304,10 @@ def column_stats_config(s: int, n: int) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _column_finalize_kernel(PSUM, PMAX, PMIN, MEAN, AMAX, N, NBLK, s_f, BLOCK_B: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+                            BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Over the NBLK blocks of batch b (one tree reduction, fixed order): mean = fl(sum / S) per column -> MEAN [B, N];
     max(fl(colmax - mean), fl(mean - colmin)) over the columns -> one fp32 atomic max into AMAX (order-free)."""
+    pdl_prologue(PDL)
     pid_n, b = tl.program_id(0), tl.program_id(1)
     blks = tl.arange(0, BLOCK_B)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -341,13 +348,13 @@ def quant_fp8_centred(
     opts = launch_options(_column_stats_kernel)
     _column_stats_kernel[(nblk, triton.cdiv(n, block_n), b)](
         x, partial[0], partial[1], partial[2], s, n, x.stride(0), nblk, rows_per_blk, BLOCK_M=block_m,
-        BLOCK_N=block_n, INTERPRET=interp, num_warps=warps, **opts)
+        BLOCK_N=block_n, INTERPRET=interp, num_warps=warps, **opts, **pdl_options(_column_stats_kernel, x.device))
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     block_b = triton.next_power_of_2(nblk)
     fin_n = max(1, min(block_n, 8192 // block_b))
     _column_finalize_kernel[(triton.cdiv(n, fin_n), b)](
         partial[0], partial[1], partial[2], mean, amax, n, nblk, float(s), BLOCK_B=block_b, BLOCK_N=fin_n,
-        num_warps=8, **opts)
+        num_warps=8, **opts, **pdl_options(_column_finalize_kernel, x.device))
     check_out("out", out, (m, n), torch.float8_e4m3fn, x.device)
     check_out("out_scale", out_scale, (1,), torch.float32, x.device)
     q = out if out is not None else torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
@@ -355,7 +362,8 @@ def quant_fp8_centred(
     qm, qn = 16, min(256, triton.next_power_of_2(n))
     _tensor_quant_kernel[(triton.cdiv(m, qm), triton.cdiv(n, qn))](
         x, mean, amax, q, scale, m, n, s, x.stride(0), HAS_MEAN=True, BLOCK_M=qm, BLOCK_N=qn,
-        INTERPRET=interpreting(_tensor_quant_kernel), num_warps=4, **launch_options(_tensor_quant_kernel))
+        INTERPRET=interpreting(_tensor_quant_kernel), num_warps=4, **launch_options(_tensor_quant_kernel),
+        **pdl_options(_tensor_quant_kernel, x.device))
     return q, scale, mean
 
 
