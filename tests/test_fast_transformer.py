@@ -473,38 +473,6 @@ def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_launches_equal_plain_launches(real_model, monkeypatch):
-    """The step's Triton kernels with programmatic dependent launch (the default on Hopper: each waits for its
-    predecessor's completion in-kernel) against plain launches: torch.equal at W1's token count, eagerly and as a
-    captured graph (a missing wait would show as a race)."""
-    from fastremover.fast.engine import resolve_attention
-    from fastremover.fast.kernels import _common
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    backend = resolve_attention("auto", "fast", torch.device("cuda"))[0]
-    x = inputs(22, (1, 48, 10, 54, 54), "cuda", torch.float16)
-    t = torch.tensor([937.0, 500.0], device="cuda")
-    outs = {}
-    for pdl in (True, False):
-        monkeypatch.setattr(_common, "PDL_ENABLED", pdl)
-        assert _common.pdl_options(_common.pdl_prologue, torch.device("cuda")).get("launch_pdl", False) == pdl
-        fast = FastTransformer(real_model, fp8=True, attention=backend)
-        cond = fast.conditioning(t, 1)
-        with torch.no_grad():
-            eager = [fast.forward_step(x, cond, i) for i in (0, 1)]
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                static = fast.forward_step(x, cond, 1)
-            for _ in range(3):
-                g.replay()
-            torch.cuda.synchronize()
-        outs[pdl] = (*eager, static.clone())
-    for got, expect in zip(outs[True], outs[False]):
-        assert torch.equal(got, expect)
-
-
-@pytest.mark.gpu
 def test_gpu_fast_mode_defaults_to_the_fastest_fp8_attention():
     """On a Hopper GPU the fast mode's `auto` attention is FlashAttention-3's `fp8-flash3` where it is built, else
     cuDNN's `fp8` (both with K and V centred: W2 48.6 dB, fast/attention.py); exact takes FlashInfer's FA3 when it

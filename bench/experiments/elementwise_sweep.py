@@ -64,7 +64,7 @@ def sweep(s: int) -> list[dict]:
                           (16, 512, 8), (32, 512, 8), (32, 128, 4), (64, 128, 4), (16, 1024, 8)):
             def run(bm=bm, bn=bn, w=w):
                 quant._static_quant_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-                    x, amax, q, rs, m, n, 1.0, GELU=gelu, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERP, PDL=False, num_warps=w,
+                    x, amax, q, rs, m, n, 1.0, GELU=gelu, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERP, num_warps=w,
                     **launch_options(quant._static_quant_kernel))
             record(name, f"BM={bm} BN={bn} warps={w}", _ms(run), m * n * (x.element_size() + 1) + 4 * m)
     del big
@@ -79,7 +79,7 @@ def sweep(s: int) -> list[dict]:
     for w in (1, 2, 4, 8):
         def run(w=w):
             adaln._adaln_kernel[(s,)](x, br, gate, shift, scale, y, rs, D, s, float(D), 1e-6, HEAD=head, TAIL=tail,
-                                      FP8=True, RESIDUAL=True, INTERPRET=INTERP, PDL=False, num_warps=w,
+                                      FP8=True, RESIDUAL=True, INTERPRET=INTERP, num_warps=w,
                                       **launch_options(adaln._adaln_kernel))
         record("adaln res", f"warps={w}", _ms(run), s * D * (2 + 2 + 2 + 1) + 4 * s)
 
@@ -96,7 +96,7 @@ def sweep(s: int) -> list[dict]:
         def run(w=w):
             qk_norm_rope._qk_norm_rope_kernel[(s,)](
                 k, wk, cos, sin, yk, kamax, centre, s, k.stride(0), 1.0 / D, 1e-6, H=HEADS, HALF=64, HH=hh, HT=ht,
-                HALF_P=64, DTYPE=triton.language.float16, FP8=True, HAS_CENTRE=True, INTERPRET=INTERP, PDL=False, num_warps=w,
+                HALF_P=64, DTYPE=triton.language.float16, FP8=True, HAS_CENTRE=True, INTERPRET=INTERP, num_warps=w,
                 **launch_options(qk_norm_rope._qk_norm_rope_kernel))
         record("qk", f"warps={w}", _ms(run), s * D * 3 + s * 128 * 4)
 
@@ -110,7 +110,7 @@ def sweep(s: int) -> list[dict]:
 
         def run(bm=bm, bn=bn, rpb=rpb, w=w, nblk=nblk, part=part):
             quant._column_stats_kernel[(nblk, triton.cdiv(D, bn), 1)](
-                v, part[0], part[1], part[2], s, D, v.stride(0), nblk, rpb, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERP, PDL=False,
+                v, part[0], part[1], part[2], s, D, v.stride(0), nblk, rpb, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERP,
                 num_warps=w, **launch_options(quant._column_stats_kernel))
         record("colstats", f"BM={bm} BN={bn} rows={rpb} warps={w}", _ms(run), s * D * 2)
     mean = torch.randn(1, D, device=dev, generator=g)
@@ -119,7 +119,7 @@ def sweep(s: int) -> list[dict]:
     for bm, bn, w in ((16, 256, 4), (32, 256, 8), (64, 128, 4), (32, 512, 8), (16, 512, 4)):
         def run(bm=bm, bn=bn, w=w):
             quant._tensor_quant_kernel[(triton.cdiv(s, bm), triton.cdiv(D, bn))](
-                v, mean, amax, vq, sc, s, D, s, v.stride(0), HAS_MEAN=True, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERP, PDL=False,
+                v, mean, amax, vq, sc, s, D, s, v.stride(0), HAS_MEAN=True, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=INTERP,
                 num_warps=w, **launch_options(quant._tensor_quant_kernel))
         record("tensor quant", f"BM={bm} BN={bn} warps={w}", _ms(run), s * D * 3)
     return rows

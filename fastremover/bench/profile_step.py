@@ -132,7 +132,6 @@ VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
     "unfused-ffn1": {"fused_ffn1": False},
     "serial-unfused": {"concurrent": False, "fused_ffn1": False},
     "no-tail-split": {"tail_overlap": False},
-    "no-pdl": {"_pdl": False},  # the Triton kernels launched without programmatic dependent launch
     "serial-no-tail-split": {"concurrent": False, "tail_overlap": False},
 }
 
@@ -149,12 +148,8 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
     x = torch.randn(1, model.config.in_channels, t, height // 8, width // 8, device=device, dtype=torch.float16)
     timesteps = torch.linspace(999, 1, 12, device=device)
     runs = {}
-    from fastremover.fast.kernels import _common
-
     for label in labels:
-        options = dict(VARIANTS[label])
-        _common.PDL_ENABLED = options.pop("_pdl", True)  # read at each launch: fixed into this variant's graph
-        fast = FastTransformer(model, fp8=True, attention=backend, **options)
+        fast = FastTransformer(model, fp8=True, attention=backend, **VARIANTS[label])
         cond = fast.conditioning(timesteps, 1)
         fast.forward_step(x, cond, 0)
         side = torch.cuda.Stream()
@@ -166,7 +161,6 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
         with torch.cuda.graph(g):
             out = fast.forward_step(x, cond, 1)
         g.replay()
-        _common.PDL_ENABLED = True
         runs[label] = {"graph": g, "out": out, "describe": fast.describe(), "ms": [], "keep": (fast, cond)}
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -103,11 +103,6 @@ def attention_row_split(s: int, tiles_per_block_row: int, sms: int, block_m: int
     return m_a * block_m if m_a > 0 else None
 
 
-def sequence_mean(rows: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    """[B*S, N] rows (any row stride) -> fp32 mean over each batch's S rows, [B, N] contiguous."""
-    return torch.mean(rows.unflatten(0, (b, s)), dim=1, dtype=torch.float32)
-
-
 def o_projection_bias(v_centre: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """b_o + W_o c per batch, [B, D] in the weight's dtype: what attn(v) = attn(v - c) + c adds after the O
     projection when V is quantized centred on c."""
@@ -122,6 +117,7 @@ class AttentionCalibration:
     k_centre: torch.Tensor  # [L, B, D] fp32: K's sequence mean at the first step
     k_amax: torch.Tensor  # [L, 1] fp32: static bound of |k - c_k| (rope bound + max|c_k|)
     k_scale: torch.Tensor  # [L, 1] fp32: k_amax / 448
+    fp8_max: torch.Tensor  # [] fp32 448 on the device
 
 
 def _on(stream):
@@ -289,23 +285,26 @@ class FastTransformer(nn.Module):
             n, d = len(self.model.blocks), self.config.num_attention_heads * self.config.attention_head_dim
             f32 = dict(dtype=torch.float32, device=device)
             cal = AttentionCalibration(torch.zeros(n, b, d, **f32), torch.zeros(n, 1, **f32),
-                                       torch.zeros(n, 1, **f32))
+                                       torch.zeros(n, 1, **f32), torch.full((), 448.0, **f32))
             self._calibrations[key] = cal
         return cal
 
-    def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool, x: torch.Tensor, mods: torch.Tensor):
-        """8-bit attention + O projection + gated residual + the FFN's adaLN (see the module docstring): q, k, v
-        [M, D] column views of the fused QKV output, x the residual stream (updated in place), mods the block's
-        modulation rows -> the FFN's normalized input (e4m3 codes, row scales)."""
+    def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool, x: torch.Tensor, mods: torch.Tensor,
+                       next_mods: tuple, ffn_amax: torch.Tensor):
+        """8-bit attention, then the rest of the block (`_rowwise_rest`: O projection, gated residual + adaLN, FFN,
+        gated residual + the next norm; see the module docstring): q, k, v [M, D] column views of the fused QKV
+        output, x the residual stream (updated in place) -> the next norm's output, as `_block` returns it."""
         ops, attn = self.ops, self.model.blocks[index].attn1
         b, s, heads = shape
         eps = self.config.eps
         cal = self._calibration(b, q.device, create=calibrate)
         if calibrate:  # the run's first step: K's centre from this step's K, then frozen
+            # (written straight into the calibration's rows: five kernels per layer, inside the run's graph)
             k_half = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-            cal.k_centre[index].copy_(sequence_mean(k_half, b, s))
-            cal.k_amax[index].copy_((self.k_bound[index] + cal.k_centre[index].abs().amax()).reshape(1))
-            cal.k_scale[index].copy_(cal.k_amax[index] / cal.k_amax.new_full((), 448.0))  # quant.py's rule
+            torch.mean(k_half.unflatten(0, (b, s)), dim=1, dtype=torch.float32, out=cal.k_centre[index])
+            torch.add(self.k_bound[index], cal.k_centre[index].abs().amax(), out=cal.k_amax[index, 0])
+            torch.div(cal.k_amax[index, 0], cal.fp8_max, out=cal.k_scale[index, 0])  # quant.py's rule (a true
+            # division: a CPU-scalar divisor would be a multiplication by its reciprocal on the GPU)
         # Three independent chains feed the attention kernel: q's codes, k's codes, and V's statistics + codes (V's
         # chain, three kernels, is the longest). With `concurrent` they run on the current stream and two side
         # streams, joined before the attention; b_o + W_o c (only the O projection reads it) runs on a side stream
@@ -340,8 +339,8 @@ class FastTransformer(nn.Module):
         o_proj = self.fp8_blocks[index]["o"]
         rows_a = self.split_rows(b, s, heads)
         if rows_a is not None:
-            return self._attention_tail_overlap(rows_a, q8, k8, v8, sq, sk, sv, o_proj, o_bias[0], x, mods, main,
-                                                side_v, side_k)
+            return self._attention_tail_overlap(index, rows_a, q8, k8, v8, sq, sk, sv, o_bias[0], x, mods, next_mods,
+                                                ffn_amax, main, side_v, side_k)
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
             # bounds it and the quantization needs no amax pass
@@ -359,42 +358,70 @@ class FastTransformer(nn.Module):
         else:  # the GEMM's bias is one row for all batches: b_o + W_o c per batch after it
             o = o_proj(*o_in, bias=torch.zeros_like(o_bias[0]))
             o.view(b, s, -1).add_(o_bias.unsqueeze(1))
-        return ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, self.config.eps, fp8=True)
+        return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
-    def _attention_tail_overlap(self, rows_a: int, q8, k8, v8, sq, sk, sv, o_proj, o_bias, x, mods, main, side_v,
-                                side_k):
+    def _attention_tail_overlap(self, index: int, rows_a: int, q8, k8, v8, sq, sk, sv, o_bias, x, mods, next_mods,
+                                ffn_amax, main, side_v, side_k):
         """One batch, FlashAttention-3: query rows [0, rows_a) (whole waves of tiles) and [rows_a, S) (the partial
-        last wave) as two attention calls, each followed by its rows' O projection and gated residual + adaLN - all
-        row-wise, written into row slices of shared outputs. With `concurrent` the second chain runs on a side
-        stream: its attention's few tiles share the GPU with the first rows' O projection and norm instead of
-        leaving most SMs idle. Each query row's attention is the same computation either way; the O projection's
-        GEMM runs at two row counts (cuBLAS may pick other kernels for them than for one call)."""
-        ops, eps = self.ops, self.config.eps
+        last wave) as two attention calls, each followed by the rest of the block on its own rows (everything after
+        the attention is row-wise: `_rowwise_rest`), the next norm's outputs written into row slices of shared
+        tensors. With `concurrent` the second chain runs on a side stream: its attention's few tiles share the GPU
+        with the first rows' O projection, norms and FFN instead of leaving most SMs idle. Each query row's attention
+        is the same computation either way; the GEMMs run at two row counts (cuBLAS may pick other kernels for them
+        than for one call, so the result is close to, not necessarily equal to, the unsplit block's)."""
         m, d = x.shape
-        o = torch.empty((m, d), dtype=self.dtype, device=x.device)
-        n2 = (torch.empty((m, d), dtype=torch.float8_e4m3fn, device=x.device),
-              torch.empty((m, 1), dtype=torch.float32, device=x.device))
+        next_fp8 = next_mods[2]
+        if next_fp8:
+            out = (torch.empty((m, d), dtype=torch.float8_e4m3fn, device=x.device),
+                   torch.empty((m, 1), dtype=torch.float32, device=x.device))
+        else:
+            out = torch.empty((m, d), dtype=self.dtype, device=x.device)
         side = side_v  # past V's codes; the first rows' chain stays on the current stream
         if main is not None:
             side.wait_stream(main)  # q's codes (k's and V's: main waited on both)
         chunks = ((slice(0, rows_a), None), (slice(rows_a, m), side))
-        # both attention calls first (the second's tiles start as the first's CTAs leave), then the row-wise tails
-        outs = []
+        # both attention calls first (the second's tiles start as the first's CTAs leave), then the row-wise rest
+        attn_out = []
         for rows, stream in chunks:
             with _on(stream):
-                outs.append(flash3_fp8_codes(q8[:, rows], k8, v8, sq, sk, sv))  # bf16 (o - c) of these rows
-        for (rows, stream), o_c in zip(chunks, outs):
+                attn_out.append(flash3_fp8_codes(q8[:, rows], k8, v8, sq, sk, sv))  # bf16 (o - c) of these rows
+        o_proj = self.fp8_blocks[index]["o"]
+        for (rows, stream), o_c in zip(chunks, attn_out):
             with _on(stream):
                 if main is not None:
                     (stream or main).wait_stream(side_k)  # b_o + W_o c
                 n = rows.stop - rows.start
-                o_in = ops.quant_static(o_c.view(n, d), sv, O_AMAX_PER_V_SCALE)
-                o_proj(*o_in, bias=o_bias, out=o[rows])
-                ops.gate_residual_adaln(x[rows], o[rows], mods[2], mods[3], mods[4], n, eps, fp8=True,
-                                        out=n2[0][rows], out_scale=n2[1][rows])
+                o = o_proj(*self.ops.quant_static(o_c.view(n, d), sv, O_AMAX_PER_V_SCALE), bias=o_bias)
+                rows_out = (out[0][rows], out[1][rows]) if next_fp8 else out[rows]
+                self._rowwise_rest(index, x[rows], o, mods, next_mods, ffn_amax, n, out=rows_out)
         if main is not None:
             main.wait_stream(side)
-        return n2
+        return out
+
+    def _rowwise_rest(self, index: int, x: torch.Tensor, o: torch.Tensor, mods: torch.Tensor, next_mods: tuple,
+                      ffn_amax: torch.Tensor | None, s: int, out=None):
+        """Everything in a block after the attention's O projection o, on rows x (updated in place): x += gate * o
+        fused with the FFN's adaLN, the FFN, x += c_gate * f fused with the next norm -> that norm's output (fp8:
+        codes and row scales; into `out` when given). Every step is row-wise (s = tokens per batch of these rows)."""
+        ops, eps = self.ops, self.config.eps
+        n2 = ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, eps, fp8=self.fp8)
+        if self.fp8:
+            lin = self.fp8_blocks[index]
+            if self.fused_ffn1:  # the GELU codes straight from ff1's epilogue (the 16-bit hidden is never written)
+                from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant
+
+                ff1 = lin["ff1"]
+                h8 = gemm_fp8_gelu_quant(*n2, ff1.codes, ff1.scale, self.ff1_bias[index], ffn_amax)
+            else:
+                h8 = ops.quant_static(lin["ff1"](*n2), ffn_amax, gelu=True)
+            f = lin["ff2"](*h8)
+        else:
+            ff = self.model.blocks[index].ffn
+            h = gelu_linear(n2, ff.net[0].proj.weight, ff.net[0].proj.bias)
+            f = F.linear(h, ff.net[2].weight, ff.net[2].bias)
+        next_shift, next_scale, next_fp8 = next_mods
+        kw = {} if out is None else ({"out": out[0], "out_scale": out[1]} if next_fp8 else {"out": out})
+        return ops.gate_residual_adaln(x, f, mods[5], next_shift, next_scale, s, eps, fp8=next_fp8, **kw)
 
     def _block(self, index: int, x: torch.Tensor, n_in, mods: torch.Tensor, next_mods: tuple, rope, shape,
                calibrate: bool, ffn_amax: torch.Tensor | None):
@@ -412,31 +439,17 @@ class FastTransformer(nn.Module):
         else:
             q, k, v = self.qkv[index](n_in).chunk(3, dim=1)
         if self.fp8_attention:
-            n2 = self._attention_fp8(index, q, k, v, rope, shape, calibrate, x, mods)
-        else:
-            q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
-            k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-            o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1),
-                               v.unflatten(1, (heads, -1)).view(b, s, heads, -1))
-            o = o.reshape(b * s, -1)
-            o = self.fp8_blocks[index]["o"](*ops.quant_rowwise(o)) if self.fp8 else F.linear(o, attn.to_out[0].weight, attn.to_out[0].bias)
-            n2 = ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, eps, fp8=self.fp8)
+            return self._attention_fp8(index, q, k, v, rope, shape, calibrate, x, mods, next_mods, ffn_amax)
+        q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
+        k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
+        o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1),
+                           v.unflatten(1, (heads, -1)).view(b, s, heads, -1))
+        o = o.reshape(b * s, -1)
         if self.fp8:
-            lin = self.fp8_blocks[index]
-            if self.fused_ffn1:  # the GELU codes straight from ff1's epilogue (the 16-bit hidden is never written)
-                from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant
-
-                ff1 = lin["ff1"]
-                h8 = gemm_fp8_gelu_quant(*n2, ff1.codes, ff1.scale, self.ff1_bias[index], ffn_amax)
-            else:
-                h8 = ops.quant_static(lin["ff1"](*n2), ffn_amax, gelu=True)
-            f = lin["ff2"](*h8)
+            o = self.fp8_blocks[index]["o"](*ops.quant_rowwise(o))
         else:
-            ff = blk.ffn
-            h = gelu_linear(n2, ff.net[0].proj.weight, ff.net[0].proj.bias)
-            f = F.linear(h, ff.net[2].weight, ff.net[2].bias)
-        next_shift, next_scale, next_fp8 = next_mods
-        return ops.gate_residual_adaln(x, f, mods[5], next_shift, next_scale, s, eps, fp8=next_fp8)
+            o = F.linear(o, attn.to_out[0].weight, attn.to_out[0].bias)
+        return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
     @torch.no_grad()
     def forward_step(self, hidden_states: torch.Tensor, cond: Conditioning, step: int) -> torch.Tensor:

@@ -57,32 +57,6 @@ def launch_options(kernel) -> dict:
     return {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 
-# Programmatic dependent launch (Hopper+): the transformer step's Triton kernels are launched with Triton's
-# `launch_pdl` and start with `pdl_prologue`: griddepcontrol.wait (nothing of the previous kernel's output is read
-# before the previous kernel has completed and its writes are visible - the same guarantee as plain stream order)
-# then griddepcontrol.launch_dependents (the next PDL launch may start its CTAs once every CTA of this kernel has
-# started). A kernel's launch and prologue then overlap the tail of the one before it instead of following its
-# completion; at W1 a step is ~400 kernels of 5-150 us. FASTREMOVER_PDL=0 (read per launch, so also at graph
-# capture) launches them plainly.
-PDL_ENABLED = os.environ.get("FASTREMOVER_PDL", "1") != "0"
-
-
-@triton.jit
-def pdl_prologue(PDL: tl.constexpr):
-    """The first statement of a kernel launched through `pdl_options` (see above)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-def pdl_options(kernel, device: torch.device) -> dict:
-    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter that calls `pdl_prologue(PDL)` first: PDL on
-    sm_90+ CUDA (compiled, not interpreted) unless turned off, else a plain launch."""
-    on = (PDL_ENABLED and not interpreting(kernel) and device.type == "cuda" and torch.version.hip is None
-          and torch.cuda.get_device_capability(device) >= (9, 0))
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-
-
 def tma_available(kernel, device: torch.device) -> bool:
     """A TMA kernel (host-side tensor descriptors) can run `kernel` on `device`: Triton has the descriptors, and the
     device is an sm_90+ GPU or the interpreter runs the kernel."""

@@ -48,8 +48,6 @@ from fastremover.fast.kernels._common import (
     check_tensor,
     check_tokens_per_batch,
     launch_options,
-    pdl_options,
-    pdl_prologue,
     interpreting,
     into,
     load_f32,
@@ -106,11 +104,9 @@ def _adaln_kernel(
     X, BR, G, SHIFT, SCALE, Y, RS,  # Y: x.dtype, or float8e4nv with RS the [M] fp32 row scales
     D, S, d_f, eps,
     HEAD: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """RESIDUAL: x += branch * gate[b] first (X updated in place, BR [M, D], G [B, D] fp32), then the norm of the new
     x; else BR and G are unused."""
-    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // S
     c0 = tl.arange(0, HEAD)
@@ -135,7 +131,7 @@ def _launch(x, branch, gate, shift, scale, y, rs, tokens_per_batch, eps, fp8, re
         _adaln_kernel[(m,)](
             x, branch, gate, shift, scale, y, rs, d, tokens_per_batch, float(d), float(eps),
             HEAD=head, TAIL=tail, FP8=fp8, RESIDUAL=residual, INTERPRET=interpreting(_adaln_kernel),
-            num_warps=row_num_warps(head + tail), **launch_options(_adaln_kernel), **pdl_options(_adaln_kernel, x.device),
+            num_warps=row_num_warps(head + tail), **launch_options(_adaln_kernel),
         )
 
 

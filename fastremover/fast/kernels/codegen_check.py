@@ -98,24 +98,24 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
                                             ("gate_residual_adaln", f"*{xt}", False, True),
                                             ("gate_residual_adaln_fp8", "*fp8e4nv", True, True)):
             out.append((f"{name}[{xt}]", adaln._adaln_kernel, {**ad_sig, "Y": y_type},
-                        {"HEAD": 1024, "TAIL": 512, "FP8": fp8, "RESIDUAL": with_add, "INTERPRET": f, "PDL": True}, nw(1536)))
+                        {"HEAD": 1024, "TAIL": 512, "FP8": fp8, "RESIDUAL": with_add, "INTERPRET": f}, nw(1536)))
         tdt = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[xt]
         qk_sig = {"X": f"*{xt}", "W": f"*{xt}", "COS": "*fp32", "SIN": "*fp32", "Y": f"*{xt}", "AMAX": "*fp32",
                   "CENTRE": "*fp32", "S": "i32", "stride_x": "i32", "inv_n": "fp32", "eps": "fp32"}
         out.append((f"qk_norm_rope[{xt}]", qk_norm_rope._qk_norm_rope_kernel, qk_sig,
                     {"H": 12, "HALF": 64, "HH": 8, "HT": 4, "HALF_P": 64, "DTYPE": tdt, "FP8": False, "HAS_CENTRE": False,
-                     "INTERPRET": f, "PDL": True}, nw(1536) // 2))
+                     "INTERPRET": f}, nw(1536) // 2))
         out.append((f"qk_norm_rope_fp8[{xt}]", qk_norm_rope._qk_norm_rope_kernel, {**qk_sig, "Y": "*fp8e4nv"},
                     {"H": 12, "HALF": 64, "HH": 8, "HT": 4, "HALF_P": 64, "DTYPE": tdt, "FP8": True, "HAS_CENTRE": True,
-                     "INTERPRET": f, "PDL": True}, nw(1536) // 2))
+                     "INTERPRET": f}, nw(1536) // 2))
         out.append((f"quant_fp8_static_gelu[{xt}]", quant._static_quant_kernel,
                     {"X": f"*{xt}", "AMAX": "*fp32", "Q": "*fp8e4nv", "RS": "*fp32", "M": "i32", "N": "i32",
                      "amax_mult": "fp32"},
-                    {"GELU": True, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f, "PDL": True}, 4))
+                    {"GELU": True, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f}, 4))
         out.append((f"quant_fp8_static[{xt}]", quant._static_quant_kernel,
                     {"X": f"*{xt}", "AMAX": "*fp32", "Q": "*fp8e4nv", "RS": "*fp32", "M": "i32", "N": "i32",
                      "amax_mult": "fp32"},
-                    {"GELU": False, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f, "PDL": True}, 4))
+                    {"GELU": False, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f}, 4))
         out.append((f"quant_fp8_rowwise[{xt}]", quant._quant_rows_kernel,
                     {"X": f"*{xt}", "Q": "*fp8e4nv", "RS": "*fp32", "N": "i32"},
                     {"HEAD": 1024, "TAIL": 512, "GELU": False, "QUANT": True, "INTERPRET": f}, nw(1536)))
@@ -128,15 +128,16 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
         out.append((f"column_stats[{xt}]", quant._column_stats_kernel,
                     {"X": f"*{xt}", "PSUM": "*fp32", "PMAX": "*fp32", "PMIN": "*fp32", "S": "i32", "N": "i32",
                      "stride_x": "i32", "NBLK": "i32", "ROWS_PER_BLK": "i32"},
-                    {"BLOCK_M": 64, "BLOCK_N": 128, "INTERPRET": f, "PDL": True}, 8))
+                    {"BLOCK_M": 64, "BLOCK_N": 128, "INTERPRET": f}, 8))
         out.append((f"quant_fp8_tensorwise[{xt}]", quant._tensor_quant_kernel,
                     {"X": f"*{xt}", "MEAN": "*fp32", "AMAX": "*fp32", "Q": "*fp8e4nv", "SCALE": "*fp32", "M": "i32",
                      "N": "i32", "S": "i32", "stride_x": "i32"},
-                    {"HAS_MEAN": True, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f, "PDL": True}, 4))
+                    {"HAS_MEAN": True, "BLOCK_M": 16, "BLOCK_N": 256, "INTERPRET": f, "N_AMAX": 12,
+                     "AMAX_BLOCK": 16}, 4))
     out.append(("column_finalize", quant._column_finalize_kernel,
                 {"PSUM": "*fp32", "PMAX": "*fp32", "PMIN": "*fp32", "MEAN": "*fp32", "AMAX": "*fp32", "N": "i32",
                  "NBLK": "i32", "s_f": "fp32"},
-                {"BLOCK_B": 512, "BLOCK_N": 16, "PDL": True}, 8))
+                {"BLOCK_B": 512, "BLOCK_N": 16}, 8))
     return out
 
 

@@ -44,8 +44,6 @@ from fastremover.fast.kernels._common import (
     check_tensor,
     interpreting,
     launch_options,
-    pdl_options,
-    pdl_prologue,
     quantize_fp8,
 )
 from fastremover.fast.kernels.quant import GELU_BETA, GELU_KAPPA, gelu_tanh_f32_device
@@ -101,9 +99,8 @@ def gelu_tanh_approx_device(x, INTERPRET: tl.constexpr):
 def _gemm_gelu_quant_kernel(
     a_desc, b_desc, c_desc, SA, SW, BIAS, AMAX, RS, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, TANH: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, TANH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    pdl_prologue(PDL)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     amax = tl.maximum(tl.load(AMAX), 1e-12)
@@ -186,7 +183,7 @@ def gemm_fp8_gelu_quant(
         TensorDescriptor(codes, [m, n], [n, 1], [bm, bn]), a_scale, w_scale, bias, amax, row_scale, m, n, k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, NUM_PROGRAMS=programs, TANH=gelu == "tanh",
         INTERPRET=interpreting(_gemm_gelu_quant_kernel), num_stages=stages, num_warps=warps,
-        **launch_options(_gemm_gelu_quant_kernel), **pdl_options(_gemm_gelu_quant_kernel, a.device),
+        **launch_options(_gemm_gelu_quant_kernel),
     )
     return codes, row_scale
 

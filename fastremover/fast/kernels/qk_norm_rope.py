@@ -57,8 +57,6 @@ from fastremover.fast.kernels._common import (
     interpreting,
     into,
     launch_options,
-    pdl_options,
-    pdl_prologue,
     load_f32,
     mul_rn,
     quantize_fp8,
@@ -129,11 +127,10 @@ def _qk_norm_rope_kernel(
     X, W, COS, SIN, Y, AMAX, CENTRE,  # FP8: Y float8e4nv codes, AMAX the given [1] amax, CENTRE [B, H*Dh] fp32
     S, stride_x, inv_n, eps,
     H: tl.constexpr, HALF: tl.constexpr, HH: tl.constexpr, HT: tl.constexpr, HALF_P: tl.constexpr,
-    DTYPE: tl.constexpr, FP8: tl.constexpr, HAS_CENTRE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    DTYPE: tl.constexpr, FP8: tl.constexpr, HAS_CENTRE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One token row as two head segments (HH + HT heads, `row_segments(H)`: 12 -> 8 + 4) of [heads, HALF_P, 2]
     tiles; HALF_P = next power of two of Dh / 2 (masked past HALF)."""
-    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = row % S
     inv = 0.0
@@ -219,7 +216,6 @@ def qk_norm_rope(
             HAS_CENTRE=centre is not None, INTERPRET=interpreting(_qk_norm_rope_kernel),
             # 2 warps at 1536 wide (bench/results/row-kernel-warps-*.json, elementwise-sweep-*.json)
             num_warps=max(1, row_num_warps(width) // 2), **launch_options(_qk_norm_rope_kernel),
-            **pdl_options(_qk_norm_rope_kernel, x.device),
         )
     return y
 

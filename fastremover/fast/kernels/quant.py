@@ -29,6 +29,8 @@ Per-tensor (the 8-bit attention's q/k/v; two tile kernels, no host sync):
                                          sums, maxima and minima of row blocks, then one reduction over the blocks
                                          (fixed order) that also gives amax|y| = max over columns of
                                          max(fl(colmax - mean), fl(mean - colmin)) - exactly max_r |fl(x_r - mean)|,
+                                         as one partial maximum per reduction program (the quantization kernel takes
+                                         the max of those: no atomic, no zero-filled buffer, three kernels in all),
                                          since v -> fl(v - mean) is monotone and RNE is symmetric. So the codes and
                                          scale are bit-identical to quant_fp8_tensorwise(x, returned mean); the mean
                                          itself differs from torch.mean in summation order only. (A NaN in a column
@@ -64,8 +66,6 @@ from fastremover.fast.kernels._common import (
     interpreting,
     into,
     launch_options,
-    pdl_options,
-    pdl_prologue,
     load_f32,
     mul_rn,
     quantize_fp8,
@@ -156,8 +156,7 @@ def gelu_tanh_f32(h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.
 
 @triton.jit
 def _static_quant_kernel(X, AMAX, Q, RS, M, N, amax_mult, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -190,8 +189,7 @@ def quant_fp8_static(
         block_m, block_n = 16, min(256, triton.next_power_of_2(n))
         _static_quant_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             x, amax, q, rs, m, n, float(amax_mult), GELU=gelu, BLOCK_M=block_m, BLOCK_N=block_n,
-            INTERPRET=interpreting(_static_quant_kernel), num_warps=4, **launch_options(_static_quant_kernel),
-            **pdl_options(_static_quant_kernel, x.device))
+            INTERPRET=interpreting(_static_quant_kernel), num_warps=4, **launch_options(_static_quant_kernel))
     return q, rs
 
 
@@ -217,10 +215,12 @@ def _tensor_amax_kernel(X, MEAN, AMAX, M, N, S, stride_x, HAS_MEAN: tl.constexpr
 
 @triton.jit
 def _tensor_quant_kernel(X, MEAN, AMAX, Q, SCALE, M, N, S, stride_x, HAS_MEAN: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_prologue(PDL)
+                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, N_AMAX: tl.constexpr = 1,
+                         AMAX_BLOCK: tl.constexpr = 1):
+    """amax = the max of AMAX[0:N_AMAX] (non-negative partial maxima; AMAX_BLOCK = next power of two of N_AMAX)."""
     rows, cols, mask, y = _tile_values(X, MEAN, M, N, S, stride_x, HAS_MEAN, BLOCK_M, BLOCK_N, INTERPRET)
-    amax = tl.load(AMAX)
+    a_offs = tl.arange(0, AMAX_BLOCK)
+    amax = tl.max(tl.load(AMAX + a_offs, mask=a_offs < N_AMAX, other=0.0), axis=0)
     inv = tl.math.div_rn(448.0, tl.maximum(amax, 1e-12))
     tl.store(Q + rows.to(tl.int64)[:, None] * N + cols[None, :], quantize_fp8(y, inv, INTERPRET), mask=mask)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -265,13 +265,12 @@ def quant_fp8_tensorwise(
 
 @triton.jit
 def _column_stats_kernel(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, ROWS_PER_BLK, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     """Partial column sum / max / min of ROWS_PER_BLK (a multiple of BLOCK_M) of batch b's rows, BLOCK_N columns ->
     [B, NBLK, N] buffers. The rows stream through a [BLOCK_M, BLOCK_N] register tile in BLOCK_M steps (each lane adds
     its own rows in order), then one tree reduction over the tile's rows: a fixed order, so the sums are deterministic.
     (One tile per program was 0.2 ms for W2's V, a quarter of HBM bandwidth: the three cross-warp reductions and the
     partial stores dominated a 16 KB tile.)"""
-    pdl_prologue(PDL)
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -304,10 +303,10 @@ def column_stats_config(s: int, n: int) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _column_finalize_kernel(PSUM, PMAX, PMIN, MEAN, AMAX, N, NBLK, s_f, BLOCK_B: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr):
     """Over the NBLK blocks of batch b (one tree reduction, fixed order): mean = fl(sum / S) per column -> MEAN [B, N];
-    max(fl(colmax - mean), fl(mean - colmin)) over the columns -> one fp32 atomic max into AMAX (order-free)."""
-    pdl_prologue(PDL)
+    max(fl(colmax - mean), fl(mean - colmin)) over the columns -> AMAX[b, pid_n] (one partial maximum per program,
+    no atomics and no zeroed buffer: the quantization kernel takes the max of them)."""
     pid_n, b = tl.program_id(0), tl.program_id(1)
     blks = tl.arange(0, BLOCK_B)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -320,7 +319,7 @@ def _column_finalize_kernel(PSUM, PMAX, PMIN, MEAN, AMAX, N, NBLK, s_f, BLOCK_B:
     mean = tl.math.div_rn(total, s_f)
     tl.store(MEAN + b * N + cols, mean, mask=cmask)
     col_amax = tl.maximum(cmax - mean, mean - cmin)
-    tl.atomic_max(AMAX, tl.max(tl.where(cmask, col_amax, 0.0), axis=0))
+    tl.store(AMAX + b * tl.num_programs(0) + pid_n, tl.max(tl.where(cmask, col_amax, 0.0), axis=0))
 
 
 def quant_fp8_centred(
@@ -348,13 +347,14 @@ def quant_fp8_centred(
     opts = launch_options(_column_stats_kernel)
     _column_stats_kernel[(nblk, triton.cdiv(n, block_n), b)](
         x, partial[0], partial[1], partial[2], s, n, x.stride(0), nblk, rows_per_blk, BLOCK_M=block_m,
-        BLOCK_N=block_n, INTERPRET=interp, num_warps=warps, **opts, **pdl_options(_column_stats_kernel, x.device))
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        BLOCK_N=block_n, INTERPRET=interp, num_warps=warps, **opts)
     block_b = triton.next_power_of_2(nblk)
     fin_n = max(1, min(block_n, 8192 // block_b))
+    n_amax = triton.cdiv(n, fin_n) * b
+    amax = torch.empty(n_amax, dtype=torch.float32, device=x.device)  # every element written by the finalize
     _column_finalize_kernel[(triton.cdiv(n, fin_n), b)](
         partial[0], partial[1], partial[2], mean, amax, n, nblk, float(s), BLOCK_B=block_b, BLOCK_N=fin_n,
-        num_warps=8, **opts, **pdl_options(_column_finalize_kernel, x.device))
+        num_warps=8, **opts)
     check_out("out", out, (m, n), torch.float8_e4m3fn, x.device)
     check_out("out_scale", out_scale, (1,), torch.float32, x.device)
     q = out if out is not None else torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
@@ -362,8 +362,8 @@ def quant_fp8_centred(
     qm, qn = 16, min(256, triton.next_power_of_2(n))
     _tensor_quant_kernel[(triton.cdiv(m, qm), triton.cdiv(n, qn))](
         x, mean, amax, q, scale, m, n, s, x.stride(0), HAS_MEAN=True, BLOCK_M=qm, BLOCK_N=qn,
-        INTERPRET=interpreting(_tensor_quant_kernel), num_warps=4, **launch_options(_tensor_quant_kernel),
-        **pdl_options(_tensor_quant_kernel, x.device))
+        INTERPRET=interpreting(_tensor_quant_kernel), N_AMAX=n_amax, AMAX_BLOCK=triton.next_power_of_2(n_amax),
+        num_warps=4, **launch_options(_tensor_quant_kernel))
     return q, scale, mean
 
 
