@@ -132,7 +132,6 @@ VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
     "unfused-ffn1": {"fused_ffn1": False},
     "serial-unfused": {"concurrent": False, "fused_ffn1": False},
     "no-tail-split": {"tail_overlap": False},
-    "fused-qkv": {"split_qkv": False},
     "serial-no-tail-split": {"concurrent": False, "tail_overlap": False},
 }
 

@@ -61,30 +61,22 @@ class Fp8Linear(nn.Module):
         return self.codes.shape[0]
 
     def forward(self, x_codes: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, features: slice | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """x_codes [M, K] e4m3, x_scale [M, 1] fp32 -> [M, N] in out_dtype. bias: [N], replaces the layer's own bias
         for this call (the fast transformer passes bias + W m to fold a per-call constant into the GEMM epilogue).
-        out: an [M, N] out_dtype tensor (e.g. a row slice of a larger one) to write the result into. features: only
-        these output features (a contiguous slice of the weight's rows, their scales and bias: N = its length)."""
-        codes, scale, own_bias = self.codes, self.scale, self.bias
-        if features is not None:
-            codes, scale = codes[features], scale[:, features]
-            own_bias = None if own_bias is None else own_bias[features]
-            if codes.shape[0] == 0:
-                raise ValueError(f"Fp8Linear: empty feature slice {features}")
-        n = codes.shape[0]
+        out: an [M, N] out_dtype tensor (e.g. a row slice of a larger one) to write the result into."""
         if bias is None:
-            bias = own_bias
-        elif bias.shape != (n,):
-            raise ValueError(f"Fp8Linear: bias override must have shape [{n}], got {list(bias.shape)}")
+            bias = self.bias
+        elif bias.shape != (self.out_features,):
+            raise ValueError(f"Fp8Linear: bias override must have shape [{self.out_features}], got {list(bias.shape)}")
         else:
             bias = bias.to(self.mm_dtype)
-        if out is not None and (out.shape != (x_codes.shape[0], n) or out.dtype != self.out_dtype):
-            raise ValueError(f"Fp8Linear: out must be [{x_codes.shape[0]}, {n}] {self.out_dtype}, got "
+        if out is not None and (out.shape != (x_codes.shape[0], self.out_features) or out.dtype != self.out_dtype):
+            raise ValueError(f"Fp8Linear: out must be [{x_codes.shape[0]}, {self.out_features}] {self.out_dtype}, got "
                              f"{list(out.shape)} {out.dtype}")
         direct = out if self.mm_dtype == self.out_dtype else None
         y = torch._scaled_mm(
-            x_codes, codes.t(), scale_a=x_scale, scale_b=scale, bias=bias, out_dtype=self.mm_dtype,
+            x_codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, bias=bias, out_dtype=self.mm_dtype,
             use_fast_accum=x_codes.is_cuda, **({} if direct is None else {"out": direct}),
         )
         if self.mm_dtype != self.out_dtype:

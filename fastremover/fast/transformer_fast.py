@@ -159,7 +159,7 @@ class Conditioning:
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
                  use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
-                 tail_overlap: bool = True, split_qkv: bool = True):
+                 tail_overlap: bool = True):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -190,7 +190,6 @@ class FastTransformer(nn.Module):
         # other rows' O projection and residual + adaLN (attention_row_split); sm_count None = no split (a test
         # may set it on the CPU to exercise the split with a faked kernel)
         self.tail_overlap = tail_overlap
-        self.split_qkv = split_qkv  # 8-bit attention: V's projection as its own GEMM, first (see _attention_fp8)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         if fp8:
             # static amax bounds of the q and k rope outputs, and q's dequantization scale (quant.py's rule)
@@ -290,43 +289,15 @@ class FastTransformer(nn.Module):
             self._calibrations[key] = cal
         return cal
 
-    def _attention_fp8(self, index: int, n_in, rope, shape, calibrate: bool, x: torch.Tensor, mods: torch.Tensor,
+    def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool, x: torch.Tensor, mods: torch.Tensor,
                        next_mods: tuple, ffn_amax: torch.Tensor):
-        """The q/k/v projections and the 8-bit attention, then the rest of the block (`_rowwise_rest`: O projection,
-        gated residual + adaLN, FFN, gated residual + the next norm; see the module docstring): n_in the block's
-        normalized input (codes, row scales), x the residual stream (updated in place) -> the next norm's output,
-        as `_block` returns it."""
+        """8-bit attention, then the rest of the block (`_rowwise_rest`: O projection, gated residual + adaLN, FFN,
+        gated residual + the next norm; see the module docstring): q, k, v [M, D] column views of the fused QKV
+        output, x the residual stream (updated in place) -> the next norm's output, as `_block` returns it."""
         ops, attn = self.ops, self.model.blocks[index].attn1
         b, s, heads = shape
         eps = self.config.eps
-        d = x.shape[1]
-        cal = self._calibration(b, x.device, create=calibrate)
-        # Three independent chains feed the attention kernel: q's codes, k's codes, and V's statistics + codes (V's
-        # chain, three kernels, is the longest). With `concurrent` they run on the current stream and two side
-        # streams, joined before the attention; b_o + W_o c (only the O projection reads it) runs on a side stream
-        # beside the attention kernel. At W1 these kernels are too small to fill the GPU one after another. V's
-        # projection is its own GEMM, first, so that V's chain starts while the q/k projection still runs (the same
-        # per-output-channel weight codes and scales as the fused [3D, D] GEMM, column slices of it).
-        # Memory: everything a side stream allocates is read only by work ordered before the next layer's fork
-        # (each fork waits on the current stream, which waited on both side streams), so the caching allocator
-        # never hands a block to a new writer while an old reader may still run.
-        main = torch.cuda.current_stream(x.device) if self.concurrent else None
-        side_v, side_k = self._streams(x.device) if self.concurrent else (None, None)
-        qkv = self.fp8_blocks[index]["qkv"]
-        if self.split_qkv:
-            v = qkv(*n_in, features=slice(2 * d, 3 * d))
-        else:
-            q, k, v = qkv(*n_in).chunk(3, dim=1)
-        if main is not None:
-            side_v.wait_stream(main)
-        with _on(side_v):
-            # V is centred on this step's own mean: the adaLN shift moves V's mean every step, and a stale centre
-            # let the FP8 P @ V accumulation lose the low bits again (W2 33.8 dB with a frozen one,
-            # bench/results/w2-fast-frozenv-*.json)
-            # (one statistics pass finds the mean and the amax of v - mean together: quant.quant_fp8_centred)
-            v8, sv, v_centre = ops.quant_centred(v, s)
-        if self.split_qkv:
-            q, k = qkv(*n_in, features=slice(0, 2 * d)).chunk(2, dim=1)  # column views, row stride 2D
+        cal = self._calibration(b, q.device, create=calibrate)
         if calibrate:  # the run's first step: K's centre from this step's K, then frozen
             # (written straight into the calibration's rows: five kernels per layer, inside the run's graph)
             k_half = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
@@ -334,8 +305,24 @@ class FastTransformer(nn.Module):
             torch.add(self.k_bound[index], cal.k_centre[index].abs().amax(), out=cal.k_amax[index, 0])
             torch.div(cal.k_amax[index, 0], cal.fp8_max, out=cal.k_scale[index, 0])  # quant.py's rule (a true
             # division: a CPU-scalar divisor would be a multiplication by its reciprocal on the GPU)
+        # Three independent chains feed the attention kernel: q's codes, k's codes, and V's statistics + codes (V's
+        # chain, three kernels, is the longest). With `concurrent` they run on the current stream and two side
+        # streams, joined before the attention; b_o + W_o c (only the O projection reads it) runs on a side stream
+        # beside the attention kernel. At W1 these kernels are too small to fill the GPU one after another.
+        # Memory: everything a side stream allocates is read only by work ordered before the next layer's fork
+        # (each fork waits on the current stream, which waited on both side streams), so the caching allocator
+        # never hands a block to a new writer while an old reader may still run.
+        main = torch.cuda.current_stream(q.device) if self.concurrent else None
+        side_v, side_k = self._streams(q.device) if self.concurrent else (None, None)
         if main is not None:
+            side_v.wait_stream(main)
             side_k.wait_stream(main)
+        with _on(side_v):
+            # V is centred on this step's own mean: the adaLN shift moves V's mean every step, and a stale centre
+            # let the FP8 P @ V accumulation lose the low bits again (W2 33.8 dB with a frozen one,
+            # bench/results/w2-fast-frozenv-*.json)
+            # (one statistics pass finds the mean and the amax of v - mean together: quant.quant_fp8_centred)
+            v8, sv, v_centre = ops.quant_centred(v, s)
         with _on(side_k):
             k8 = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps, fp8_amax=cal.k_amax[index],
                                   centre=cal.k_centre[index])
@@ -447,12 +434,12 @@ class FastTransformer(nn.Module):
         b, s, heads = shape
         eps = self.config.eps
         attn = blk.attn1
-        if self.fp8_attention:
-            return self._attention_fp8(index, n_in, rope, shape, calibrate, x, mods, next_mods, ffn_amax)
         if self.fp8:
             q, k, v = self.fp8_blocks[index]["qkv"](*n_in).chunk(3, dim=1)  # column slices: row stride 3D, read in place
         else:
             q, k, v = self.qkv[index](n_in).chunk(3, dim=1)
+        if self.fp8_attention:
+            return self._attention_fp8(index, q, k, v, rope, shape, calibrate, x, mods, next_mods, ffn_amax)
         q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
         k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
         o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1),
