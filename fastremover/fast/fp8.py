@@ -60,25 +60,17 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.codes.shape[0]
 
-    def forward(self, x_codes: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_codes: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x_codes [M, K] e4m3, x_scale [M, 1] fp32 -> [M, N] in out_dtype. bias: [N], replaces the layer's own bias
-        for this call (the fast transformer passes bias + W m to fold a per-call constant into the GEMM epilogue).
-        out: an [M, N] out_dtype tensor (e.g. a row slice of a larger one) to write the result into."""
+        for this call (the fast transformer passes bias + W m to fold a per-call constant into the GEMM epilogue)."""
         if bias is None:
             bias = self.bias
         elif bias.shape != (self.out_features,):
             raise ValueError(f"Fp8Linear: bias override must have shape [{self.out_features}], got {list(bias.shape)}")
         else:
             bias = bias.to(self.mm_dtype)
-        if out is not None and (out.shape != (x_codes.shape[0], self.out_features) or out.dtype != self.out_dtype):
-            raise ValueError(f"Fp8Linear: out must be [{x_codes.shape[0]}, {self.out_features}] {self.out_dtype}, got "
-                             f"{list(out.shape)} {out.dtype}")
-        direct = out if self.mm_dtype == self.out_dtype else None
         y = torch._scaled_mm(
             x_codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, bias=bias, out_dtype=self.mm_dtype,
-            use_fast_accum=x_codes.is_cuda, **({} if direct is None else {"out": direct}),
+            use_fast_accum=x_codes.is_cuda,
         )
-        if self.mm_dtype != self.out_dtype:
-            return y.to(self.out_dtype) if out is None else out.copy_(y)
-        return y
+        return y if self.mm_dtype == self.out_dtype else y.to(self.out_dtype)

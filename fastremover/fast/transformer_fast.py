@@ -102,7 +102,7 @@ def attention_row_split(s: int, tiles_per_block_row: int, sms: int, block_m: int
     last wave to split off. The attention kernel is persistent: ceil(s / block_m) * tiles_per_block_row (= batch *
     heads) equal tiles over the SMs, so the last wave runs on (tiles mod sms) SMs while the rest idle (W2: 3072 tiles,
     36 in the last wave on an H200's 132 SMs; W1: 684 tiles, 24). Rows [s_a, s) - the last wave's tiles - then run
-    as a second attention call beside the first rows' O projection and residual + adaLN (_attention_fp8)."""
+    as a second attention call beside the rest of the block on the first rows (_attention_tail_overlap)."""
     m_blocks = -(-s // block_m)
     tiles = m_blocks * tiles_per_block_row
     if tiles <= sms or tiles % sms == 0:
@@ -196,8 +196,8 @@ class FastTransformer(nn.Module):
         self.concurrent = concurrent and device.type == "cuda"
         self._side_streams: dict[torch.device, tuple] = {}
         # fp8-flash3, one batch: the attention's partial last wave of tiles as a second call, overlapped with the
-        # other rows' O projection and residual + adaLN (attention_row_split); sm_count None = no split (a test
-        # may set it on the CPU to exercise the split with a faked kernel)
+        # rest of the block on the other rows (attention_row_split); sm_count None = no split (a test may set it on
+        # the CPU to exercise the split with a faked kernel)
         self.tail_overlap = tail_overlap
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         if fp8:
