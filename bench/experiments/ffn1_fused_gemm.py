@@ -132,6 +132,25 @@ SHIPPED_CONFIGS = [  # 2 CTAs per SM only with 4 warps: at 8 warps the 128 x 128
 ]
 
 
+def _gemm_inputs(m: int, k: int, n: int, dev: torch.device):
+    """Seeded ff1 operands: a [M, K] e4m3 with row scales sa [M, 1], w [N, K] e4m3 with sw [1, N], bias [N] fp16."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, k, device=dev, generator=g)
+    sa = x.abs().amax(1, keepdim=True) / 448.0
+    a = (x / sa).to(FP8)
+    w, sw = quant_fp8_weight(torch.randn(n, k, device=dev, generator=g) / k ** 0.5)
+    bias = (0.1 * torch.randn(n, device=dev, generator=g)).to(torch.float16)
+    return a, sa, w, sw.view(1, -1).contiguous(), bias
+
+
+def _code_agreement(codes: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Fraction of e4m3 codes equal to the reference's, and fraction more than one e4m3 step apart."""
+    qa, qb = codes.float(), ref.float()
+    step = 0.125 * torch.maximum(qa.abs(), qb.abs()) + 2.0 ** -9
+    return {"codes equal": float((qa == qb).float().mean()),
+            "codes > 1 step apart": float(((qa - qb).abs() > step).float().mean())}
+
+
 def run_shipped(m: int, k: int, n: int, configs) -> list[dict]:
     """gemm_fp8.gemm_fp8_gelu_quant at each configuration against the shipped pair (cuBLAS + quant_fp8_static):
     ms, and the codes' agreement with the pair's."""
@@ -140,22 +159,17 @@ def run_shipped(m: int, k: int, n: int, configs) -> list[dict]:
     from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant
 
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(m, k, device=dev, generator=g)
-    sa = x.abs().amax(1, keepdim=True) / 448.0
-    a = (x / sa).to(FP8)
-    w, sw = quant_fp8_weight(torch.randn(n, k, device=dev, generator=g) / k ** 0.5)
-    sw = sw.view(1, -1).contiguous()
-    bias = (0.1 * torch.randn(n, device=dev, generator=g)).to(torch.float16)
+    a, sa, w, sw, bias = _gemm_inputs(m, k, n, dev)
     flops = 2.0 * m * n * k
 
-    def pair():
-        h = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw, bias=bias, out_dtype=torch.float16,
-                             use_fast_accum=True)
-        return quant_fp8_static(h, amax, gelu=True)
+    def gemm():
+        return torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw, bias=bias, out_dtype=torch.float16,
+                                use_fast_accum=True)
 
-    h = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw, bias=bias, out_dtype=torch.float16, use_fast_accum=True)
-    amax = (h.float().abs().amax() * 1.5).reshape(1)
+    def pair():
+        return quant_fp8_static(gemm(), amax, gelu=True)
+
+    amax = (gemm().float().abs().amax() * 1.5).reshape(1)
     ref_codes, _ = pair()
     rows = []
 
@@ -175,23 +189,14 @@ def run_shipped(m: int, k: int, n: int, configs) -> list[dict]:
             print(f"config {label}: {type(e).__name__}: {str(e)[:200]}")
             rows.append({"m": m, "k": k, "n": n, "variant": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
-        qa, qb = codes.float(), ref_codes.float()
-        step = 0.125 * torch.maximum(qa.abs(), qb.abs()) + 2.0 ** -9
-        check = {"codes equal": float((qa == qb).float().mean()),
-                 "codes > 1 step apart": float(((qa - qb).abs() > step).float().mean())}
+        check = _code_agreement(codes, ref_codes)
         timed(label, lambda cfg=cfg: gemm_fp8_gelu_quant(a, sa, w, sw, bias, amax, config=cfg), check)
     return rows
 
 
 def run(m: int, k: int, n: int, configs, smoke: bool) -> list[dict]:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(m, k, device=dev, generator=g)
-    sa = x.abs().amax(1, keepdim=True) / 448.0
-    a = (x / sa).to(FP8)
-    w, sw = quant_fp8_weight(torch.randn(n, k, device=dev, generator=g) / k ** 0.5)
-    sw = sw.view(1, -1).contiguous()
-    bias = (0.1 * torch.randn(n, device=dev, generator=g)).to(torch.float16)
+    a, sa, w, sw, bias = _gemm_inputs(m, k, n, dev)
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     flops = 2.0 * m * n * k
     rows = []
@@ -231,13 +236,11 @@ def run(m: int, k: int, n: int, configs, smoke: bool) -> list[dict]:
             print(f"config {label}: {type(e).__name__}: {str(e)[:200]}")
             rows.append({"m": m, "k": k, "n": n, "variant": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
-        qa, qb = codes.float(), ref_codes.float()
-        step = 0.125 * torch.maximum(qa.abs(), qb.abs()) + 2.0 ** -9
         check = {
             "fp16 max|diff| / max|h|": float((out16.float() - h.float()).abs().max() / h.float().abs().max()),
-            "codes equal": float((qa == qb).float().mean()),
-            "codes > 1 step apart": float(((qa - qb).abs() > step).float().mean()),
-            "cos": float(torch.nn.functional.cosine_similarity(qa.flatten(), qb.flatten(), dim=0)),
+            **_code_agreement(codes, ref_codes),
+            "cos": float(torch.nn.functional.cosine_similarity(codes.float().flatten(), ref_codes.float().flatten(),
+                                                               dim=0)),
         }
         print(f"config {label}: " + ", ".join(f"{k_} {v:.3g}" for k_, v in check.items()))
         rows.append({"m": m, "k": k, "n": n, "variant": label, "check": check})

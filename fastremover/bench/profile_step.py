@@ -77,13 +77,31 @@ def real_model():
     return random_models("minimax-remover", seed=0).transformer.to("cuda").to_inference_dtype(torch.float16)
 
 
-def profile(model, workload: str, mode: str, attention: str, steps: int = 12, graph: bool = False) -> dict:
+def step_latents(model, workload: str, device: torch.device) -> torch.Tensor:
+    """Random transformer input latents [1, C, T, H/8, W/8] fp16 at a workload's size."""
     frames, height, width = WORKLOADS[workload]
+    t = (frames - 1) // 4 + 1
+    return torch.randn(1, model.config.in_channels, t, height // 8, width // 8, device=device, dtype=torch.float16)
+
+
+def capture(step: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, its output) of `step` captured once, after one run on a side stream (the usual warm-up)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    return g, out
+
+
+def profile(model, workload: str, mode: str, attention: str, steps: int = 12, graph: bool = False) -> dict:
     device = torch.device("cuda")
     backend, notes = resolve_attention(attention, mode, device)
     fast = FastTransformer(model, fp8=(mode == "fast"), attention=backend)
-    t = (frames - 1) // 4 + 1
-    x = torch.randn(1, model.config.in_channels, t, height // 8, width // 8, device=device, dtype=torch.float16)
+    x = step_latents(model, workload, device)
     timesteps = torch.linspace(999, 1, steps, device=device)
     cond = fast.conditioning(timesteps, 1)
     for i in range(2):  # compile / build graphs
@@ -101,14 +119,7 @@ def profile(model, workload: str, mode: str, attention: str, steps: int = 12, gr
     if graph:
         # the step as the denoise loop runs it: captured once, replayed back to back (no launch gaps, so the clocks
         # see the loop's sustained load)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
+        g, _ = capture(step)
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
@@ -141,25 +152,16 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
     """Fast-mode step variants side by side: each captured as a CUDA graph of step 1 (after an eager step 0, which
     calibrates), then replayed in interleaved rounds (so clock drift hits every variant alike); ms per step as the
     median over rounds, and each variant's output compared with the first one's (torch.equal, or the cosine)."""
-    frames, height, width = WORKLOADS[workload]
     device = torch.device("cuda")
     backend, notes = resolve_attention(attention, "fast", device)
-    t = (frames - 1) // 4 + 1
-    x = torch.randn(1, model.config.in_channels, t, height // 8, width // 8, device=device, dtype=torch.float16)
+    x = step_latents(model, workload, device)
     timesteps = torch.linspace(999, 1, 12, device=device)
     runs = {}
     for label in labels:
         fast = FastTransformer(model, fp8=True, attention=backend, **VARIANTS[label])
         cond = fast.conditioning(timesteps, 1)
         fast.forward_step(x, cond, 0)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fast.forward_step(x, cond, 1)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = fast.forward_step(x, cond, 1)
+        g, out = capture(lambda fast=fast, cond=cond: fast.forward_step(x, cond, 1))
         g.replay()
         runs[label] = {"graph": g, "out": out, "describe": fast.describe(), "ms": [], "keep": (fast, cond)}
     torch.cuda.synchronize()

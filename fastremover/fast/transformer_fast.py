@@ -345,11 +345,11 @@ class FastTransformer(nn.Module):
             o_bias = o_projection_bias(v_centre, attn.to_out[0].weight, attn.to_out[0].bias)  # [B, D]
         sq, sk = self.q_scale[index], cal.k_scale[index]
         q8, k8, v8 = (t.view(b, s, heads, -1) for t in (q8, k8, v8))
-        o_proj = self.fp8_blocks[index]["o"]
         rows_a = self.split_rows(b, s, heads)
         if rows_a is not None:
             return self._attention_tail_overlap(index, rows_a, q8, k8, v8, sq, sk, sv, o_bias[0], x, mods, next_mods,
                                                 ffn_amax, main, side_v, side_k)
+        o_proj = self.fp8_blocks[index]["o"]
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
             # bounds it and the quantization needs no amax pass

@@ -29,10 +29,10 @@ Per-tensor (the 8-bit attention's q/k/v; two tile kernels, no host sync):
                                          sums, maxima and minima of row blocks, then one reduction over the blocks
                                          (fixed order) that also gives amax|y| = max over columns of
                                          max(fl(colmax - mean), fl(mean - colmin)) - exactly max_r |fl(x_r - mean)|,
-                                         as one partial maximum per reduction program (the quantization kernel takes
-                                         the max of those: no atomic, no zero-filled buffer, three kernels in all),
-                                         since v -> fl(v - mean) is monotone and RNE is symmetric. So the codes and
-                                         scale are bit-identical to quant_fp8_tensorwise(x, returned mean); the mean
+                                         since v -> fl(v - mean) is monotone and RNE is symmetric (one partial
+                                         maximum per reduction program; the quantization kernel takes the max of
+                                         those: no atomic, no zero-filled buffer, three kernels in all). So the codes
+                                         and scale are bit-identical to quant_fp8_tensorwise(x, returned mean); the mean
                                          itself differs from torch.mean in summation order only. (A NaN in a column
                                          makes that column's mean, and so its codes, NaN.)
 Reduction: amax is a max, so its value does not depend on the order; with y bit-identical to eager, scale and codes
