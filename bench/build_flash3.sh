@@ -5,12 +5,13 @@
 # bare mirror of flash-attention, pip's CUDA 13.0 nvcc laid out as CUDA_HOME and CUTLASS headers (as in
 # bench/build_flashinfer_modules.sh: FlashInfer 0.7.4 bundles CUTLASS 4.5.0), the torch wheel of the target's version
 # (unzipped: headers + libs to link). ~4.5 min on 2 cores. Output: $B/out (flash_attn_interface.py, flash_attn_3/_C.abi3.so)
-# to put on PYTHONPATH after `import torch`.
+# to put on PYTHONPATH after `import torch`. setup patches the sources so the FP8 kernels can also write e4m3 output
+# codes (bench/flash3_fp8_out_patch.py). FA3_SRC / FA3_OBJ override the source tree and the object folder.
 # Usage: build.sh [setup|api|sched|e4m3|bf16|bf16stub|link|all]
 set -e
 B=/tmp/fa3build
-SRC=$B/src/hopper
-OBJ=$B/obj
+SRC=${FA3_SRC:-$B/src/hopper}
+OBJ=${FA3_OBJ:-$B/obj}
 LOG=$B/logs
 export CUDA_HOME=/tmp/cuda13/nvidia/cu13
 export PATH=$CUDA_HOME/bin:$CUDA_HOME/nvvm/bin:$PATH
@@ -54,6 +55,8 @@ t() { # name cmd...
 setup() {
   mkdir -p $B/src $OBJ $LOG
   [ -d $SRC ] || git --git-dir=/work/.mirror/Dao-AILab+flash-attention/repo archive HEAD hopper csrc/flash_attn | tar -x -C $B/src
+  # e4m3 output codes on request (an e4m3 `out` tensor): bench/flash3_fp8_out_patch.py
+  grep -q "fastremover patch (fp8 out)" $SRC/flash.h || python3 "$(dirname "$0")/flash3_fp8_out_patch.py" $SRC
   [ -d $TORCH/lib ] || unzip -q /tmp/tw/torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl 'torch/include/*' 'torch/lib/*' -d $B/torch211
 }
 api()   { t flash_api_stable g++ $CXX_FLAGS -c $SRC/flash_api_stable.cpp -o $OBJ/flash_api_stable.o; }

@@ -144,14 +144,16 @@ VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
     "serial-unfused": {"concurrent": False, "fused_ffn1": False},
     "no-tail-split": {"tail_overlap": False},
     "serial-no-tail-split": {"concurrent": False, "tail_overlap": False},
+    "bf16-attention-out": {"attention_e4m3_out": False},
 }
 
 
 def compare_graph_steps(model, workload: str, labels: list[str], attention: str = "auto", rounds: int = 4,
-                        replays: int = 10) -> dict:
-    """Fast-mode step variants side by side: each captured as a CUDA graph of step 1 (after an eager step 0, which
-    calibrates), then replayed in interleaved rounds (so clock drift hits every variant alike); ms per step as the
-    median over rounds, and each variant's output compared with the first one's (torch.equal, or the cosine)."""
+                        replays: int = 10, step: int = 1) -> dict:
+    """Fast-mode step variants side by side: each captured as a CUDA graph of `step` (after an eager step 0, which
+    calibrates; step 0 itself recalibrates on every replay, as the first step of every run does), then replayed in
+    interleaved rounds (so clock drift hits every variant alike); ms per step as the median over rounds, and each
+    variant's output compared with the first one's (torch.equal, or the cosine)."""
     device = torch.device("cuda")
     backend, notes = resolve_attention(attention, "fast", device)
     x = step_latents(model, workload, device)
@@ -161,7 +163,7 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
         fast = FastTransformer(model, fp8=True, attention=backend, **VARIANTS[label])
         cond = fast.conditioning(timesteps, 1)
         fast.forward_step(x, cond, 0)
-        g, out = capture(lambda fast=fast, cond=cond: fast.forward_step(x, cond, 1))
+        g, out = capture(lambda fast=fast, cond=cond: fast.forward_step(x, cond, step))
         g.replay()
         runs[label] = {"graph": g, "out": out, "describe": fast.describe(), "ms": [], "keep": (fast, cond)}
     torch.cuda.synchronize()
@@ -183,7 +185,7 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
         rows.append({"variant": label, "options": VARIANTS[label], "describe": r["describe"],
                      "step_ms_graph": sorted(r["ms"])[len(r["ms"]) // 2], "step_ms_rounds": r["ms"],
                      f"equal_to_{labels[0]}": same, f"cos_to_{labels[0]}": c})
-    return {"workload": workload, "attention": backend, "notes": notes, "variants": rows}
+    return {"workload": workload, "attention": backend, "notes": notes, "step": step, "variants": rows}
 
 
 def profile_vae(workload: str = "w2", precision: str = "auto") -> dict:
@@ -217,13 +219,15 @@ def main(argv=None) -> None:
                         help="profile a CUDA-graph replay of the step (as the denoise loop runs it)")
     parser.add_argument("--compare", nargs="+", default=None, choices=sorted(VARIANTS),
                         help="fast-mode variants timed side by side as graph replays (interleaved rounds)")
+    parser.add_argument("--step", type=int, default=1,
+                        help="with --compare: the step captured (0 = the calibrating first step of a run)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.compare:
-        result = compare_graph_steps(real_model(), args.workload, args.compare, args.attention)
+        result = compare_graph_steps(real_model(), args.workload, args.compare, args.attention, step=args.step)
         for r in result["variants"]:
             flags = {k: v for k, v in r.items() if k.startswith(("equal_to", "cos_to"))}
-            print(f"{args.workload} {r['variant']:<16} {r['step_ms_graph']:8.3f} ms/step (graph)  "
+            print(f"{args.workload} step {args.step} {r['variant']:<18} {r['step_ms_graph']:8.3f} ms/step (graph)  "
                   f"rounds {[round(v, 2) for v in r['step_ms_rounds']]}  {flags}")
         payload = {"gpu": torch.cuda.get_device_name(), **result}
     elif args.vae:
