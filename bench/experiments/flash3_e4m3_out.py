@@ -1,0 +1,81 @@
+"""FlashAttention-3's e4m3 output (bench/flash3_fp8_out_patch.py) against its bf16 output + our static quantization,
+kernels alone at the DiT's shapes: each variant captured as a CUDA graph of `calls` back-to-back calls, replayed in
+interleaved rounds (median ms per call). W1's main chunk is 7040 query rows against 7290 keys (the tail split).
+
+    PYTHONPATH=.fa3:$PYTHONPATH python bench/experiments/flash3_e4m3_out.py --out flash3-e4m3-out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from fastremover.fast.attention import quantize_qkv
+from fastremover.fast.flash3_attention import flash3_fp8_codes, flash3_fp8_e4m3_out
+from fastremover.fast.kernels.quant import quant_fp8_static
+from fastremover.fast.transformer_fast import O_AMAX_PER_V_SCALE, O_CODES_DESCALE
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["7040:7290", "7290:7290", "32760:32760"], help="QROWS:KEYS")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    dev, heads, d = torch.device("cuda"), 12, 128
+    rows = []
+    for shape in a.shapes:
+        sq_rows, s = (int(v) for v in shape.split(":"))
+        g = torch.Generator(device=dev).manual_seed(s)
+        qkv = torch.randn(1, s, 3, heads, d, device=dev, generator=g, dtype=torch.float16)
+        qkv[:, :, 1] += torch.randn(heads, d, device=dev, generator=g).half()
+        qkv[:, :, 2] += torch.randn(heads, d, device=dev, generator=g).half()
+        q8, k8, v8, sq, sk, sv, _ = quantize_qkv(*qkv.unbind(2), smooth_v=True)
+        q8 = q8[:, :sq_rows]
+        descale = torch.full((1,), O_CODES_DESCALE, device=dev)
+        variants = {
+            "bf16 out": lambda: flash3_fp8_codes(q8, k8, v8, sq, sk, sv),
+            "bf16 out + quant_fp8_static": lambda: quant_fp8_static(
+                flash3_fp8_codes(q8, k8, v8, sq, sk, sv).view(sq_rows, -1), sv, O_AMAX_PER_V_SCALE),
+            "e4m3 out": lambda: flash3_fp8_e4m3_out(q8, k8, v8, sq, sk, descale),
+        }
+        graphs = {}
+        for name, fn in variants.items():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                for _ in range(a.calls):
+                    fn()
+            graphs[name] = gr
+        times = {name: [] for name in variants}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(a.rounds):
+            for name, gr in graphs.items():
+                gr.replay()
+                start.record()
+                gr.replay()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / a.calls)
+        flop = 4.0 * sq_rows * s * heads * d
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            rows.append({"q_rows": sq_rows, "keys": s, "variant": name, "ms": ms, "tflops": flop / ms / 1e9,
+                         "rounds_ms": ts})
+            print(f"q {sq_rows:6d} x k {s:6d}  {name:<30} {ms:8.4f} ms  {flop / ms / 1e9:7.1f} TF/s")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
