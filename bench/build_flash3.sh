@@ -5,8 +5,9 @@
 # bare mirror of flash-attention, pip's CUDA 13.0 nvcc laid out as CUDA_HOME and CUTLASS headers (as in
 # bench/build_flashinfer_modules.sh: FlashInfer 0.7.4 bundles CUTLASS 4.5.0), the torch wheel of the target's version
 # (unzipped: headers + libs to link). ~4.5 min on 2 cores. Output: $B/out (flash_attn_interface.py, flash_attn_3/_C.abi3.so)
-# to put on PYTHONPATH after `import torch`. setup patches the sources so the FP8 kernels can also write e4m3 output
-# codes (bench/flash3_fp8_out_patch.py). FA3_SRC / FA3_OBJ override the source tree and the object folder.
+# to put on PYTHONPATH after `import torch`. FA3_SRC / FA3_OBJ override the source tree and the object folder (a
+# patched copy, e.g. bench/flash3_fp8_out_patch.py's, is built with setup's tree copied, patched and passed as
+# FA3_SRC, then api, sched, e4m3 and bf16 into their own FA3_OBJ, then linked as `link` does).
 # Usage: build.sh [setup|api|sched|e4m3|bf16|bf16stub|link|all]
 set -e
 B=/tmp/fa3build
@@ -55,8 +56,6 @@ t() { # name cmd...
 setup() {
   mkdir -p $B/src $OBJ $LOG
   [ -d $SRC ] || git --git-dir=/work/.mirror/Dao-AILab+flash-attention/repo archive HEAD hopper csrc/flash_attn | tar -x -C $B/src
-  # e4m3 output codes on request (an e4m3 `out` tensor): bench/flash3_fp8_out_patch.py
-  grep -q "fastremover patch (fp8 out)" $SRC/flash.h || python3 "$(dirname "$0")/flash3_fp8_out_patch.py" $SRC
   [ -d $TORCH/lib ] || unzip -q /tmp/tw/torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl 'torch/include/*' 'torch/lib/*' -d $B/torch211
 }
 api()   { t flash_api_stable g++ $CXX_FLAGS -c $SRC/flash_api_stable.cpp -o $OBJ/flash_api_stable.o; }

@@ -135,7 +135,6 @@ class EngineConfig:
     attention: str = "sdpa"
     ffn1: str = "none"  # fp8 mode: the FFN's first GEMM + GELU quantization path (fast/transformer_fast.py)
     concurrent_branches: bool = False  # fp8 attention on CUDA: q / k / V preparation on parallel streams
-    attention_out: str = "none"  # fp8-fa3 / fp8-flash3: how the O projection gets its e4m3 input
     vae: str = "eager"  # the VAE path that runs: "eager" (models.vae.WanVAE) or "fast-fp16" / "fast-bf16" / "fast-fp8"
     vae_precision: str = "auto"  # as requested: auto | fp16 (the model dtype) | fp8 (FP8 conv3d in the fast VAE)
     cuda_graphs: bool = False

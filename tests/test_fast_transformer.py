@@ -244,67 +244,6 @@ def test_attention_tail_split_matches_one_call(monkeypatch):
         assert torch.equal(got, ref)
 
 
-def _fake_flash3_pair(calls):
-    """FlashAttention-3's two FP8 entry points faked by their dequantized math: bf16 (o - c), and the patched build's
-    e4m3 codes of attn / sv * out_descale (the epilogue's scaling of the accumulator, then a saturating RNE)."""
-
-    def attend(q8, k8, v8, sq, sk, v_scale):
-        q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, v_scale)))
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-
-    def bf16_out(q8, k8, v8, sq, sk, sv):
-        calls.append(("bf16", q8.shape[1]))
-        return attend(q8, k8, v8, sq, sk, sv).to(torch.bfloat16)
-
-    def e4m3_out(q8, k8, v8, sq, sk, out_descale):
-        calls.append(("e4m3", q8.shape[1]))
-        return (attend(q8, k8, v8, sq, sk, out_descale)).clamp(-448, 448).to(torch.float8_e4m3fn)
-
-    return bf16_out, e4m3_out
-
-
-def test_attention_e4m3_output_path(monkeypatch):
-    """fp8-flash3 on the patched build: the O projection reads the kernel's e4m3 codes with the row scale
-    fl(fl(504 sv) / 448) (what quant_fp8_static writes), so no 16-bit output and no quantization pass. With the
-    kernel faked by its math: every attention call takes the e4m3 entry, the tail split still equals one call, and
-    the step is close to the bf16-output path (the codes differ only by that path's bf16 rounding before its
-    quantization)."""
-    from fastremover.fast import transformer_fast
-    from fastremover.fast.kernels.quant import quant_fp8_static_reference
-    from fastremover.fast.transformer_fast import O_AMAX_PER_V_SCALE, O_CODES_DESCALE, o_code_row_scale
-
-    sv = torch.rand(1) * 0.01 + 1e-3
-    assert torch.equal(o_code_row_scale(sv, 7), quant_fp8_static_reference(torch.zeros(7, 4), sv, O_AMAX_PER_V_SCALE)[1])
-    assert O_CODES_DESCALE == float(torch.tensor(448.0) / torch.tensor(504.0))
-
-    model = tiny_model(17)
-    x = inputs(18, shape=(1, 48, 3, 8, 12))  # 72 tokens
-    calls = []
-    bf16_out, e4m3_out = _fake_flash3_pair(calls)
-    monkeypatch.setattr(transformer_fast, "flash3_fp8_codes", bf16_out)
-    monkeypatch.setattr(transformer_fast, "flash3_fp8_e4m3_out", e4m3_out)
-    monkeypatch.setattr(transformer_fast, "FLASH3_FP8_BLOCK_M", 16)
-    outs = {}
-    for e4m3, overlap in ((True, True), (True, False), (False, False)):
-        fast = FastTransformer(model, fp8=True, use_triton=False, tail_overlap=overlap)
-        fast.fp8_attention_requant, fast.attention_name, fast.sm_count = True, "fp8-flash3", 4
-        fast.attention_e4m3_out = e4m3
-        assert fast.describe()["attention_out"].startswith("e4m3" if e4m3 else "16-bit")
-        cond = fast.conditioning(torch.tensor([900.0, 500.0]), batch=1)
-        calls.clear()
-        with torch.no_grad():
-            outs[e4m3, overlap] = [fast.forward_step(x, cond, i) for i in (0, 1)]
-        kinds = {kind for kind, _ in calls}
-        assert kinds == {"e4m3" if e4m3 else "bf16"}, calls
-        assert [n for _, n in calls] == ([64, 8] if overlap else [72]) * 2 * len(model.blocks)
-    for got, ref in zip(outs[True, True], outs[True, False]):
-        assert torch.equal(got, ref)
-    for got, ref in zip(outs[True, False], outs[False, False]):
-        c = cos(got, ref)
-        print(f"e4m3 attention output vs bf16 + quantization: cos {c:.6f}")
-        assert 0.999 < c and not torch.equal(got, ref)
-
-
 def test_fp8_linear_matches_dequantized_math():
     lin = torch.nn.Linear(64, 48)
     fp8 = Fp8Linear(lin, torch.float32)
@@ -495,29 +434,6 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
 
 
 @pytest.mark.gpu
-def test_gpu_attention_e4m3_output_is_close_to_the_bf16_output_path(real_model):
-    """fp8-flash3's e4m3 output codes (the default on the patched build) against its bf16 output + static
-    quantization, whole steps at W1's token count: close, not equal (the bf16 path rounds twice)."""
-    from fastremover.fast.attention import unavailable_reason
-
-    if unavailable_reason("fp8-flash3", torch.device("cuda")) is not None:
-        pytest.skip("FlashAttention-3 is not built here")
-    x = inputs(22, (1, 48, 10, 54, 54), "cuda", torch.float16)  # 7290 tokens
-    t = torch.tensor([937.0, 500.0], device="cuda")
-    outs = {}
-    for e4m3 in (True, False):
-        fast = FastTransformer(real_model, fp8=True, attention="fp8-flash3", attention_e4m3_out=e4m3)
-        assert fast.attention_e4m3_out == e4m3
-        cond = fast.conditioning(t, 1)
-        with torch.no_grad():
-            outs[e4m3] = [fast.forward_step(x, cond, i) for i in (0, 1)]
-    for got, ref in zip(outs[True], outs[False]):
-        c = cos(got, ref)
-        print(f"e4m3 attention output vs bf16 + quantization, W1 step: cos {c:.8f}")
-        assert c > 0.9999 and not torch.equal(got, ref)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["auto", "fp8"])
 def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
     """The 8-bit attention's q / k / V preparation on three streams and the attention's split-off last wave on a
@@ -534,7 +450,6 @@ def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
         fast = FastTransformer(real_model, fp8=True, attention=backend, concurrent=concurrent,
                                tail_overlap=tail_overlap)
         assert fast.describe()["concurrent_branches"] == concurrent
-        assert fast.attention_e4m3_out == (backend == "fp8-flash3")  # the build we ship writes e4m3 output
         if backend == "fp8-flash3" and tail_overlap and fast.sm_count == 132:  # H200 / H100 SXM: 684 tiles, rows
             assert fast.split_rows(1, 7290, 12) == 7040  # [7040, 7290) are the last wave's 24
         cond = fast.conditioning(t, 1)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from fastremover.fast.attention import get_backend
 from fastremover.fast.cudnn_sdpa import sdpa_fp8
-from fastremover.fast.flash3_attention import e4m3_out_unavailable_reason, flash3_fp8_codes, flash3_fp8_e4m3_out
+from fastremover.fast.flash3_attention import flash3_fp8_codes
 from fastremover.fast.flashinfer_attention import fa3_fp8_codes
 from fastremover.fast.fp8 import Fp8Linear
 from fastremover.fast.kernels.qk_norm_rope import rope_amax_bound
@@ -91,16 +91,6 @@ def kernel_ops(use_triton: bool) -> SimpleNamespace:
 
 # |o - c| <= 1.125 * max|v - c| = 1.125 * 448 * sv for the FP8 attention kernels' 16-bit output (see _attention_fp8)
 O_AMAX_PER_V_SCALE = 448.0 * 1.125
-# FlashAttention-3 with e4m3 output (flash3_attention.flash3_fp8_e4m3_out): v_descale = fl(448 / 504) makes the
-# epilogue write codes of (o - c) / sv * 448 / 504, the same scale as quantizing o - c with amax 504 sv
-# (quant_fp8_static); the O projection reads them with quant_fp8_static's row scale fl(fl(504 sv) / 448)
-O_CODES_DESCALE = float(torch.tensor(448.0) / torch.tensor(O_AMAX_PER_V_SCALE))
-
-
-def o_code_row_scale(sv: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows, 1] fp32, every row fl(fl(sv * 504) / 448): the O projection's row scale of the attention's e4m3 output
-    codes (as quant_fp8_static writes it for amax sv with amax_mult 504)."""
-    return (sv * O_AMAX_PER_V_SCALE).div_(448.0).view(1, 1).expand(rows, 1).contiguous()
 
 
 # FlashAttention-3's FP8 forward at head dim 128 works on 128-query-row tiles (hopper/tile_size.h: 128 x 224)
@@ -178,7 +168,7 @@ class Conditioning:
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
                  use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
-                 tail_overlap: bool = True, attention_e4m3_out: bool = True):
+                 tail_overlap: bool = True):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -199,11 +189,6 @@ class FastTransformer(nn.Module):
         # again (static scale) for the O projection, V's centre in the projection's bias (quantizing o itself, centre
         # included, would spend the e4m3 codes' range on the centre)
         self.fp8_attention_requant = fp8 and attention in ("fp8-fa3", "fp8-flash3")
-        # fp8-flash3 on a build whose epilogue writes e4m3 (bench/flash3_fp8_out_patch.py): the O projection's codes
-        # come straight from the attention kernel - no 16-bit output written and read back, no quantization pass
-        self.attention_e4m3_out = (attention_e4m3_out and fp8 and attention == "fp8-flash3" and device.type == "cuda"
-                                   and e4m3_out_unavailable_reason(device) is None)
-        self.o_codes_descale = torch.full((1,), O_CODES_DESCALE, dtype=torch.float32, device=device)
         self._calibrations: dict[tuple, AttentionCalibration] = {}
         # CUDA: the 8-bit attention's three independent preparations (q, k, V statistics + codes) run on their own
         # streams, and b_o + W_o c beside the attention kernel (see _attention_fp8); a captured graph keeps them as
@@ -258,9 +243,6 @@ class FastTransformer(nn.Module):
         if self.fp8:
             out["ffn1"] = "fused GEMM+GELU+quant (Triton)" if self.fused_ffn1 else "_scaled_mm + GELU quant"
             out["concurrent_branches"] = self.concurrent and self.fp8_attention
-            if self.fp8_attention_requant:
-                out["attention_out"] = ("e4m3 codes from the kernel" if self.attention_e4m3_out
-                                        else "16-bit, quantized for the O projection")
         return out
 
     def split_rows(self, b: int, s: int, heads: int) -> int | None:
@@ -361,22 +343,21 @@ class FastTransformer(nn.Module):
             if side_k is not None:
                 side_k.wait_stream(side_v)
             o_bias = o_projection_bias(v_centre, attn.to_out[0].weight, attn.to_out[0].bias)  # [B, D]
-            o_rows = o_code_row_scale(sv, b * s) if self.attention_e4m3_out else None
         sq, sk = self.q_scale[index], cal.k_scale[index]
         q8, k8, v8 = (t.view(b, s, heads, -1) for t in (q8, k8, v8))
         rows_a = self.split_rows(b, s, heads)
         if rows_a is not None:
-            return self._attention_tail_overlap(index, rows_a, q8, k8, v8, sq, sk, sv, o_rows, o_bias[0], x, mods,
-                                                next_mods, ffn_amax, main, side_v, side_k)
+            return self._attention_tail_overlap(index, rows_a, q8, k8, v8, sq, sk, sv, o_bias[0], x, mods, next_mods,
+                                                ffn_amax, main, side_v, side_k)
         o_proj = self.fp8_blocks[index]["o"]
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
             # bounds it and the quantization needs no amax pass
             if self.attention_name == "fp8-fa3":
                 o_c = fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
-                o_in = ops.quant_static(o_c.view(b * s, -1), sv, O_AMAX_PER_V_SCALE)
             else:
-                o_in = self._flash3_o_codes(q8, k8, v8, sq, sk, sv, o_rows)
+                o_c = flash3_fp8_codes(q8, k8, v8, sq, sk, sv)  # bf16
+            o_in = ops.quant_static(o_c.view(b * s, -1), sv, O_AMAX_PER_V_SCALE)
         else:  # codes of (o - c) / sv
             o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
         if main is not None:
@@ -388,18 +369,8 @@ class FastTransformer(nn.Module):
             o.view(b, s, -1).add_(o_bias.unsqueeze(1))
         return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
-    def _flash3_o_codes(self, q8, k8, v8, sq, sk, sv, o_rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """FlashAttention-3 on these query rows -> the O projection's input (e4m3 codes [n, D] of o - c, row scales
-        [n, 1]): straight from the kernel's epilogue (`attention_e4m3_out`; o_rows: the row scales), else its bf16
-        output quantized with the static scale."""
-        n = q8.shape[0] * q8.shape[1]
-        if self.attention_e4m3_out:
-            return flash3_fp8_e4m3_out(q8, k8, v8, sq, sk, self.o_codes_descale).view(n, -1), o_rows
-        o_c = flash3_fp8_codes(q8, k8, v8, sq, sk, sv)  # bf16
-        return self.ops.quant_static(o_c.view(n, -1), sv, O_AMAX_PER_V_SCALE)
-
-    def _attention_tail_overlap(self, index: int, rows_a: int, q8, k8, v8, sq, sk, sv, o_rows, o_bias, x, mods,
-                                next_mods, ffn_amax, main, side_v, side_k):
+    def _attention_tail_overlap(self, index: int, rows_a: int, q8, k8, v8, sq, sk, sv, o_bias, x, mods, next_mods,
+                                ffn_amax, main, side_v, side_k):
         """One batch, FlashAttention-3: query rows [0, rows_a) (whole waves of tiles) and [rows_a, S) (the partial
         last wave) as two attention calls, each followed by the rest of the block on its own rows (everything after
         the attention is row-wise: `_rowwise_rest`), the next norm's outputs written into row slices of shared
@@ -421,16 +392,15 @@ class FastTransformer(nn.Module):
         # both attention calls first (the second's tiles start as the first's CTAs leave), then the row-wise rest
         attn_out = []
         for rows, stream in chunks:
-            with _on(stream):  # (o_rows comes from side_k, read only by the O projection after its wait below)
-                attn_out.append(self._flash3_o_codes(q8[:, rows], k8, v8, sq, sk, sv,
-                                                     o_rows[rows] if o_rows is not None else None))
+            with _on(stream):
+                attn_out.append(flash3_fp8_codes(q8[:, rows], k8, v8, sq, sk, sv))  # bf16 (o - c) of these rows
         o_proj = self.fp8_blocks[index]["o"]
-        for (rows, stream), o_in in zip(chunks, attn_out):
+        for (rows, stream), o_c in zip(chunks, attn_out):
             with _on(stream):
                 if main is not None:
-                    (stream or main).wait_stream(side_k)  # b_o + W_o c (and the e4m3 output's row scales)
+                    (stream or main).wait_stream(side_k)  # b_o + W_o c
                 n = rows.stop - rows.start
-                o = o_proj(*o_in, bias=o_bias)
+                o = o_proj(*self.ops.quant_static(o_c.view(n, d), sv, O_AMAX_PER_V_SCALE), bias=o_bias)
                 rows_out = (out[0][rows], out[1][rows]) if next_fp8 else out[rows]
                 self._rowwise_rest(index, x[rows], o, mods, next_mods, ffn_amax, n, out=rows_out)
         if main is not None:
