@@ -17,18 +17,22 @@ from collections import Counter
 
 import torch
 
-SHAPES = {  # name: (M, K, N) at W1 (7290 tokens; the attention's tail split runs 7040 + 250 rows after it)
-    "qkv": (7290, 1536, 4608),
-    "o main": (7040, 1536, 1536),
-    "o tail": (250, 1536, 1536),
-    "ff2 main": (7040, 8960, 1536),
-    "ff2 tail": (250, 8960, 1536),
+SHAPES = {  # name: (M, K, N); the attention's tail split runs the rows after it in two chunks
+    "w1": {  # 7290 tokens: 7040 + 250
+        "qkv": (7290, 1536, 4608), "o main": (7040, 1536, 1536), "o tail": (250, 1536, 1536),
+        "ff2 main": (7040, 8960, 1536), "ff2 tail": (250, 8960, 1536),
+    },
+    "w2": {  # 32760 tokens: 32384 + 376
+        "qkv": (32760, 1536, 4608), "o main": (32384, 1536, 1536), "o tail": (376, 1536, 1536),
+        "ff2 main": (32384, 8960, 1536), "ff2 tail": (376, 8960, 1536),
+    },
 }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
+    ap.add_argument("--workload", default="w1", choices=sorted(SHAPES))
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for name, (m, k, n) in SHAPES.items():
+    for name, (m, k, n) in SHAPES[a.workload].items():
         x = torch.randn(m, k, device=dev, generator=g).to(torch.float8_e4m3fn)
         w = torch.randn(n, k, device=dev, generator=g).to(torch.float8_e4m3fn)
         sx = torch.rand(m, 1, device=dev, generator=g) + 0.5
@@ -74,10 +78,10 @@ def main(argv=None) -> int:
         med = statistics.median(ms)
         rows.append({"gemm": name, "m": m, "k": k, "n": n, "ms": med, "tflops": 2 * m * k * n / med / 1e9,
                      "kernels_per_call": per_call})
-        print(f"{a.label:>8} {name:<9} {m:5d}x{k:5d}x{n:5d} {med * 1e3:8.1f} us  {per_call}")
+        print(f"{a.label:>8} {a.workload} {name:<9} {m:5d}x{k:5d}x{n:5d} {med * 1e3:8.1f} us  {per_call}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "label": a.label,
+            json.dump({"gpu": torch.cuda.get_device_name(), "label": a.label, "workload": a.workload,
                        "CUBLASLT_WORKSPACE_SIZE": os.environ.get("CUBLASLT_WORKSPACE_SIZE"), "rows": rows}, f,
                       indent=1)
     return 0
