@@ -21,7 +21,7 @@ is precomputed for all steps by `conditioning()`, so a denoise step is pure devi
 
 Concurrency (CUDA, 8-bit attention; `concurrent`, `tail_overlap`): q's codes, k's codes and V's statistics + codes are
 three independent chains, run on the current stream and two side streams and joined before the attention (b_o + W_o c
-runs beside the attention kernel); V's stream, the longest chain, at a higher priority (`stream_priority`). FlashAttention-3's persistent grid leaves a partial last wave of tiles (W2: 36 of
+runs beside the attention kernel). FlashAttention-3's persistent grid leaves a partial last wave of tiles (W2: 36 of
 3072 tiles on 132 SMs, W1: 24 of 684; `attention_row_split`), so with one batch the query rows of that wave run as a
 second attention call on a side stream while the first rows go on through the O projection, the norms and the FFN
 (everything after the attention is row-wise: `_rowwise_rest`); the next norm's outputs land in row slices of shared
@@ -168,7 +168,7 @@ class Conditioning:
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
                  use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
-                 tail_overlap: bool = True, stream_priority: bool = True):
+                 tail_overlap: bool = True):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -195,8 +195,6 @@ class FastTransformer(nn.Module):
         # parallel branches
         self.concurrent = concurrent and device.type == "cuda"
         self._side_streams: dict[torch.device, tuple] = {}
-        # V's side stream at a higher priority than the others (see _streams)
-        self.stream_priority = stream_priority
         # fp8-flash3, one batch: the attention's partial last wave of tiles as a second call, overlapped with the
         # rest of the block on the other rows (attention_row_split); sm_count None = no split (a test may set it on
         # the CPU to exercise the split with a faked kernel)
@@ -255,21 +253,10 @@ class FastTransformer(nn.Module):
         return attention_row_split(s, b * heads, self.sm_count, FLASH3_FP8_BLOCK_M)
 
     def _streams(self, device: torch.device) -> tuple:
-        """(side_v, side_k) per device, created once (a captured graph refers to the streams it was recorded on).
-
-        With `stream_priority`, V's stream runs at a higher priority than the current one and k's (lower numbers are
-        higher; the default is 0): q's and k's norm + RoPE kernels launch thousands of CTAs each, and at equal
-        priority the block scheduler ran the three chains one after another (W1 timeline: q's, then k's, then V's
-        column statistics, finalize and codes, 67 us from the QKV GEMM to the attention;
-        bench/results/step-timeline-*.json). V's chain is the longest, so its CTAs go first and q's and k's fill the
-        SMs around it. CUDA graphs keep the priorities (PyTorch instantiates them with UseNodePriority)."""
+        """Two side streams per device (created once: a captured graph refers to the streams it was recorded on)."""
         streams = self._side_streams.get(device)
         if streams is None:
-            if self.stream_priority:
-                streams = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device))
-            else:
-                streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            self._side_streams[device] = streams
+            streams = self._side_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return streams
 
     @torch.no_grad()
@@ -361,7 +348,7 @@ class FastTransformer(nn.Module):
         rows_a = self.split_rows(b, s, heads)
         if rows_a is not None:
             return self._attention_tail_overlap(index, rows_a, q8, k8, v8, sq, sk, sv, o_bias[0], x, mods, next_mods,
-                                                ffn_amax, main, side_k)
+                                                ffn_amax, main, side_v, side_k)
         o_proj = self.fp8_blocks[index]["o"]
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
@@ -383,7 +370,7 @@ class FastTransformer(nn.Module):
         return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
     def _attention_tail_overlap(self, index: int, rows_a: int, q8, k8, v8, sq, sk, sv, o_bias, x, mods, next_mods,
-                                ffn_amax, main, side_k):
+                                ffn_amax, main, side_v, side_k):
         """One batch, FlashAttention-3: query rows [0, rows_a) (whole waves of tiles) and [rows_a, S) (the partial
         last wave) as two attention calls, each followed by the rest of the block on its own rows (everything after
         the attention is row-wise: `_rowwise_rest`), the next norm's outputs written into row slices of shared
@@ -398,11 +385,10 @@ class FastTransformer(nn.Module):
                    torch.empty((m, 1), dtype=torch.float32, device=x.device))
         else:
             out = torch.empty((m, d), dtype=self.dtype, device=x.device)
-        # past k's codes and b_o + W_o c; the first rows' chain stays on the current stream. (Not V's stream: at its
-        # higher priority the last wave's CTAs would take SMs before the first call's and delay its end, `_streams`.)
+        side = side_v  # past V's codes; the first rows' chain stays on the current stream
         if main is not None:
-            side_k.wait_stream(main)  # q's codes (k's and V's: main waited on both)
-        chunks = ((slice(0, rows_a), None), (slice(rows_a, m), side_k))
+            side.wait_stream(main)  # q's codes (k's and V's: main waited on both)
+        chunks = ((slice(0, rows_a), None), (slice(rows_a, m), side))
         # both attention calls first (the second's tiles start as the first's CTAs leave), then the row-wise rest
         attn_out = []
         for rows, stream in chunks:
@@ -411,14 +397,14 @@ class FastTransformer(nn.Module):
         o_proj = self.fp8_blocks[index]["o"]
         for (rows, stream), o_c in zip(chunks, attn_out):
             with _on(stream):
-                if stream is None and main is not None:
-                    main.wait_stream(side_k)  # b_o + W_o c (the second chunk runs on side_k, after it)
+                if main is not None:
+                    (stream or main).wait_stream(side_k)  # b_o + W_o c
                 n = rows.stop - rows.start
                 o = o_proj(*self.ops.quant_static(o_c.view(n, d), sv, O_AMAX_PER_V_SCALE), bias=o_bias)
                 rows_out = (out[0][rows], out[1][rows]) if next_fp8 else out[rows]
                 self._rowwise_rest(index, x[rows], o, mods, next_mods, ffn_amax, n, out=rows_out)
         if main is not None:
-            main.wait_stream(side_k)
+            main.wait_stream(side)
         return out
 
     def _rowwise_rest(self, index: int, x: torch.Tensor, o: torch.Tensor, mods: torch.Tensor, next_mods: tuple,
