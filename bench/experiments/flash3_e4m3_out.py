@@ -18,6 +18,7 @@ import statistics
 
 import torch
 
+from fastremover.bench.profile_step import capture
 from fastremover.fast.attention import quantize_qkv
 from fastremover.fast.flash3_attention import _descale, flash3_fp8_codes
 from fastremover.fast.kernels.quant import quant_fp8_static
@@ -60,18 +61,7 @@ def main(argv=None) -> int:
                 flash3_fp8_codes(q8, k8, v8, sq, sk, sv).view(sq_rows, -1), sv, O_AMAX_PER_V_SCALE),
             "e4m3 out": lambda: flash3_fp8_e4m3_out(q8, k8, v8, sq, sk, descale),
         }
-        graphs = {}
-        for name, fn in variants.items():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(a.calls):
-                    fn()
-            graphs[name] = gr
+        graphs = {name: capture(lambda fn=fn: [fn() for _ in range(a.calls)])[0] for name, fn in variants.items()}
         times = {name: [] for name in variants}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(a.rounds):

@@ -17,6 +17,8 @@ from collections import Counter
 
 import torch
 
+from fastremover.bench.profile_step import capture
+
 SHAPES = {  # name: (M, K, N); the attention's tail split runs the rows after it in two chunks
     "w1": {  # 7290 tokens: 7040 + 250
         "qkv": (7290, 1536, 4608), "o main": (7040, 1536, 1536), "o tail": (250, 1536, 1536),
@@ -51,12 +53,7 @@ def main(argv=None) -> int:
             return torch._scaled_mm(x, w.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=torch.float16,
                                     use_fast_accum=True)
 
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(a.calls):
-                fn()
+        graph, _ = capture(lambda: [fn() for _ in range(a.calls)])
         graph.replay()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
