@@ -144,6 +144,7 @@ VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
     "serial-unfused": {"concurrent": False, "fused_ffn1": False},
     "no-tail-split": {"tail_overlap": False},
     "serial-no-tail-split": {"concurrent": False, "tail_overlap": False},
+    "no-priority": {"stream_priority": False},
 }
 
 

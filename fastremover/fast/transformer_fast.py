@@ -21,7 +21,7 @@ is precomputed for all steps by `conditioning()`, so a denoise step is pure devi
 
 Concurrency (CUDA, 8-bit attention; `concurrent`, `tail_overlap`): q's codes, k's codes and V's statistics + codes are
 three independent chains, run on the current stream and two side streams and joined before the attention (b_o + W_o c
-runs beside the attention kernel). FlashAttention-3's persistent grid leaves a partial last wave of tiles (W2: 36 of
+runs beside the attention kernel); V's stream, the longest chain, at a higher priority (`stream_priority`). FlashAttention-3's persistent grid leaves a partial last wave of tiles (W2: 36 of
 3072 tiles on 132 SMs, W1: 24 of 684; `attention_row_split`), so with one batch the query rows of that wave run as a
 second attention call on a side stream while the first rows go on through the O projection, the norms and the FFN
 (everything after the attention is row-wise: `_rowwise_rest`); the next norm's outputs land in row slices of shared
@@ -168,7 +168,7 @@ class Conditioning:
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
                  use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
-                 tail_overlap: bool = True):
+                 tail_overlap: bool = True, stream_priority: bool = True):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -195,6 +195,8 @@ class FastTransformer(nn.Module):
         # parallel branches
         self.concurrent = concurrent and device.type == "cuda"
         self._side_streams: dict[torch.device, tuple] = {}
+        # V's side stream at a higher priority than the others (see _streams)
+        self.stream_priority = stream_priority
         # fp8-flash3, one batch: the attention's partial last wave of tiles as a second call, overlapped with the
         # rest of the block on the other rows (attention_row_split); sm_count None = no split (a test may set it on
         # the CPU to exercise the split with a faked kernel)
@@ -253,10 +255,23 @@ class FastTransformer(nn.Module):
         return attention_row_split(s, b * heads, self.sm_count, FLASH3_FP8_BLOCK_M)
 
     def _streams(self, device: torch.device) -> tuple:
-        """Two side streams per device (created once: a captured graph refers to the streams it was recorded on)."""
+        """(side_v, side_k, side_tail) per device, created once (a captured graph refers to the streams it was
+        recorded on): V's preparation chain, k's chain + b_o + W_o c, and the attention's last-wave chunk.
+
+        With `stream_priority`, V's stream runs at a higher priority than the others (lower numbers are higher; the
+        default is 0): q's and k's norm + RoPE kernels launch thousands of CTAs each, and at equal priority the block
+        scheduler ran the three chains one after another (W1 timeline: q's, then k's, then V's column statistics,
+        finalize and codes, 67 us from the QKV GEMM to the attention; with V's stream first, 55 us:
+        bench/results/step-timeline-*.json). The last-wave chunk keeps its own normal-priority stream: at V's
+        priority its CTAs would take SMs before the first call's and delay that call's end, and on k's stream the
+        first chunk's wait for b_o + W_o c would also wait for the tail attention (what a first try did: +70 us per
+        layer). CUDA graphs keep the priorities (PyTorch instantiates them with UseNodePriority)."""
         streams = self._side_streams.get(device)
         if streams is None:
-            streams = self._side_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            v_priority = -1 if self.stream_priority else 0
+            streams = (torch.cuda.Stream(device, priority=v_priority), torch.cuda.Stream(device),
+                       torch.cuda.Stream(device))
+            self._side_streams[device] = streams
         return streams
 
     @torch.no_grad()
@@ -315,7 +330,7 @@ class FastTransformer(nn.Module):
         # (each fork waits on the current stream, which waited on both side streams), so the caching allocator
         # never hands a block to a new writer while an old reader may still run.
         main = torch.cuda.current_stream(q.device) if self.concurrent else None
-        side_v, side_k = self._streams(q.device) if self.concurrent else (None, None)
+        side_v, side_k, side_tail = self._streams(q.device) if self.concurrent else (None, None, None)
         if main is not None:
             side_v.wait_stream(main)
             side_k.wait_stream(main)
@@ -348,7 +363,7 @@ class FastTransformer(nn.Module):
         rows_a = self.split_rows(b, s, heads)
         if rows_a is not None:
             return self._attention_tail_overlap(index, rows_a, q8, k8, v8, sq, sk, sv, o_bias[0], x, mods, next_mods,
-                                                ffn_amax, main, side_v, side_k)
+                                                ffn_amax, main, side_tail, side_k)
         o_proj = self.fp8_blocks[index]["o"]
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
@@ -370,7 +385,7 @@ class FastTransformer(nn.Module):
         return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
     def _attention_tail_overlap(self, index: int, rows_a: int, q8, k8, v8, sq, sk, sv, o_bias, x, mods, next_mods,
-                                ffn_amax, main, side_v, side_k):
+                                ffn_amax, main, side_tail, side_k):
         """One batch, FlashAttention-3: query rows [0, rows_a) (whole waves of tiles) and [rows_a, S) (the partial
         last wave) as two attention calls, each followed by the rest of the block on its own rows (everything after
         the attention is row-wise: `_rowwise_rest`), the next norm's outputs written into row slices of shared
@@ -385,7 +400,7 @@ class FastTransformer(nn.Module):
                    torch.empty((m, 1), dtype=torch.float32, device=x.device))
         else:
             out = torch.empty((m, d), dtype=self.dtype, device=x.device)
-        side = side_v  # past V's codes; the first rows' chain stays on the current stream
+        side = side_tail  # the first rows' chain stays on the current stream (see _streams)
         if main is not None:
             side.wait_stream(main)  # q's codes (k's and V's: main waited on both)
         chunks = ((slice(0, rows_a), None), (slice(rows_a, m), side))
