@@ -244,6 +244,35 @@ def test_attention_tail_split_matches_one_call(monkeypatch):
         assert torch.equal(got, ref)
 
 
+def test_fused_v_statistics_equal_the_three_kernel_chain(monkeypatch):
+    """fused_v_stats (the default with Triton): V's statistics kernel does its own final reduction, with a program
+    counter per layer kept by the transformer. Under the interpreter the step equals the three-kernel chain's, and
+    every counter is back to 0 after it (FlashAttention-3 faked by its dequantized math)."""
+    from fastremover.fast import transformer_fast
+
+    model = tiny_model(19)
+    x = inputs(20, shape=(1, 48, 3, 8, 12))
+
+    def fake_flash3(q8, k8, v8, sq, sk, sv):
+        q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return o.transpose(1, 2).to(torch.bfloat16)
+
+    monkeypatch.setattr(transformer_fast, "flash3_fp8_codes", fake_flash3)
+    outs = {}
+    for fused in (True, False):
+        fast = FastTransformer(model, fp8=True, use_triton=True, fused_v_stats=fused)
+        fast.fp8_attention_requant, fast.attention_name = True, "fp8-flash3"
+        assert fast.fused_v_stats == fused
+        cond = fast.conditioning(torch.tensor([900.0]), batch=1)
+        with torch.no_grad():  # one step (the interpreter runs every kernel of it on the CPU)
+            outs[fused] = [fast.forward_step(x, cond, 0)]
+        assert len(fast._v_counters) == (1 if fused else 0)
+        assert all(int(c.abs().sum()) == 0 for c in fast._v_counters.values())
+    for got, ref in zip(outs[True], outs[False]):
+        assert torch.equal(got, ref)
+
+
 def test_fp8_linear_matches_dequantized_math():
     lin = torch.nn.Linear(64, 48)
     fp8 = Fp8Linear(lin, torch.float32)

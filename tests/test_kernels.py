@@ -790,6 +790,35 @@ def test_quant_fp8_centred_is_tensorwise_with_its_own_mean(dtype):
     assert float(y.abs().max()) == pytest.approx(40.0 + float(mean[0, 5]), rel=1e-3)
 
 
+@pytest.mark.parametrize("batch,s", [(1, 600), (2, 1100)])
+def test_quant_fp8_centred_fused_finalize_matches_the_two_kernel_path(batch, s):
+    """fused_finalize: the statistics kernel's last program per column block does the final reduction. Same codes,
+    scale and mean as the separate finalize (under the interpreter bit for bit: the same block-order sums); the
+    program counter is back to 0 afterwards, so a kept counter serves the next call; a short counter is refused."""
+    from fastremover.fast.kernels.quant import centred_counter_size, column_stats_config, quant_fp8_centred
+
+    g = gen(72 + batch)
+    n = 200  # two 128-column blocks, the second masked
+    assert triton_cdiv(s, column_stats_config(s, n)[2]) >= 3  # several row blocks race for "last"
+    fused = (randn(g, batch * s, 3 * n, dtype=F16, scale=2.0) + 1.5)
+    x = fused[:, 2 * n:]
+    ref = quant_fp8_centred(x, s)
+    counter = torch.zeros(centred_counter_size(s, n, batch), dtype=torch.int32, device=DEV)
+    for _ in range(2):  # the same counter twice: the kernel resets it
+        q, scale, mean = quant_fp8_centred(x, s, fused_finalize=True, counter=counter)
+        assert int(counter.abs().sum()) == 0
+        assert torch.equal(mean, ref[2]) and torch.equal(scale, ref[1])
+        assert torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8))
+    q, scale, mean = quant_fp8_centred(x, s, fused_finalize=True)  # its own zeroed counter
+    assert torch.equal(mean, ref[2]) and torch.equal(scale, ref[1])
+    with pytest.raises(ValueError, match="counter"):
+        quant_fp8_centred(x, s, fused_finalize=True, counter=counter[:1])
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
 @pytest.mark.gpu
 @gpu_real
 def test_gpu_quant_fp8_centred_at_real_shape():
@@ -802,3 +831,11 @@ def test_gpu_quant_fp8_centred_at_real_shape():
     assert torch.allclose(mean, v.float().view(B_REAL, S_REAL, D_REAL).mean(1), rtol=1e-4, atol=1e-5), f"seed {seed}"
     q_ref, scale_ref = quant_fp8_tensorwise_reference(v, mean, S_REAL)
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"seed {seed}"
+    # the fused finalize (the statistics kernel's last program per column block reduces): the same sums in block
+    # order, so the mean agrees to fp32 tree-order rounding; its codes are tensorwise with its own mean, bit for bit
+    for _ in range(3):  # a race in the last-program count would show as a wrong or missing column block
+        q2, scale2, mean2 = quant_fp8_centred(v, S_REAL, fused_finalize=True)
+        assert torch.allclose(mean2, mean, rtol=1e-6, atol=1e-6), f"seed {seed}"
+        q_ref2, scale_ref2 = quant_fp8_tensorwise_reference(v, mean2, S_REAL)
+        assert torch.equal(scale2, scale_ref2), f"seed {seed}"
+        assert torch.equal(q2.view(torch.uint8), q_ref2.view(torch.uint8)), f"seed {seed}"

@@ -145,6 +145,8 @@ VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
     "no-tail-split": {"tail_overlap": False},
     "serial-no-tail-split": {"concurrent": False, "tail_overlap": False},
     "no-priority": {"stream_priority": False},
+    "unfused-v-stats": {"fused_v_stats": False},
+    "no-priority-unfused-v-stats": {"stream_priority": False, "fused_v_stats": False},
 }
 
 

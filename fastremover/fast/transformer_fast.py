@@ -168,7 +168,7 @@ class Conditioning:
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
                  use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
-                 tail_overlap: bool = True, stream_priority: bool = True):
+                 tail_overlap: bool = True, stream_priority: bool = True, fused_v_stats: bool = True):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -197,6 +197,10 @@ class FastTransformer(nn.Module):
         self._side_streams: dict[torch.device, tuple] = {}
         # V's side stream at a higher priority than the others (see _streams)
         self.stream_priority = stream_priority
+        # V's statistics pass does its own final reduction (quant_fp8_centred(fused_finalize=True): two kernels on
+        # V's chain instead of three), with one program counter per layer kept here (the kernel resets it)
+        self.fused_v_stats = fused_v_stats and self.use_triton
+        self._v_counters: dict[tuple, torch.Tensor] = {}
         # fp8-flash3, one batch: the attention's partial last wave of tiles as a second call, overlapped with the
         # rest of the block on the other rows (attention_row_split); sm_count None = no split (a test may set it on
         # the CPU to exercise the split with a faked kernel)
@@ -253,6 +257,20 @@ class FastTransformer(nn.Module):
                 and self.sm_count):
             return None
         return attention_row_split(s, b * heads, self.sm_count, FLASH3_FP8_BLOCK_M)
+
+    def _v_stats_options(self, index: int, v: torch.Tensor, b: int, s: int) -> dict:
+        """quant_centred's keyword options for layer `index`: the fused finalize and this layer's counter."""
+        if not self.fused_v_stats:
+            return {}
+        from fastremover.fast.kernels.quant import centred_counter_size
+
+        key = (v.device, b, s, v.shape[1])
+        counters = self._v_counters.get(key)
+        if counters is None:
+            size = centred_counter_size(s, v.shape[1], b)
+            counters = self._v_counters[key] = torch.zeros(len(self.model.blocks), size, dtype=torch.int32,
+                                                           device=v.device)
+        return {"fused_finalize": True, "counter": counters[index]}
 
     def _streams(self, device: torch.device) -> tuple:
         """(side_v, side_k, side_tail) per device, created once (a captured graph refers to the streams it was
@@ -339,7 +357,7 @@ class FastTransformer(nn.Module):
             # let the FP8 P @ V accumulation lose the low bits again (W2 33.8 dB with a frozen one,
             # bench/results/w2-fast-frozenv-*.json)
             # (one statistics pass finds the mean and the amax of v - mean together: quant.quant_fp8_centred)
-            v8, sv, v_centre = ops.quant_centred(v, s)
+            v8, sv, v_centre = ops.quant_centred(v, s, **self._v_stats_options(index, v, b, s))
         with _on(side_k):
             if calibrate:  # the run's first step: K's centre from this step's K, then frozen (on k's own chain:
                 # only k's codes and the attention read it; written straight into the calibration's rows)

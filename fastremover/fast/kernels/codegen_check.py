@@ -129,6 +129,11 @@ def builds() -> list[tuple[str, object, dict, dict, int]]:
                     {"X": f"*{xt}", "PSUM": "*fp32", "PMAX": "*fp32", "PMIN": "*fp32", "S": "i32", "N": "i32",
                      "stride_x": "i32", "NBLK": "i32", "ROWS_PER_BLK": "i32"},
                     {"BLOCK_M": 64, "BLOCK_N": 128, "INTERPRET": f}, 8))
+        out.append((f"column_stats_final[{xt}]", quant._column_stats_final_kernel,
+                    {"X": f"*{xt}", "PSUM": "*fp32", "PMAX": "*fp32", "PMIN": "*fp32", "MEAN": "*fp32", "AMAX": "*fp32",
+                     "COUNT": "*i32", "S": "i32", "N": "i32", "stride_x": "i32", "NBLK": "i32",
+                     "ROWS_PER_BLK": "i32", "s_f": "fp32"},
+                    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_B": 32, "INTERPRET": f}, 4))
         out.append((f"quant_fp8_tensorwise[{xt}]", quant._tensor_quant_kernel,
                     {"X": f"*{xt}", "MEAN": "*fp32", "AMAX": "*fp32", "Q": "*fp8e4nv", "SCALE": "*fp32", "M": "i32",
                      "N": "i32", "S": "i32", "stride_x": "i32"},
@@ -164,8 +169,13 @@ def check(verbose: bool = True) -> list[str]:
         else:
             need(not any(o.startswith("div.full") or o.startswith("div.approx") for o in ops),
                  "approximate fp32 division")
-        if fam == "column_finalize":
+        if fam in ("column_finalize", "column_stats_final"):
             need("div.rn.f32" in ops, "expected IEEE div.rn.f32 for the mean")
+        if fam == "column_stats_final":
+            need(re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx) is not None,
+                 "expected an acq_rel gpu-scope atomic add for the last-program count")
+            need(re.search(r"ld\.global\.cg", ptx) is not None, "expected .cg loads of the partials")
+            need(re.search(r"bar\.sync|barrier\.sync", ptx) is not None, "expected a CTA barrier before the count")
         if fam in ("gate_residual", "adaln", "adaln_fp8", "gate_residual_adaln", "gate_residual_adaln_fp8",
                    "column_stats", "column_finalize", "qk_norm_rope", "qk_norm_rope_fp8", "quant_fp8_rowwise",
                    "quant_fp8_rowwise_8960", "quant_fp8_tensorwise", "quant_fp8_static"):

@@ -266,6 +266,12 @@ def quant_fp8_tensorwise(
 @triton.jit
 def _column_stats_kernel(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, ROWS_PER_BLK, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    _column_partials(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, ROWS_PER_BLK, BLOCK_M, BLOCK_N, INTERPRET)
+
+
+@triton.jit
+def _column_partials(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, ROWS_PER_BLK, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     """Partial column sum / max / min of ROWS_PER_BLK (a multiple of BLOCK_M) of batch b's rows, BLOCK_N columns ->
     [B, NBLK, N] buffers. The rows stream through a [BLOCK_M, BLOCK_N] register tile in BLOCK_M steps (each lane adds
     its own rows in order), then one tree reduction over the tile's rows: a fixed order, so the sums are deterministic.
@@ -302,33 +308,70 @@ def column_stats_config(s: int, n: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _column_finalize_kernel(PSUM, PMAX, PMIN, MEAN, AMAX, N, NBLK, s_f, BLOCK_B: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """Over the NBLK blocks of batch b (one tree reduction, fixed order): mean = fl(sum / S) per column -> MEAN [B, N];
-    max(fl(colmax - mean), fl(mean - colmin)) over the columns -> AMAX[b, pid_n] (one partial maximum per program,
-    no atomics and no zeroed buffer: the quantization kernel takes the max of them)."""
-    pid_n, b = tl.program_id(0), tl.program_id(1)
+def _column_final(PSUM, PMAX, PMIN, MEAN, AMAX, b, pid_n, num_n, N, NBLK, s_f, BLOCK_B: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
+    """Columns [pid_n * BLOCK_N, +BLOCK_N) of batch b over its NBLK blocks (one tree reduction, fixed order):
+    mean = fl(sum / S) -> MEAN [B, N]; max(fl(colmax - mean), fl(mean - colmin)) over these columns ->
+    AMAX[b * num_n + pid_n] (one partial maximum per column block: the quantization kernel takes the max of them)."""
     blks = tl.arange(0, BLOCK_B)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     mask = (blks < NBLK)[:, None] & cmask[None, :]
     offs = (b * NBLK + blks).to(tl.int64)[:, None] * N + cols[None, :]
-    total = tl.sum(tl.load(PSUM + offs, mask=mask, other=0.0), axis=0)
-    cmax = tl.max(tl.load(PMAX + offs, mask=mask, other=float("-inf")), axis=0)
-    cmin = tl.min(tl.load(PMIN + offs, mask=mask, other=float("inf")), axis=0)
+    total = tl.sum(tl.load(PSUM + offs, mask=mask, other=0.0, cache_modifier=CACHE), axis=0)
+    cmax = tl.max(tl.load(PMAX + offs, mask=mask, other=float("-inf"), cache_modifier=CACHE), axis=0)
+    cmin = tl.min(tl.load(PMIN + offs, mask=mask, other=float("inf"), cache_modifier=CACHE), axis=0)
     mean = tl.math.div_rn(total, s_f)
     tl.store(MEAN + b * N + cols, mean, mask=cmask)
     col_amax = tl.maximum(cmax - mean, mean - cmin)
-    tl.store(AMAX + b * tl.num_programs(0) + pid_n, tl.max(tl.where(cmask, col_amax, 0.0), axis=0))
+    tl.store(AMAX + b * num_n + pid_n, tl.max(tl.where(cmask, col_amax, 0.0), axis=0))
+
+
+@triton.jit
+def _column_finalize_kernel(PSUM, PMAX, PMIN, MEAN, AMAX, N, NBLK, s_f, BLOCK_B: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """`_column_final` for column block program_id(0) of batch program_id(1) (no atomics, no zeroed buffer)."""
+    _column_final(PSUM, PMAX, PMIN, MEAN, AMAX, tl.program_id(1), tl.program_id(0), tl.num_programs(0), N, NBLK, s_f,
+                  BLOCK_B, BLOCK_N, "")
+
+
+@triton.jit
+def _column_stats_final_kernel(X, PSUM, PMAX, PMIN, MEAN, AMAX, COUNT, S, N, stride_x, NBLK, ROWS_PER_BLK, s_f,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                               INTERPRET: tl.constexpr):
+    """`_column_stats_kernel`, then the last of a column block's NBLK programs does that block's `_column_final`
+    (one launch instead of two on V's chain). "Last": an acq_rel atomic count per (batch, column block), after a CTA
+    barrier so every thread's partial stores come before it (the CUDA threadfence-reduction pattern); the last
+    program reads the partials from L2 (.cg) and sets its count back to 0 for the next call. The reduction itself is
+    `_column_final`'s, in block order whichever program comes last: deterministic."""
+    _column_partials(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, ROWS_PER_BLK, BLOCK_M, BLOCK_N, INTERPRET)
+    pid_n, b = tl.program_id(1), tl.program_id(2)
+    tl.debug_barrier()
+    count = COUNT + b * tl.num_programs(1) + pid_n
+    if tl.atomic_add(count, 1, sem="acq_rel") == NBLK - 1:
+        _column_final(PSUM, PMAX, PMIN, MEAN, AMAX, b, pid_n, tl.num_programs(1), N, NBLK, s_f, BLOCK_B, BLOCK_N,
+                      ".cg")
+        tl.store(count, 0)
+
+
+def centred_counter_size(tokens_per_batch: int, n: int, batch: int) -> int:
+    """int32 elements of the `counter` that quant_fp8_centred(fused_finalize=True) needs (one per batch and
+    column block)."""
+    return batch * triton.cdiv(n, column_stats_config(tokens_per_batch, n)[1])
 
 
 def quant_fp8_centred(
     x: torch.Tensor, tokens_per_batch: int, *, out: torch.Tensor | None = None,
-    out_scale: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None, fused_finalize: bool = False, counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, N] fp16/bf16/fp32 with unit column stride (any row stride) -> (codes float8_e4m3fn [M, N], scale fp32
     [1], mean fp32 [B, N]): x centred on its own mean over each batch's tokens_per_batch rows, one scale for the
-    whole tensor (see the module docstring: bit-identical to `quant_fp8_tensorwise(x, mean, tokens_per_batch)`)."""
+    whole tensor (see the module docstring: bit-identical to `quant_fp8_tensorwise(x, mean, tokens_per_batch)`).
+
+    fused_finalize: the statistics pass's last program per column block does the final reduction
+    (`_column_stats_final_kernel`: two kernels instead of three). It counts programs in `counter` (int32, at least
+    `centred_counter_size` elements, all 0; the kernel leaves them 0 again, so a caller can keep one per call site
+    and skip the zero fill); without one a zeroed counter is allocated. Calls sharing a counter must not overlap."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, row_strided=True)
     m, n = x.shape
     s = tokens_per_batch
@@ -345,16 +388,29 @@ def quant_fp8_centred(
     partial = torch.empty((3, b, nblk, n), dtype=torch.float32, device=x.device)
     interp = interpreting(_column_stats_kernel)
     opts = launch_options(_column_stats_kernel)
-    _column_stats_kernel[(nblk, triton.cdiv(n, block_n), b)](
-        x, partial[0], partial[1], partial[2], s, n, x.stride(0), nblk, rows_per_blk, BLOCK_M=block_m,
-        BLOCK_N=block_n, INTERPRET=interp, num_warps=warps, **opts)
     block_b = triton.next_power_of_2(nblk)
-    fin_n = max(1, min(block_n, 8192 // block_b))
-    n_amax = triton.cdiv(n, fin_n) * b
-    amax = torch.empty(n_amax, dtype=torch.float32, device=x.device)  # every element written by the finalize
-    _column_finalize_kernel[(triton.cdiv(n, fin_n), b)](
-        partial[0], partial[1], partial[2], mean, amax, n, nblk, float(s), BLOCK_B=block_b, BLOCK_N=fin_n,
-        num_warps=8, **opts)
+    if fused_finalize:
+        size = centred_counter_size(s, n, b)
+        if counter is None:
+            counter = torch.zeros(size, dtype=torch.int32, device=x.device)
+        check_tensor("counter", counter, ndim=1, dtypes=(torch.int32,))
+        if counter.numel() < size or counter.device != x.device:
+            raise ValueError(f"quant_fp8_centred: counter must be int32 with >= {size} elements on {x.device}")
+        n_amax = triton.cdiv(n, block_n) * b
+        amax = torch.empty(n_amax, dtype=torch.float32, device=x.device)  # every element written by a last program
+        _column_stats_final_kernel[(nblk, triton.cdiv(n, block_n), b)](
+            x, partial[0], partial[1], partial[2], mean, amax, counter, s, n, x.stride(0), nblk, rows_per_blk,
+            float(s), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=block_b, INTERPRET=interp, num_warps=warps, **opts)
+    else:
+        _column_stats_kernel[(nblk, triton.cdiv(n, block_n), b)](
+            x, partial[0], partial[1], partial[2], s, n, x.stride(0), nblk, rows_per_blk, BLOCK_M=block_m,
+            BLOCK_N=block_n, INTERPRET=interp, num_warps=warps, **opts)
+        fin_n = max(1, min(block_n, 8192 // block_b))
+        n_amax = triton.cdiv(n, fin_n) * b
+        amax = torch.empty(n_amax, dtype=torch.float32, device=x.device)  # every element written by the finalize
+        _column_finalize_kernel[(triton.cdiv(n, fin_n), b)](
+            partial[0], partial[1], partial[2], mean, amax, n, nblk, float(s), BLOCK_B=block_b, BLOCK_N=fin_n,
+            num_warps=8, **opts)
     check_out("out", out, (m, n), torch.float8_e4m3fn, x.device)
     check_out("out_scale", out_scale, (1,), torch.float32, x.device)
     q = out if out is not None else torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
