@@ -147,6 +147,8 @@ VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
     "no-priority": {"stream_priority": False},
     "unfused-v-stats": {"fused_v_stats": False},
     "no-priority-unfused-v-stats": {"stream_priority": False, "fused_v_stats": False},
+    "torch-gemm": {"gemm": "torch"},
+    "torch-gemm-no-priority-unfused-v-stats": {"gemm": "torch", "stream_priority": False, "fused_v_stats": False},
 }
 
 

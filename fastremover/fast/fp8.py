@@ -4,8 +4,9 @@
 
 The weights are quantized once when the fast transformer is built; activations arrive already quantized from the
 fused kernel that produced them (LayerNorm+adaLN, GELU, or a plain row-wise quantizer), so no host sync ever happens.
-The GEMM is `torch._scaled_mm` with row-wise scales (cuBLASLt on SM90; ATen also implements it on the CPU, which is
-what the CPU tests use). Some torch builds accept only bf16 outputs with row-wise scales: `scaled_mm_out_dtype`
+The GEMM is cuBLASLt with row-wise scales: on sm_90 called directly with a workspace-free algorithm (cublaslt.py: no
+memset node in front of each GEMM in the CUDA graph; the same products as torch._scaled_mm), elsewhere
+`torch._scaled_mm` (ATen also implements it on the CPU, which is what the CPU tests use). Some torch builds accept only bf16 outputs with row-wise scales: `scaled_mm_out_dtype`
 probes once and the layer then casts to the model dtype itself.
 
 Accumulation: `use_fast_accum=True` on the GPU - the FP8 tensor cores' own accumulator, without cuBLASLt's periodic
@@ -21,6 +22,8 @@ import functools
 
 import torch
 import torch.nn as nn
+
+from fastremover.fast import cublaslt
 
 FP8 = torch.float8_e4m3fn
 
@@ -42,8 +45,12 @@ def scaled_mm_out_dtype(device_type: str, device_index: int | None, want: torch.
 class Fp8Linear(nn.Module):
     """A frozen nn.Linear in e4m3 with per-output-channel scales; takes pre-quantized activations."""
 
-    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype):
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype, gemm: str = "auto"):
+        """gemm: "cublaslt" (cublaslt.scaled_mm; an error where it cannot run), "torch" (torch._scaled_mm) or "auto"
+        (cublaslt where it can run, else torch)."""
         super().__init__()
+        if gemm not in ("auto", "cublaslt", "torch"):
+            raise ValueError(f"gemm must be 'auto', 'cublaslt' or 'torch', got {gemm!r}")
         from fastremover.fast.kernels.quant import quant_fp8_weight  # Triton-importing module: only when used
 
         codes, scale = quant_fp8_weight(linear.weight.detach())
@@ -55,6 +62,10 @@ class Fp8Linear(nn.Module):
         self.mm_dtype = scaled_mm_out_dtype(dev.type, dev.index, out_dtype)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", None if bias is None else bias.to(self.mm_dtype).contiguous())
+        reason = cublaslt.unavailable_reason(dev.type, dev.index) if gemm != "torch" else "gemm='torch' requested"
+        if gemm == "cublaslt" and reason is not None:
+            raise ValueError(f"gemm='cublaslt' cannot run here: {reason}")
+        self.gemm = "cublaslt" if reason is None else "torch"
 
     @property
     def out_features(self) -> int:
@@ -69,8 +80,11 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"Fp8Linear: bias override must have shape [{self.out_features}], got {list(bias.shape)}")
         else:
             bias = bias.to(self.mm_dtype)
-        y = torch._scaled_mm(
-            x_codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, bias=bias, out_dtype=self.mm_dtype,
-            use_fast_accum=x_codes.is_cuda,
-        )
+        if self.gemm == "cublaslt":
+            y = cublaslt.scaled_mm(x_codes, self.codes, x_scale, self.scale, bias, self.mm_dtype, fast_accum=True)
+        else:
+            y = torch._scaled_mm(
+                x_codes, self.codes.t(), scale_a=x_scale, scale_b=self.scale, bias=bias, out_dtype=self.mm_dtype,
+                use_fast_accum=x_codes.is_cuda,
+            )
         return y if self.mm_dtype == self.out_dtype else y.to(self.out_dtype)

@@ -2,7 +2,9 @@
 
 Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     n      = adaln_modulate(x, shift, scale)            LayerNorm (fp32 stats) + adaLN in one pass [-> fp8 + row scales]
-    q,k,v  = linear(n)                                  exact: three GEMMs; fast: one fused [D, 3D] FP8 GEMM
+    q,k,v  = linear(n)                                  exact: three GEMMs; fast: one fused [D, 3D] FP8 GEMM (the FP8
+                                                        GEMMs: cuBLASLt, workspace-free algorithms on sm_90 - fast/cublaslt.py;
+                                                        `gemm`)
     q,k    = qk_norm_rope(q), qk_norm_rope(k)           RMSNorm across heads + 3D RoPE in one pass, [B,S,H,Dh] layout;
                                                         with 8-bit attention the same pass writes e4m3 codes (below)
     o      = attention(q, k, v); linear(o)              backend from fast/attention.py; with the fp8 backend in the
@@ -168,7 +170,8 @@ class Conditioning:
 class FastTransformer(nn.Module):
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
                  use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
-                 tail_overlap: bool = True, stream_priority: bool = True, fused_v_stats: bool = True):
+                 tail_overlap: bool = True, stream_priority: bool = True, fused_v_stats: bool = True,
+                 gemm: str = "auto"):
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -215,9 +218,10 @@ class FastTransformer(nn.Module):
             # weight's codes and scales are exactly the three separate ones), out/ffn their own.
             self.fp8_blocks = nn.ModuleList(
                 nn.ModuleDict({
-                    "qkv": Fp8Linear(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v), self.dtype),
-                    "o": Fp8Linear(b.attn1.to_out[0], self.dtype),
-                    "ff1": Fp8Linear(b.ffn.net[0].proj, self.dtype), "ff2": Fp8Linear(b.ffn.net[2], self.dtype),
+                    "qkv": Fp8Linear(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v), self.dtype, gemm),
+                    "o": Fp8Linear(b.attn1.to_out[0], self.dtype, gemm),
+                    "ff1": Fp8Linear(b.ffn.net[0].proj, self.dtype, gemm),
+                    "ff2": Fp8Linear(b.ffn.net[2], self.dtype, gemm),
                 })
                 for b in model.blocks
             )
@@ -248,6 +252,8 @@ class FastTransformer(nn.Module):
                "attention": self.attention_name}
         if self.fp8:
             out["ffn1"] = "fused GEMM+GELU+quant (Triton)" if self.fused_ffn1 else "_scaled_mm + GELU quant"
+            out["fp8_gemm"] = ("cuBLASLt, workspace-free algorithm" if self.fp8_blocks[0]["qkv"].gemm == "cublaslt"
+                               else "torch._scaled_mm")
             out["concurrent_branches"] = self.concurrent and self.fp8_attention
         return out
 
