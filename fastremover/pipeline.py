@@ -134,6 +134,7 @@ class EngineConfig:
     fp8_linears: bool = False
     attention: str = "sdpa"
     ffn1: str = "none"  # fp8 mode: the FFN's first GEMM + GELU quantization path (fast/transformer_fast.py)
+    fp8_gemm: str = "none"  # fp8 mode: cuBLASLt with workspace-free algorithms (fast/cublaslt.py) or torch._scaled_mm
     concurrent_branches: bool = False  # fp8 attention on CUDA: q / k / V preparation on parallel streams
     vae: str = "eager"  # the VAE path that runs: "eager" (models.vae.WanVAE) or "fast-fp16" / "fast-bf16" / "fast-fp8"
     vae_precision: str = "auto"  # as requested: auto | fp16 (the model dtype) | fp8 (FP8 conv3d in the fast VAE)
