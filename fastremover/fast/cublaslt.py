@@ -153,7 +153,9 @@ class _Plan:
     """Descriptors + the chosen algorithm for one (M, N, K, out dtype, bias, fast_accum, alignments) problem."""
 
     def __init__(self, lib: _Lib, handle, m: int, n: int, k: int, out_type: int, has_bias: bool, fast_accum: bool,
-                 aligns: tuple[int, int, int]):
+                 aligns: tuple[int, int, int], pointers: tuple, *, max_workspace: int = 0, align_prefs: bool = True):
+        """pointers: (w_scale, a_scale, bias) data pointers, set before the heuristic query as ATen does (cuBLASLt
+        validates the outer-vector scale setup there); max_workspace / align_prefs exist for the probe experiment."""
         self.lib = lib
         L = lib.lib
         self.desc = ctypes.c_void_p()
@@ -174,19 +176,18 @@ class _Plan:
             lib.check(L.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld), "MatrixLayoutCreate")
             self.layouts.append(lay)
         self.a_layout, self.b_layout, self.d_layout = self.layouts
+        self.set_pointers(*pointers)
         pref = ctypes.c_void_p()
         lib.check(L.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
         try:
-            ws = ctypes.c_uint64(0)  # the point of this module: algorithms that need no workspace (no memset)
+            ws = ctypes.c_uint64(max_workspace)  # the point of this module: 0, algorithms without a memset
             lib.check(L.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
                       "PreferenceSetAttribute")
-            for key, align in zip(("A", "B", "D"), aligns):
-                v = ctypes.c_uint32(align)
-                lib.check(L.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MIN_ALIGNMENT[key], ctypes.byref(v), 4),
-                          "PreferenceSetAttribute")
-            v = ctypes.c_uint32(aligns[2])
-            lib.check(L.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MIN_ALIGNMENT["C"], ctypes.byref(v), 4),
-                      "PreferenceSetAttribute")
+            if align_prefs:  # the pointers' actual alignment (the default assumes 256 bytes; row slices may have less)
+                for key, align in zip(("A", "B", "C", "D"), (*aligns, aligns[2])):
+                    v = ctypes.c_uint32(align)
+                    lib.check(L.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MIN_ALIGNMENT[key], ctypes.byref(v),
+                                                                     4), "PreferenceSetAttribute")
             result, count = _HeuristicResult(), ctypes.c_int(0)
             lib.check(L.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
                                                        self.d_layout, pref, 1, ctypes.byref(result),
@@ -196,22 +197,30 @@ class _Plan:
         if count.value < 1 or result.state != 0:
             raise RuntimeError(f"cuBLASLt has no workspace-free FP8 algorithm for M={m} N={n} K={k}")
         self.algo = result.algo
+        self.workspace_size = int(result.workspaceSize)
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def _set(self, attr: int, value) -> None:
         self.lib.check(self.lib.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value),
                                                                    ctypes.sizeof(value)), f"MatmulDescSetAttribute({attr})")
 
-    def run(self, handle, a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, bias, y: torch.Tensor, stream: int):
-        # the descriptor holds the scale / bias pointers; set per call (host-side state read by cublasLtMatmul)
-        self._set(DESC_A_SCALE_POINTER, ctypes.c_void_p(w_scale.data_ptr()))
-        self._set(DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data_ptr()))
+    def set_pointers(self, w_scale_ptr: int, a_scale_ptr: int, bias_ptr: int | None) -> None:
+        self._set(DESC_A_SCALE_POINTER, ctypes.c_void_p(w_scale_ptr))
+        self._set(DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale_ptr))
         if self.has_bias:
-            self._set(DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+            self._set(DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+
+    def run(self, handle, a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, bias, y: torch.Tensor, stream: int,
+            workspace: torch.Tensor | None = None):
+        # the descriptor holds the scale / bias pointers: set per call (host-side state read by cublasLtMatmul)
+        self.set_pointers(w_scale.data_ptr(), a_scale.data_ptr(), bias.data_ptr() if bias is not None else None)
+        ws_ptr = None if workspace is None else ctypes.c_void_p(workspace.data_ptr())
+        ws_size = 0 if workspace is None else workspace.numel()
         self.lib.check(self.lib.lib.cublasLtMatmul(
             handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(w.data_ptr()), self.a_layout,
             ctypes.c_void_p(a.data_ptr()), self.b_layout, ctypes.byref(self.beta), None, self.d_layout,
-            ctypes.c_void_p(y.data_ptr()), self.d_layout, ctypes.byref(self.algo), None, 0, ctypes.c_void_p(stream),
+            ctypes.c_void_p(y.data_ptr()), self.d_layout, ctypes.byref(self.algo), ws_ptr, ws_size,
+            ctypes.c_void_p(stream),
         ), "cublasLtMatmul")
 
 
@@ -265,6 +274,8 @@ def scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
     key = (index, m, n, k, out_dtype, bias is not None, fast_accum, aligns)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _Plan(lib, handle, m, n, k, OUT_TYPES[out_dtype], bias is not None, fast_accum, aligns)
+        pointers = (w_scale.data_ptr(), a_scale.data_ptr(), bias.data_ptr() if bias is not None else None)
+        plan = _plans[key] = _Plan(lib, handle, m, n, k, OUT_TYPES[out_dtype], bias is not None, fast_accum, aligns,
+                                   pointers)
     plan.run(handle, a, w, a_scale, w_scale, bias, y, torch.cuda.current_stream(a.device).cuda_stream)
     return y
