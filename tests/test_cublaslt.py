@@ -168,3 +168,16 @@ def test_gpu_scaled_mm_has_no_memset_where_torch_scaled_mm_has_one():
     print("cublaslt:", ours, "torch:", theirs)
     assert len(ours) == 1 and "memset" not in ours[0].lower(), ours
     assert any("memset" in name.lower() for name in theirs), theirs
+
+
+def test_fast_transformer_gemm_option_on_cpu():
+    from test_fast_transformer import tiny_model
+
+    from fastremover.fast.transformer_fast import FastTransformer
+
+    model = tiny_model(3)
+    fast = FastTransformer(model, fp8=True, use_triton=False)
+    assert fast.describe()["fp8_gemm"] == "torch._scaled_mm"
+    assert all(blk[name].gemm == "torch" for blk in fast.fp8_blocks for name in ("qkv", "o", "ff1", "ff2"))
+    with pytest.raises(ValueError, match="gemm='cublaslt' cannot run here"):
+        FastTransformer(model, fp8=True, use_triton=False, gemm="cublaslt")

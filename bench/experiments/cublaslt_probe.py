@@ -55,13 +55,15 @@ def main() -> int:
         use_bias = opt.get("bias", True)
         fast_accum = opt.get("fast_accum", True)
         b = bias if use_bias else None
-        pointers = (0, 0, None) if opt.get("null") else (sw.data_ptr(), sa.data_ptr(), b.data_ptr() if b is not None else None)
+        pointers = ((0, 0, None) if opt.get("null")
+                    else (sw.data_ptr(), sa.data_ptr(), b.data_ptr() if b is not None else None))
         row = {"setup": label}
         try:
             plan = cublaslt._Plan(lib, handle, m, n, k, cublaslt.CUDA_R_16F, use_bias, fast_accum, aligns, pointers,
                                   max_workspace=opt.get("max_workspace", 0), align_prefs=opt.get("align_prefs", True))
             row["workspace_size"] = plan.workspace_size
-            ws = torch.empty(opt.get("max_workspace", 0), dtype=torch.uint8, device="cuda") if opt.get("max_workspace") else None
+            ws_bytes = opt.get("max_workspace", 0)
+            ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda") if ws_bytes else None
             y = torch.empty(m, n, dtype=torch.float16, device="cuda")
             stream = torch.cuda.current_stream().cuda_stream
             run = lambda: plan.run(handle, a, w, sa, sw, b, y, stream, ws)  # noqa: E731

@@ -6,8 +6,9 @@ The weights are quantized once when the fast transformer is built; activations a
 fused kernel that produced them (LayerNorm+adaLN, GELU, or a plain row-wise quantizer), so no host sync ever happens.
 The GEMM is cuBLASLt with row-wise scales: on sm_90 called directly with a workspace-free algorithm (cublaslt.py: no
 memset node in front of each GEMM in the CUDA graph; the same products as torch._scaled_mm), elsewhere
-`torch._scaled_mm` (ATen also implements it on the CPU, which is what the CPU tests use). Some torch builds accept only bf16 outputs with row-wise scales: `scaled_mm_out_dtype`
-probes once and the layer then casts to the model dtype itself.
+`torch._scaled_mm` (ATen also implements it on the CPU, which is what the CPU tests use). Some torch builds accept
+only bf16 outputs with row-wise scales: `scaled_mm_out_dtype` probes once and the layer then casts to the model dtype
+itself.
 
 Accumulation: `use_fast_accum=True` on the GPU - the FP8 tensor cores' own accumulator, without cuBLASLt's periodic
 promotion to fp32. At the DiT's shapes (H200, bench/results/gemm-scales-*.json) it takes the four block GEMMs from

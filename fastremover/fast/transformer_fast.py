@@ -2,9 +2,9 @@
 
 Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     n      = adaln_modulate(x, shift, scale)            LayerNorm (fp32 stats) + adaLN in one pass [-> fp8 + row scales]
-    q,k,v  = linear(n)                                  exact: three GEMMs; fast: one fused [D, 3D] FP8 GEMM (the FP8
-                                                        GEMMs: cuBLASLt, workspace-free algorithms on sm_90 - fast/cublaslt.py;
-                                                        `gemm`)
+    q,k,v  = linear(n)                                  exact: three GEMMs; fast: one fused [D, 3D] FP8 GEMM (FP8
+                                                        GEMMs: cuBLASLt's workspace-free algorithms on sm_90,
+                                                        fast/cublaslt.py; `gemm`)
     q,k    = qk_norm_rope(q), qk_norm_rope(k)           RMSNorm across heads + 3D RoPE in one pass, [B,S,H,Dh] layout;
                                                         with 8-bit attention the same pass writes e4m3 codes (below)
     o      = attention(q, k, v); linear(o)              backend from fast/attention.py; with the fp8 backend in the
@@ -23,9 +23,9 @@ is precomputed for all steps by `conditioning()`, so a denoise step is pure devi
 
 Concurrency (CUDA, 8-bit attention; `concurrent`, `tail_overlap`): q's codes, k's codes and V's statistics + codes are
 three independent chains, run on the current stream and two side streams and joined before the attention (b_o + W_o c
-runs beside the attention kernel); V's stream, the longest chain, at a higher priority (`stream_priority`). FlashAttention-3's persistent grid leaves a partial last wave of tiles (W2: 36 of
-3072 tiles on 132 SMs, W1: 24 of 684; `attention_row_split`), so with one batch the query rows of that wave run as a
-second attention call on a side stream while the first rows go on through the O projection, the norms and the FFN
+runs beside the attention kernel); V's stream, the longest chain, at a higher priority (`stream_priority`).
+FlashAttention-3's persistent grid leaves a partial last wave of tiles (W2: 36 of 3072 tiles on 132 SMs, W1: 24 of
+684; `attention_row_split`), so with one batch the query rows of that wave run as a second attention call on a side stream while the first rows go on through the O projection, the norms and the FFN
 (everything after the attention is row-wise: `_rowwise_rest`); the next norm's outputs land in row slices of shared
 tensors. Same kernels, same inputs: the outputs equal the one-stream order's (GPU test), and the split's equal the
 unsplit block's up to the GEMMs' choice of kernels at two row counts (equal in the GPU test's runs).
