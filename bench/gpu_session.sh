@@ -101,8 +101,10 @@ EOF
       python3 -m pytest -q -s -p no:cacheprovider ${phase#pytest:} 2>&1 | tee -a "$OUT/pytest.log" \
         | grep -E "passed|failed|FAILED|Error|cos |err|config" | tail -40 ;;
     bench:*)
+      # exact's auto attention is FlashInfer's fa3 only after the flashinfer phase (else sdpa, ~0.5 s slower at W2)
+      [ -d .fi ] && [ -z "${FLASHINFER_WORKSPACE_BASE:-}" ] && echo "NOTE: .fi is here but the flashinfer phase has not run"
       # shellcheck disable=SC2086
-      python3 -m fastremover.cli bench ${phase#bench:} --out "$OUT" 2>&1 | grep -v -E '^\s*$' | tail -16 ;;
+      python3 -m fastremover.cli bench ${phase#bench:} --out "$OUT" 2>&1 | grep -v -E '^\s*$' | tail -20 ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

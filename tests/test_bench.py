@@ -36,6 +36,8 @@ def test_harness_eager_vs_reference(tmp_path):
         assert set(data[side]["stages_s"]) == {"preprocess", "vae_encode", "denoise", "vae_decode", "composite_write"}
     assert data["dit_tokens"] == 3 * 2 * 3  # (9-1)/4+1 latent frames x (32/16) x (48/16)
     assert "tiny-clip" in format_table(results)
+    # what ran is in the console table too (a device log shows which attention / GEMM path a number came from)
+    assert f"engine [{r['mode']}]: attention {r['engine_config']['attention']}" in format_table(results)
     again = save_results(results, tmp_path)  # a second run of the same workload/mode/commit keeps the first file
     assert again[0] != paths[0] and again[0].name.endswith("-run2.json") and paths[0].exists()
 

@@ -487,6 +487,10 @@ def format_table(results: list[dict]) -> str:
                          + fmt(r["psnr_mean_db"], 8, 1) + fmt(r["psnr_min_db"], 7, 1) + fmt(r["psnr_mask_db"], 7, 1)
                          + fmt(r["ssim_mean"], 8, 4) + fmt(r["latent_cos"], 10, 6)))
     for r in results:
+        ec = r.get("engine_config") or {}
+        lines.append(f"engine [{r['mode']}]: attention {ec.get('attention', '?')}, fp8 GEMM {ec.get('fp8_gemm', '?')}, "
+                     f"ffn1 {ec.get('ffn1', '?')}, cuda graphs {ec.get('cuda_graphs', '?')}"
+                     + (f"; notes: {ec['notes']}" if ec.get("notes") else ""))
         lines.append(
             f"roofline [{r['mode']}]: DiT {r['dit_tflop_per_step']:.2f} TFLOP/step "
             f"(linear {r['dit_linear_tflop_per_step']:.2f}, attention {r['dit_attention_tflop_per_step']:.2f}, "

@@ -98,7 +98,7 @@ class _Lib:
             raise RuntimeError(f"cuBLASLt {what} failed with status {status} (library {self.path}, version "
                                f"{self.version})")
 
-    def handle(self, index: int) -> ctypes.c_void_p:
+    def handle(self, index: int) -> ctypes.c_void_p:  # called under _lib_lock
         h = self.handles.get(index)
         if h is None:
             h = ctypes.c_void_p()
@@ -202,6 +202,8 @@ class _Plan:
         self.algo = result.algo
         self.workspace_size = int(result.workspaceSize)
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        # the descriptor carries the per-call pointers: setting them and launching must not interleave across threads
+        self.lock = threading.Lock()
 
     def _set(self, attr: int, value) -> None:
         status = self.lib.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), ctypes.sizeof(value))
@@ -215,16 +217,18 @@ class _Plan:
 
     def run(self, handle, a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, bias, y: torch.Tensor, stream: int,
             workspace: torch.Tensor | None = None):
-        # the descriptor holds the scale / bias pointers: set per call (host-side state read by cublasLtMatmul)
-        self.set_pointers(w_scale.data_ptr(), a_scale.data_ptr(), bias.data_ptr() if bias is not None else None)
         ws_ptr = None if workspace is None else ctypes.c_void_p(workspace.data_ptr())
         ws_size = 0 if workspace is None else workspace.numel()
-        self.lib.check(self.lib.lib.cublasLtMatmul(
-            handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(w.data_ptr()), self.a_layout,
-            ctypes.c_void_p(a.data_ptr()), self.b_layout, ctypes.byref(self.beta), None, self.d_layout,
-            ctypes.c_void_p(y.data_ptr()), self.d_layout, ctypes.byref(self.algo), ws_ptr, ws_size,
-            ctypes.c_void_p(stream),
-        ), "cublasLtMatmul")
+        with self.lock:
+            # the descriptor holds the scale / bias pointers: set per call (host-side state read by cublasLtMatmul)
+            self.set_pointers(w_scale.data_ptr(), a_scale.data_ptr(), bias.data_ptr() if bias is not None else None)
+            status = self.lib.lib.cublasLtMatmul(
+                handle, self.desc, ctypes.byref(self.alpha), ctypes.c_void_p(w.data_ptr()), self.a_layout,
+                ctypes.c_void_p(a.data_ptr()), self.b_layout, ctypes.byref(self.beta), None, self.d_layout,
+                ctypes.c_void_p(y.data_ptr()), self.d_layout, ctypes.byref(self.algo), ws_ptr, ws_size,
+                ctypes.c_void_p(stream),
+            )
+        self.lib.check(status, "cublasLtMatmul")
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -272,13 +276,15 @@ def scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
         return y
     lib = _library()
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    handle = lib.handle(index)
+    with _lib_lock:
+        handle = lib.handle(index)
     aligns = (_alignment(w.data_ptr()), _alignment(a.data_ptr()), _alignment(y.data_ptr()))
     key = (index, m, n, k, out_dtype, bias is not None, fast_accum, aligns)
-    plan = _plans.get(key)
-    if plan is None:
-        pointers = (w_scale.data_ptr(), a_scale.data_ptr(), bias.data_ptr() if bias is not None else None)
-        plan = _plans[key] = _Plan(lib, handle, m, n, k, OUT_TYPES[out_dtype], bias is not None, fast_accum, aligns,
-                                   pointers)
+    with _lib_lock:
+        plan = _plans.get(key)
+        if plan is None:
+            pointers = (w_scale.data_ptr(), a_scale.data_ptr(), bias.data_ptr() if bias is not None else None)
+            plan = _plans[key] = _Plan(lib, handle, m, n, k, OUT_TYPES[out_dtype], bias is not None, fast_accum,
+                                       aligns, pointers)
     plan.run(handle, a, w, a_scale, w_scale, bias, y, torch.cuda.current_stream(a.device).cuda_stream)
     return y
