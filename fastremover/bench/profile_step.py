@@ -7,7 +7,7 @@ of the fast VAE at the workload's size.
 A steady-state step is profiled (step 1: step 0 also calibrates the 8-bit attention's K centres); --graph profiles it
 as a CUDA-graph replay, as the denoise loop runs it.
     python -m fastremover.bench.profile_step --vae [--workload w2] [--vae-precision fp8] [--out FILE]
-    python -m fastremover.bench.profile_step --workload w1 --compare shipped serial unfused-ffn1 [--out FILE]
+    python -m fastremover.bench.profile_step --workload w1 --compare shipped serial unfused-ffn1 [--burst 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from collections import defaultdict
 from typing import Callable
 
@@ -153,11 +154,16 @@ VARIANTS = {  # --compare: FastTransformer options per label (fast mode)
 
 
 def compare_graph_steps(model, workload: str, labels: list[str], attention: str = "auto", rounds: int = 4,
-                        replays: int = 10, step: int = 1) -> dict:
+                        replays: int = 10, step: int = 1, burst_idle_s: float | None = None) -> dict:
     """Fast-mode step variants side by side: each captured as a CUDA graph of `step` (after an eager step 0, which
     calibrates; step 0 itself recalibrates on every replay, as the first step of every run does), then replayed in
     interleaved rounds (so clock drift hits every variant alike); ms per step as the median over rounds, and each
-    variant's output compared with the first one's (torch.equal, or the cosine)."""
+    variant's output compared with the first one's (torch.equal, or the cosine).
+
+    burst_idle_s: time each round as the bench's denoise stage runs (the GPU idle for burst_idle_s, then `replays`
+    replays back to back, 12 for a 12-step loop) instead of after a warm-up replay. Back-to-back rounds keep the GPU at
+    its power cap, where an idle gap saved inside a step barely shows (session 12: the cuBLASLt memsets, 0.3 ms of idle
+    per W1 step, gone in the timeline and in two benches, ~0 in hot rounds)."""
     device = torch.device("cuda")
     backend, notes = resolve_attention(attention, "fast", device)
     x = step_latents(model, workload, device)
@@ -174,7 +180,11 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
         for r in runs.values():
-            r["graph"].replay()
+            if burst_idle_s is None:
+                r["graph"].replay()
+            else:
+                torch.cuda.synchronize()
+                time.sleep(burst_idle_s)
             start.record()
             for _ in range(replays):
                 r["graph"].replay()
@@ -189,7 +199,8 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
         rows.append({"variant": label, "options": VARIANTS[label], "describe": r["describe"],
                      "step_ms_graph": sorted(r["ms"])[len(r["ms"]) // 2], "step_ms_rounds": r["ms"],
                      f"equal_to_{labels[0]}": same, f"cos_to_{labels[0]}": c})
-    return {"workload": workload, "attention": backend, "notes": notes, "step": step, "variants": rows}
+    return {"workload": workload, "attention": backend, "notes": notes, "step": step, "rounds": rounds,
+            "replays": replays, "burst_idle_s": burst_idle_s, "variants": rows}
 
 
 def profile_vae(workload: str = "w2", precision: str = "auto") -> dict:
@@ -225,10 +236,14 @@ def main(argv=None) -> None:
                         help="fast-mode variants timed side by side as graph replays (interleaved rounds)")
     parser.add_argument("--step", type=int, default=1,
                         help="with --compare: the step captured (0 = the calibrating first step of a run)")
+    parser.add_argument("--burst", type=float, default=None, metavar="IDLE_S",
+                        help="with --compare: rounds of 12 back-to-back replays after IDLE_S seconds of idle GPU (the "
+                             "bench's denoise burst) instead of 10 replays after a warm-up one; 8 rounds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.compare:
-        result = compare_graph_steps(real_model(), args.workload, args.compare, args.attention, step=args.step)
+        burst = {} if args.burst is None else {"rounds": 8, "replays": 12, "burst_idle_s": args.burst}
+        result = compare_graph_steps(real_model(), args.workload, args.compare, args.attention, step=args.step, **burst)
         for r in result["variants"]:
             flags = {k: v for k, v in r.items() if k.startswith(("equal_to", "cos_to"))}
             print(f"{args.workload} step {args.step} {r['variant']:<18} {r['step_ms_graph']:8.3f} ms/step (graph)  "
