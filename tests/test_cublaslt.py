@@ -122,20 +122,14 @@ def test_gpu_scaled_mm_equals_torch_scaled_mm_at_real_shapes(mkn):
 def test_gpu_scaled_mm_on_row_slices_and_in_a_cuda_graph():
     """The fast transformer's calls: row slices of larger buffers (the last-wave chunk) written into `out`, and
     captured in a CUDA graph then replayed on new values (descriptors hold pointers, not values)."""
+    from fastremover.bench.profile_step import capture  # side-stream warm-up, then the capture
+
     g, seed = _fresh()
     m, k, n, split = 7290, 1536, 1536, 7040
     a, w, sa, sw, bias = _problem(g, m, k, n)
     out = torch.empty(m, n, dtype=torch.float16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capturing stream, as profile_step.capture does
-        for lo, hi in ((0, split), (split, m)):
-            cublaslt.scaled_mm(a[lo:hi], w, sa[lo:hi], sw, bias, torch.float16, out=out[lo:hi])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for lo, hi in ((0, split), (split, m)):
-            cublaslt.scaled_mm(a[lo:hi], w, sa[lo:hi], sw, bias, torch.float16, out=out[lo:hi])
+    graph, _ = capture(lambda: [cublaslt.scaled_mm(a[lo:hi], w, sa[lo:hi], sw, bias, torch.float16, out=out[lo:hi])
+                                for lo, hi in ((0, split), (split, m))])
     for _ in range(2):
         a.copy_(_codes(m, k, device="cuda", g=g))
         sa.copy_(torch.rand(m, 1, device="cuda", generator=g) * 1e-2 + 1e-4)

@@ -276,11 +276,10 @@ def scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
         return y
     lib = _library()
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    with _lib_lock:
-        handle = lib.handle(index)
     aligns = (_alignment(w.data_ptr()), _alignment(a.data_ptr()), _alignment(y.data_ptr()))
     key = (index, m, n, k, out_dtype, bias is not None, fast_accum, aligns)
     with _lib_lock:
+        handle = lib.handle(index)
         plan = _plans.get(key)
         if plan is None:
             pointers = (w_scale.data_ptr(), a_scale.data_ptr(), bias.data_ptr() if bias is not None else None)

@@ -63,10 +63,13 @@ class Fp8Linear(nn.Module):
         self.mm_dtype = scaled_mm_out_dtype(dev.type, dev.index, out_dtype)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", None if bias is None else bias.to(self.mm_dtype).contiguous())
-        reason = cublaslt.unavailable_reason(dev.type, dev.index) if gemm != "torch" else "gemm='torch' requested"
-        if gemm == "cublaslt" and reason is not None:
-            raise ValueError(f"gemm='cublaslt' cannot run here: {reason}")
-        self.gemm = "cublaslt" if reason is None else "torch"
+        self.gemm = "torch"
+        if gemm != "torch":
+            reason = cublaslt.unavailable_reason(dev.type, dev.index)
+            if gemm == "cublaslt" and reason is not None:
+                raise ValueError(f"gemm='cublaslt' cannot run here: {reason}")
+            if reason is None:
+                self.gemm = "cublaslt"
 
     @property
     def out_features(self) -> int:

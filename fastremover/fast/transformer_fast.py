@@ -25,10 +25,11 @@ Concurrency (CUDA, 8-bit attention; `concurrent`, `tail_overlap`): q's codes, k'
 three independent chains, run on the current stream and two side streams and joined before the attention (b_o + W_o c
 runs beside the attention kernel); V's stream, the longest chain, at a higher priority (`stream_priority`).
 FlashAttention-3's persistent grid leaves a partial last wave of tiles (W2: 36 of 3072 tiles on 132 SMs, W1: 24 of
-684; `attention_row_split`), so with one batch the query rows of that wave run as a second attention call on a side stream while the first rows go on through the O projection, the norms and the FFN
-(everything after the attention is row-wise: `_rowwise_rest`); the next norm's outputs land in row slices of shared
-tensors. Same kernels, same inputs: the outputs equal the one-stream order's (GPU test), and the split's equal the
-unsplit block's up to the GEMMs' choice of kernels at two row counts (equal in the GPU test's runs).
+684; `attention_row_split`), so with one batch the query rows of that wave run as a second attention call on a side
+stream while the first rows go on through the O projection, the norms and the FFN (everything after the attention
+is row-wise: `_rowwise_rest`); the next norm's outputs land in row slices of shared tensors. Same kernels, same
+inputs: the outputs equal the one-stream order's (GPU test), and the split's equal the unsplit block's up to the
+GEMMs' choice of kernels at two row counts (equal in the GPU test's runs).
 
 8-bit attention's q/k/v quantization (fast mode with fp8, fp8-fa3 or fp8-flash3): per-tensor e4m3 with K and V
 centred. Softmax makes ANY centre exact: q . (k - c) moves every logit of a query row by the same q . c, and
