@@ -316,6 +316,7 @@ def test_attention_backend_choice_and_errors_on_cpu():
     assert available_backends(cpu) == ["sdpa"]
     assert "CUDA" in unavailable_reason("fp8", cpu)
     assert resolve_attention("auto", "eager", cpu) == ("sdpa", [])
+    assert resolve_attention("auto", "exact", cpu) == ("sdpa", [])  # the CPU has nothing else: no note
     backend, notes = resolve_attention("auto", "fast", cpu)  # no 8-bit backend here: fp16 SDPA, said in a note
     assert backend == "sdpa" and len(notes) == 1 and "8-bit attention unavailable" in notes[0]
     with pytest.raises(FastRemoverError, match="fp8"):
@@ -330,19 +331,20 @@ def test_attention_backend_choice_and_errors_on_cpu():
     ({"sdpa", "fp8", "fp8-triton"}, "fast", "fp8", None),
     ({"sdpa", "fp8-triton"}, "fast", "fp8-triton", "fp8-triton"),  # no cuDNN FP8: our kernel, saying why
     ({"sdpa"}, "fast", "sdpa", "8-bit attention unavailable"),
-    ({"sdpa", "fp8", "fp8-triton"}, "exact", "sdpa", None),
-    ({"sdpa", "fp8"}, "exact", "sdpa", None),
-    ({"sdpa"}, "exact", "sdpa", None),
+    ({"sdpa", "fp8", "fp8-triton"}, "exact", "sdpa", "FA3 attention is not used"),  # no FlashInfer: sdpa, saying why
+    ({"sdpa", "fp8"}, "exact", "sdpa", "FA3 attention is not used"),
+    ({"sdpa"}, "exact", "sdpa", "FA3 attention is not used"),
     ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton"}, "exact", "fa3", None),  # FlashInfer installed: its FA3 kernel
     ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton"}, "fast", "fp8", None),
     ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton", "fp8-flash3"}, "fast", "fp8-flash3", None),  # FA3 built
-    ({"sdpa", "fp8-flash3"}, "exact", "sdpa", None),
+    ({"sdpa", "fp8-flash3"}, "exact", "sdpa", "FA3 attention is not used"),
 ], ids=["fast-all", "fast-only-triton", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit",
         "exact-flashinfer", "fast-flashinfer", "fast-flash3", "exact-flash3"])
 def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expect_note):
     """auto_backend's choice given which backends can run (unavailable_reason faked: nothing CUDA is touched): fast
-    takes FlashAttention-3's fp8-flash3 when it is built, else cuDNN's fp8 when it can run, else fp8-triton with a note saying why, else sdpa with a note naming both
-    reasons; exact takes FlashInfer's fa3 when it can run, else sdpa, with no notes."""
+    takes FlashAttention-3's fp8-flash3 when it is built, else cuDNN's fp8 when it can run, else fp8-triton with a
+    note saying why, else sdpa with a note naming both reasons; exact takes FlashInfer's fa3 when it can run, else sdpa
+    with a note naming why fa3 could not."""
     from fastremover.fast import attention
 
     asked = []
@@ -359,8 +361,11 @@ def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expec
         assert notes == []
     else:
         assert len(notes) == 1 and expect_note in notes[0], notes
-        assert "fake: fp8 is not" in notes[0], notes  # the note says why cuDNN's FP8 attention is not used
-        assert ("fake: fp8-triton" in notes[0]) is (expect_backend == "sdpa"), notes
+        if mode == "exact":
+            assert "fake: fa3 is not" in notes[0], notes  # the note says why FlashInfer's FA3 is not used
+        else:
+            assert "fake: fp8 is not" in notes[0], notes  # the note says why cuDNN's FP8 attention is not used
+            assert ("fake: fp8-triton" in notes[0]) is (expect_backend == "sdpa"), notes
     assert all(d == dev for _, d in asked)  # the device is passed through
     if mode == "fast" and expect_backend not in ("fp8", "fp8-flash3"):
         assert "fp8" in [n for n, _ in asked]  # the note comes from asking, not from a guess

@@ -203,14 +203,19 @@ def available_backends(device: torch.device) -> list[str]:
 
 
 def auto_backend(mode: str, device: torch.device) -> tuple[str, list[str]]:
-    """The backend an engine mode uses: for exact `fa3` (FlashInfer, when installed and runnable) else `sdpa`; for fast
-    `fp8-flash3` (FlashAttention-3's FP8 kernel, when built and on the path: the fastest at equal end-to-end fidelity,
-    see the module docstring), else `fp8` (cuDNN, V centred), else `fp8-triton` with a note saying why, else sdpa with
-    a note."""
+    """The backend an engine mode uses: for exact `fa3` (FlashInfer, when installed and runnable) else `sdpa`, with a
+    note saying why on a GPU; for fast `fp8-flash3` (FlashAttention-3's FP8 kernel, when built and on the path: the
+    fastest at equal end-to-end fidelity, see the module docstring), else `fp8` (cuDNN, V centred), else `fp8-triton`
+    with a note saying why, else sdpa with a note."""
     if mode != "fast":
         # FlashInfer's FA3 fp16 kernel where it can run: 10.2 ms vs SDPA's 11.9 at S = 32760 (W2 exact denoise 5.94 ->
         # 5.46 s, bench/results/w2-exact-fa3-*.json); no quantization, fp32 accumulation, like SDPA
-        return ("fa3", []) if unavailable_reason("fa3", device) is None else ("sdpa", [])
+        why_fa3 = unavailable_reason("fa3", device)
+        if why_fa3 is None:
+            return "fa3", []
+        # on a GPU say why, since it costs ~10 % of W2's denoise; on the CPU sdpa is the only choice, so no note
+        return "sdpa", ([f"mode {mode}: FlashInfer's FA3 attention is not used ({why_fa3}); attention runs torch "
+                         "SDPA"] if device.type == "cuda" else [])
     if unavailable_reason("fp8-flash3", device) is None:
         return "fp8-flash3", []
     why_cudnn = unavailable_reason("fp8", device)
