@@ -13,6 +13,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fastremover.bench.harness import save_experiment
 from fastremover.fast import cublaslt
 
 FP8 = torch.float8_e4m3fn
@@ -78,10 +79,7 @@ def main() -> int:
             row["error"] = f"{type(e).__name__}: {e}"
         print(json.dumps(row))
         rows.append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "cublaslt_version": lib.version, "shape": [m, k, n],
-                       "rows": rows}, f, indent=1)
+    save_experiment(args.out, rows, cublaslt_version=lib.version, shape=[m, k, n])
     return 0
 
 

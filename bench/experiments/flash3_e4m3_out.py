@@ -13,11 +13,11 @@ keeps the bf16 output + quant_fp8_static.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 
+from fastremover.bench.harness import save_experiment
 from fastremover.bench.profile_step import capture
 from fastremover.fast.attention import quantize_qkv
 from fastremover.fast.flash3_attention import _descale, flash3_fp8_codes
@@ -78,9 +78,7 @@ def main(argv=None) -> int:
             rows.append({"q_rows": sq_rows, "keys": s, "variant": name, "ms": ms, "tflops": flop / ms / 1e9,
                          "rounds_ms": ts})
             print(f"q {sq_rows:6d} x k {s:6d}  {name:<30} {ms:8.4f} ms  {flop / ms / 1e9:7.1f} TF/s")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    save_experiment(a.out, rows)
     return 0
 
 

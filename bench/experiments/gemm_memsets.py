@@ -10,13 +10,13 @@ whether the memsets belong to cuBLASLt's workspace-using kernels and what the ot
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from collections import Counter
 
 import torch
 
+from fastremover.bench.harness import save_experiment
 from fastremover.bench.profile_step import capture
 
 SHAPES = {  # name: (M, K, N); the attention's tail split runs the rows after it in two chunks
@@ -76,11 +76,8 @@ def main(argv=None) -> int:
         rows.append({"gemm": name, "m": m, "k": k, "n": n, "ms": med, "tflops": 2 * m * k * n / med / 1e9,
                      "kernels_per_call": per_call})
         print(f"{a.label:>8} {a.workload} {name:<9} {m:5d}x{k:5d}x{n:5d} {med * 1e3:8.1f} us  {per_call}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "label": a.label, "workload": a.workload,
-                       "CUBLASLT_WORKSPACE_SIZE": os.environ.get("CUBLASLT_WORKSPACE_SIZE"), "rows": rows}, f,
-                      indent=1)
+    save_experiment(a.out, rows, label=a.label, workload=a.workload,
+                    CUBLASLT_WORKSPACE_SIZE=os.environ.get("CUBLASLT_WORKSPACE_SIZE"))
     return 0
 
 

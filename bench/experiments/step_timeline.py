@@ -8,10 +8,10 @@ and the time only one kernel runs, per step. Writes the raw kernel list (name, s
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
+from fastremover.bench.harness import save_experiment
 from fastremover.bench.profile_step import capture, real_model, step_latents
 from fastremover.fast.engine import resolve_attention
 from fastremover.fast.transformer_fast import FastTransformer
@@ -73,10 +73,9 @@ def main(argv=None) -> int:
         end = max(end, k["start_us"] + k["dur_us"])
     for name, gs in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]:
         print(f"   idle before {name:<50} {len(gs):4d} gaps, {sum(gs):8.1f} us, mean {sum(gs) / len(gs):5.2f}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "workload": a.workload, "coverage_us": cov,
-                       "idle_before": {n: [len(gs), sum(gs)] for n, gs in gaps.items()}, "kernels": kernels}, f)
+    # rows: the step's kernels in start order
+    save_experiment(a.out, kernels, workload=a.workload, coverage_us=cov,
+                    idle_before={n: [len(gs), sum(gs)] for n, gs in gaps.items()})
     return 0
 
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from collections import defaultdict
 from typing import Callable
 
 import torch
 
-from fastremover.bench.harness import WORKLOADS
+from fastremover.bench.harness import WORKLOADS, environment
 from fastremover.fast.engine import resolve_attention
 from fastremover.fast.transformer_fast import FastTransformer
 from fastremover.models.loading import random_models
@@ -241,6 +242,9 @@ def main(argv=None) -> None:
                              "bench's denoise burst) instead of 10 replays after a warm-up one; 8 rounds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    # the provenance every cited result needs (GPU, torch, commit, the command as run), as the bench's own JSON has
+    env = {**environment(), "command": " ".join(["python -m fastremover.bench.profile_step",
+                                                 *(sys.argv[1:] if argv is None else argv)])}
     if args.compare:
         burst = {} if args.burst is None else {"rounds": 8, "replays": 12, "burst_idle_s": args.burst}
         result = compare_graph_steps(real_model(), args.workload, args.compare, args.attention, step=args.step, **burst)
@@ -248,14 +252,14 @@ def main(argv=None) -> None:
             flags = {k: v for k, v in r.items() if k.startswith(("equal_to", "cos_to"))}
             print(f"{args.workload} step {args.step} {r['variant']:<18} {r['step_ms_graph']:8.3f} ms/step (graph)  "
                   f"rounds {[round(v, 2) for v in r['step_ms_rounds']]}  {flags}")
-        payload = {"gpu": torch.cuda.get_device_name(), **result}
+        payload = {**env, **result}
     elif args.vae:
         results = profile_vae(args.workload, args.vae_precision)
         for stage, r in results.items():
             print(f"\nfast VAE {stage}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms_by_group"].items()))
             for k in r["top"]:
                 print(f"   {k['ms']:8.2f} ms x{k['count']:<5} {k['name']}")
-        payload = {"gpu": torch.cuda.get_device_name(), "vae_precision": args.vae_precision, "vae": results}
+        payload = {**env, "vae_precision": args.vae_precision, "vae": results}
     else:
         model = real_model()
         results = [profile(model, args.workload, mode, args.attention, graph=args.graph) for mode in args.modes]
@@ -267,7 +271,7 @@ def main(argv=None) -> None:
                 print(f"   {group:<14} {ms:8.2f} ms")
             for k in r["top_kernels"][:14]:
                 print(f"      {k['ms']:8.2f} ms x{k['count']:<4} {k['name']}")
-        payload = {"gpu": torch.cuda.get_device_name(), "results": results}
+        payload = {**env, "results": results}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)
