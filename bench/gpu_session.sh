@@ -44,7 +44,7 @@ for phase in "$@"; do
         | tee "$OUT/gpu-tests-attention-fp8.log" | grep -E "passed|failed|FAILED|Error|cos" | tail -20 ;;
     kernels)
       python3 -m fastremover.fast.kernels.bench_kernels 2>&1 | tee "$OUT/kernels.txt" | tail -12
-      python3 -m fastremover.fast.attention --bench --out "$OUT/attention.json" 2>&1 | grep -v "^\[attention_fp8\]" | tail -24
+      python3 tools/bench_attention.py --bench --out "$OUT/attention.json" 2>&1 | grep -v "^\[attention_fp8\]" | tail -24
       python3 -m fastremover.fast.kernels.conv3d_fp8 --bench --no-variants --out "$OUT/conv3d.json" 2>&1 | tail -12
       python3 -m fastremover.fast.vae_fast --bench --pair off --out "$OUT/vae-w2.json" 2>&1 | tail -5
       python3 -m fastremover.bench.profile_step --workload w2 --modes exact fast --out "$OUT/profile-w2.json" 2>&1 | tail -30
@@ -82,7 +82,7 @@ for phase in "$@"; do
       python3 -m fastremover.fast.flashinfer_attention --build --out-dir "$OUT" 2>&1 | tail -20 ;;
     attention:*)
       # shellcheck disable=SC2086
-      python3 -m fastremover.fast.attention --bench ${phase#attention:} --out "$OUT/attention.json" 2>&1 \
+      python3 tools/bench_attention.py --bench ${phase#attention:} --out "$OUT/attention.json" 2>&1 \
         | grep -v "^\[attention_fp8\]" | tail -40 ;;
     if-faster:*)
       spec=${phase#if-faster:}

@@ -36,6 +36,11 @@ def collect_info() -> dict:
             gpus.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
     info["devices"] = gpus or ["cpu only (no CUDA GPU visible)"]
     info["modes"] = _modes(torch.device("cuda" if gpus else "cpu"))
+    from fastremover.fast.nvfp4_linear import format_memory_estimate, nvfp4_memory_estimate
+    from fastremover.models.transformer import RemoverTransformerConfig
+
+    info["transformer weights (released config), --weights"] = format_memory_estimate(
+        nvfp4_memory_estimate(RemoverTransformerConfig())).splitlines()
     info["vae"] = _vae_paths(torch.device("cuda" if gpus else "cpu"))
     return info
 
@@ -63,8 +68,8 @@ def _vae_paths(device: torch.device) -> dict[str, str]:
 
 def _modes(device: torch.device) -> dict[str, str]:
     """What each engine mode would run on this device (resolve_mode is what the pipeline uses)."""
-    from fastremover.fast.attention import auto_backend, available_backends
     from fastremover.fast.engine import MODES, resolve_mode
+    from fastremover.ops import attention
 
     out = {}
     for mode in MODES:
@@ -72,10 +77,10 @@ def _modes(device: torch.device) -> dict[str, str]:
         if active == "eager":
             desc = "eager module (reference order), torch SDPA"
         else:
-            backend, attention_notes = auto_backend(active, device)
+            backend, attention_notes = attention.choose(active, device)
             notes = notes + attention_notes
             desc = (f"fused Triton kernels, CUDA-graph denoise loop, attention {backend} "
-                    f"(--attention choices here: {'/'.join(available_backends(device))})")
+                    f"(--attention choices here: {'/'.join(attention.available(device))})")
             if active == "fast":
                 desc += ", FP8 e4m3 linears"
         out[mode] = desc + (f"  [{notes[0]}]" if notes else "")

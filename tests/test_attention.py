@@ -1,4 +1,4 @@
-"""Attention backends (fastremover/fast/attention.py, fast/cudnn_sdpa.py): the 8-bit path against fp16 SDPA.
+"""Attention backends (fastremover/ops/attention/, fast/cudnn_sdpa.py): the 8-bit path against fp16 SDPA.
 
 CPU: the q/k/v quantizer against its eager reference (Triton interpreter) and K smoothing's exactness under softmax.
 GPU (H200): cuDNN FP8 SDPA at the W2 shape (S = 32760, 12 heads x 128), cosine vs fp16 SDPA >= 0.998 on inputs with a
@@ -33,7 +33,7 @@ def qkv_views(s, heads=2, dim=64, k_bias=2.0, seed=0, dtype=torch.float32, devic
 
 
 def test_quantize_qkv_matches_reference_and_reads_strided_views():
-    from fastremover.fast.attention import quantize_qkv, quantize_qkv_reference
+    from fastremover.ops.attention.quantize import quantize_qkv, quantize_qkv_reference
 
     q, k, v = qkv_views(40)
     got = quantize_qkv(q, k, v)
@@ -52,10 +52,10 @@ def test_k_smoothing_is_exact_under_softmax_and_shrinks_the_k_range():
 
 
 def test_quantize_qkv_smooth_v_centres_v_and_returns_its_mean():
-    from fastremover.fast.attention import quantize_qkv
+    from fastremover.ops.attention.quantize import quantize_qkv
     from fastremover.fast.kernels.quant import quant_fp8_tensorwise_reference
 
-    from fastremover.fast.attention import quantize_qkv_reference
+    from fastremover.ops.attention.quantize import quantize_qkv_reference
 
     q, k, v = qkv_views(40, v_bias=3.0, seed=4)
     plain = quantize_qkv(q, k, v)
@@ -83,7 +83,8 @@ def test_v_centring_is_exact_under_softmax():
 def test_fp8_triton_adds_the_v_mean_back(monkeypatch):
     """fp8_triton(smooth_v=True) on V with a large shared offset: the mean comes back (the output is not centred),
     and centring does not cost fidelity (interpreter: exact fp32 accumulation, so it cannot gain much here)."""
-    from fastremover.fast.attention import fp8_triton, sdpa
+    from fastremover.ops.attention.sdpa import sdpa
+    from fastremover.ops.attention.triton_fp8 import fp8_triton
 
     monkeypatch.setenv("FASTREMOVER_FP8_ATTN_CONFIG", "m32n32w4s1t0ws0a1")
     q, k, v = qkv_views(70, v_bias=5.0, seed=8)
@@ -99,7 +100,8 @@ def test_fp8_triton_adds_the_v_mean_back(monkeypatch):
 def test_gpu_cudnn_fp8_v_centring_recovers_fidelity_with_a_v_offset():
     """cuDNN's FP8 P @ V loses precision over 32760 keys when V has a shared offset (Hopper's FP8 MMA accumulator;
     H200: cos 0.9964 at offset 1); centring V (the backend's default) restores it (1.00000)."""
-    from fastremover.fast.attention import fp8_cudnn, sdpa
+    from fastremover.ops.attention.cudnn_fp8 import fp8_cudnn
+    from fastremover.ops.attention.sdpa import sdpa
 
     q, k, v = qkv_views(32760, heads=12, dim=128, k_bias=1.0, v_bias=1.0, seed=9, dtype=torch.float16)
     ref = sdpa(q, k, v)
@@ -110,7 +112,9 @@ def test_gpu_cudnn_fp8_v_centring_recovers_fidelity_with_a_v_offset():
 
 @pytest.mark.gpu
 def test_gpu_cudnn_fp8_attention_cosine_at_w2_shape():
-    from fastremover.fast.attention import fp8_cudnn, sdpa, unavailable_reason
+    from fastremover.ops.attention import unavailable_reason
+    from fastremover.ops.attention.cudnn_fp8 import fp8_cudnn
+    from fastremover.ops.attention.sdpa import sdpa
 
     why = unavailable_reason("fp8", torch.device("cuda"))
     assert why is None, why
@@ -127,7 +131,7 @@ def test_gpu_cudnn_fp8_attention_cosine_at_w2_shape():
 
 @pytest.mark.gpu
 def test_gpu_cudnn_fp8_attention_in_a_cuda_graph(graph_replays_new_inputs):
-    from fastremover.fast.attention import fp8_cudnn
+    from fastremover.ops.attention.cudnn_fp8 import fp8_cudnn
 
     q, k, v = qkv_views(1000, heads=4, dim=128, seed=5, dtype=torch.float16)
     out = graph_replays_new_inputs(fp8_cudnn, q, k, v)

@@ -379,7 +379,7 @@ B_, S_, H_, D_ = 1, 32760, 12, 128
 
 @pytest.fixture(autouse=True)
 def _pinned_config_on_the_gpu(monkeypatch, request):
-    """The engine runs this kernel with one pinned config (fast/attention.py: autotuning by timing could change the
+    """The engine runs this kernel with one pinned config (ops/attention/triton_fp8.py: autotuning by timing could change the
     output bits between processes); the real-shape GPU tests do the same, which also keeps them from autotuning six
     configs per shape (minutes of device time). Autotuning itself is exercised by the benchmark."""
     if "gpu" in request.keywords and not INTERPRET:
@@ -391,7 +391,7 @@ def _pinned_config_on_the_gpu(monkeypatch, request):
 @pytest.mark.parametrize("k_bias", [0.0, 4.0])
 def test_gpu_real_shape_cosine_vs_sdpa(k_bias):
     A = mod()
-    from fastremover.fast.attention import sdpa
+    from fastremover.ops.attention.sdpa import sdpa
 
     q, k, v = packed_qkv(0, B_, S_, H_, D_, dtype=F16, k_bias=k_bias, device="cuda")
     ref = sdpa(q, k, v)
@@ -458,7 +458,7 @@ def test_gpu_fp8_faster_than_sdpa_is_reported():
     """Not a pass/fail speed gate (the bench is): prints the times so the test log carries them; fails only if the
     fp8 path is slower than fp16 SDPA by more than 2x (a sign of a broken build, e.g. no wgmma)."""
     A = mod()
-    from fastremover.fast.attention import sdpa
+    from fastremover.ops.attention.sdpa import sdpa
 
     q, k, v = packed_qkv(0, B_, S_, H_, D_, dtype=F16, device="cuda")
     q8, k8, v8, sc = A.quantize_qkv_fp8(q, k, v)

@@ -33,8 +33,9 @@ def qkv_views(s, heads=12, dim=128, k_bias=1.0, v_bias=0.0, seed=0, batch=1):
 
 @pytest.mark.parametrize("name", LIBRARY_BACKENDS)
 def test_refused_off_the_gpu_with_a_clear_error(name):
-    from fastremover.fast.attention import get_backend, unavailable_reason
     from fastremover.fast.engine import resolve_attention
+    from fastremover.ops.attention import runnable as get_backend
+    from fastremover.ops.attention import unavailable_reason
 
     cpu = torch.device("cpu")
     why = unavailable_reason(name, cpu)
@@ -65,7 +66,7 @@ def test_availability_names_the_missing_piece(monkeypatch, module, missing, reme
 
 
 def _needs(name):
-    from fastremover.fast.attention import unavailable_reason
+    from fastremover.ops.attention import unavailable_reason
 
     why = unavailable_reason(name, torch.device("cuda"))
     if why is not None:
@@ -75,7 +76,8 @@ def _needs(name):
 @pytest.mark.gpu
 def test_gpu_fa3_fp16_matches_sdpa_at_w2_shape():
     _needs("fa3")
-    from fastremover.fast.attention import fa3, sdpa
+    from fastremover.ops.attention.flashinfer_fa3 import fa3
+    from fastremover.ops.attention.sdpa import sdpa
 
     q, k, v = qkv_views(32760, seed=11)
     ref, got = sdpa(q, k, v), fa3(q, k, v)
@@ -91,11 +93,12 @@ def test_gpu_fa3_fp16_matches_sdpa_at_w2_shape():
 @pytest.mark.parametrize("k_bias,v_bias", [(0.0, 0.0), (1.0, 0.0), (1.0, 1.0)])
 def test_gpu_fp8_cosine_at_w2_shape(name, k_bias, v_bias):
     _needs(name)
-    from fastremover.fast.attention import BACKENDS, sdpa
+    from fastremover.ops.attention import get
+    from fastremover.ops.attention.sdpa import sdpa
 
     q, k, v = qkv_views(32760, k_bias=k_bias, v_bias=v_bias, seed=13)
     ref = sdpa(q, k, v)
-    got = BACKENDS[name](q, k, v)
+    got = get(name).call(q, k, v)
     c = cos(got, ref)
     print(f"{name}, K offset {k_bias}, V offset {v_bias}: cos {c:.6f}")
     assert got.dtype == torch.float16 and got.shape == ref.shape
@@ -109,8 +112,10 @@ def test_gpu_batch_of_two_equals_per_item_calls():
     same codes and scales: a separate quantization of one item would pick other per-tensor scales)."""
     _needs("fa3")
     _needs("fp8-fa3")
-    from fastremover.fast.attention import fa3, fp8_fa3, quantize_qkv, sdpa
     from fastremover.fast.flashinfer_attention import fa3_fp8_codes
+    from fastremover.ops.attention.flashinfer_fa3 import fa3, fa3_fp8 as fp8_fa3
+    from fastremover.ops.attention.quantize import quantize_qkv
+    from fastremover.ops.attention.sdpa import sdpa
 
     q, k, v = qkv_views(2000, heads=4, seed=17, batch=2)
     both = fa3(q, k, v)
@@ -128,9 +133,9 @@ def test_gpu_batch_of_two_equals_per_item_calls():
 @pytest.mark.parametrize("name", LIBRARY_BACKENDS)
 def test_gpu_in_a_cuda_graph(name, graph_replays_new_inputs):
     _needs(name)
-    from fastremover.fast.attention import BACKENDS
+    from fastremover.ops.attention import get
 
-    fn = BACKENDS[name]
+    fn = get(name).call
     q, k, v = qkv_views(1000, heads=4, seed=5)
     out = graph_replays_new_inputs(fn, q, k, v)
     assert torch.equal(out, fn(q, k, v))

@@ -14,6 +14,8 @@ from fastremover.models.loading import random_init_
 from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
 from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG
 
+import attention_fakes
+
 TINY = RemoverTransformerConfig(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2, freq_dim=32)
 
 
@@ -114,18 +116,16 @@ def test_cudnn_fp8_codes_path_folds_the_v_centre_into_the_o_projection(monkeypat
     if batch == 2:
         x[1].add_(10.0)  # the batches' V means then differ: a centre applied to the wrong batch shows
 
-    def fake_sdpa_fp8(q8, k8, v8, sq, sk, sv):
-        q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-        return (o / sv).to(torch.float8_e4m3fn).contiguous()
-
     generic = FastTransformer(model, fp8=True, use_triton=False)
     cond = generic.conditioning(t, batch=batch)
     with torch.no_grad():
         expect = [generic.forward_step(x, cond, i) for i in (0, 1)]
-    monkeypatch.setattr(transformer_fast, "sdpa_fp8", fake_sdpa_fp8)
-    codes = FastTransformer(model, fp8=True, use_triton=False)
-    codes.fp8_attention_codes = True  # the cuDNN path, with the fake kernel (the real one needs a Hopper GPU)
+    # the cuDNN path, with the kernel faked (the real one needs a Hopper GPU): a backend whose output is fp8 codes
+    fake = attention_fakes.registered("test-cudnn-like", codes_call=attention_fakes.fake_cudnn_codes,
+                                      output="fp8-codes")
+    with fake:
+        codes = FastTransformer(model, fp8=True, use_triton=False, attention="test-cudnn-like")
+    assert codes.fp8_attention_codes and not codes.fp8_attention_requant
     biases = []
     o_proj = codes.fp8_blocks[0]["o"]
     real_forward = o_proj.forward
@@ -158,19 +158,13 @@ def test_static_fp8_bounds_hold_and_are_not_absurd(monkeypatch, batch):
     attention output's 1.125 * 448 * sv are never exceeded (no code saturates) over a few steps, and are within 100x
     of the true amax (a looser bound would push typical values toward e4m3's subnormals). FlashAttention-3's kernel
     is faked by its dequantized math (bf16 out), so the requantizing path runs on the CPU."""
-    from fastremover.fast import transformer_fast
 
     model = tiny_model(13)
     x = inputs(14, shape=(batch, 48, 3, 8, 12))
-    fast = FastTransformer(model, fp8=True, use_triton=False)
-    fast.fp8_attention_requant, fast.attention_name = True, "fp8-flash3"
-
-    def fake_flash3(q8, k8, v8, sq, sk, sv):
-        q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return o.transpose(1, 2).to(torch.bfloat16)
-
-    monkeypatch.setattr(transformer_fast, "flash3_fp8_codes", fake_flash3)
+    with attention_fakes.registered("test-flash3-like", codes_call=attention_fakes.fake_flash3_codes,
+                                    output="centred-16bit", row_split_block_m=128):
+        fast = FastTransformer(model, fp8=True, use_triton=False, attention="test-flash3-like")
+    assert fast.fp8_attention_requant
     seen = []
     real = fast.ops.quant_static
 
@@ -214,24 +208,22 @@ def test_attention_tail_split_matches_one_call(monkeypatch):
     (faked here with a 16-row tile and 4 SMs): two attention calls, each followed by its rows' O projection and
     residual + adaLN into row slices of shared outputs. Every step of the CPU composition is row-wise, so the result
     equals the unsplit path's."""
-    from fastremover.fast import transformer_fast
 
     model = tiny_model(15)
     x = inputs(16, shape=(1, 48, 3, 8, 12))  # 72 tokens
     calls = []
 
-    def fake_flash3(q8, k8, v8, sq, sk, sv):
+    def fake_flash3(q8, k8, v8, sq, sk, sv, out_dtype=None):
         calls.append(q8.shape[1])
-        q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return o.transpose(1, 2).to(torch.bfloat16)
+        return attention_fakes.fake_flash3_codes(q8, k8, v8, sq, sk, sv)
 
-    monkeypatch.setattr(transformer_fast, "flash3_fp8_codes", fake_flash3)
-    monkeypatch.setattr(transformer_fast, "FLASH3_FP8_BLOCK_M", 16)
     outs = {}
     for overlap in (True, False):
-        fast = FastTransformer(model, fp8=True, use_triton=False, tail_overlap=overlap)
-        fast.fp8_attention_requant, fast.attention_name, fast.sm_count = True, "fp8-flash3", 4
+        with attention_fakes.registered("test-flash3-like", codes_call=fake_flash3, output="centred-16bit",
+                                        row_split_block_m=16):  # a 16-row query tile, 4 SMs (below)
+            fast = FastTransformer(model, fp8=True, use_triton=False, tail_overlap=overlap,
+                                   attention="test-flash3-like")
+        fast.sm_count = 4
         cond = fast.conditioning(torch.tensor([900.0, 500.0]), batch=1)
         calls.clear()
         with torch.no_grad():
@@ -248,21 +240,17 @@ def test_fused_v_statistics_equal_the_three_kernel_chain(monkeypatch):
     """fused_v_stats (the default with Triton): V's statistics kernel does its own final reduction, with a program
     counter per layer kept by the transformer. Under the interpreter the step equals the three-kernel chain's, and
     every counter is back to 0 after it (FlashAttention-3 faked by its dequantized math)."""
-    from fastremover.fast import transformer_fast
 
     model = tiny_model(19)
     x = inputs(20, shape=(1, 48, 3, 8, 12))
 
-    def fake_flash3(q8, k8, v8, sq, sk, sv):
-        q, k, v = (c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv)))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return o.transpose(1, 2).to(torch.bfloat16)
-
-    monkeypatch.setattr(transformer_fast, "flash3_fp8_codes", fake_flash3)
     outs = {}
     for fused in (True, False):
-        fast = FastTransformer(model, fp8=True, use_triton=True, fused_v_stats=fused)
-        fast.fp8_attention_requant, fast.attention_name = True, "fp8-flash3"
+        with attention_fakes.registered("test-flash3-like", codes_call=attention_fakes.fake_flash3_codes,
+                                        output="centred-16bit", row_split_block_m=128):
+            fast = FastTransformer(model, fp8=True, use_triton=True, fused_v_stats=fused,
+                                   attention="test-flash3-like")
+        assert fast.fp8_attention_requant
         assert fast.fused_v_stats == fused
         cond = fast.conditioning(torch.tensor([900.0]), batch=1)
         with torch.no_grad():  # one step (the interpreter runs every kernel of it on the CPU)
@@ -309,8 +297,9 @@ def test_modes_fall_back_on_cpu_with_a_note():
 
 def test_attention_backend_choice_and_errors_on_cpu():
     from fastremover.errors import FastRemoverError
-    from fastremover.fast.attention import available_backends, unavailable_reason
     from fastremover.fast.engine import resolve_attention
+    from fastremover.ops.attention import available as available_backends
+    from fastremover.ops.attention import unavailable_reason
 
     cpu = torch.device("cpu")
     assert available_backends(cpu) == ["sdpa"]
@@ -328,16 +317,17 @@ def test_attention_backend_choice_and_errors_on_cpu():
 
 
 @pytest.mark.parametrize("available,mode,expect_backend,expect_note", [
-    ({"sdpa", "fp8", "fp8-triton"}, "fast", "fp8", None),
-    ({"sdpa", "fp8-triton"}, "fast", "fp8-triton", "fp8-triton"),  # no cuDNN FP8: our kernel, saying why
+    ({"sdpa", "cudnn-fp8", "triton-fp8"}, "fast", "cudnn-fp8", None),
+    ({"sdpa", "triton-fp8"}, "fast", "triton-fp8", "triton-fp8"),  # no cuDNN FP8: our kernel, saying why
     ({"sdpa"}, "fast", "sdpa", "8-bit attention unavailable"),
-    ({"sdpa", "fp8", "fp8-triton"}, "exact", "sdpa", "FA3 attention is not used"),  # no FlashInfer: sdpa, saying why
-    ({"sdpa", "fp8"}, "exact", "sdpa", "FA3 attention is not used"),
+    ({"sdpa", "cudnn-fp8", "triton-fp8"}, "exact", "sdpa", "FA3 attention is not used"),  # no FlashInfer: say why
+    ({"sdpa", "cudnn-fp8"}, "exact", "sdpa", "FA3 attention is not used"),
     ({"sdpa"}, "exact", "sdpa", "FA3 attention is not used"),
-    ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton"}, "exact", "fa3", None),  # FlashInfer installed: its FA3 kernel
-    ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton"}, "fast", "fp8", None),
-    ({"sdpa", "fa3", "fp8-fa3", "fp8", "fp8-triton", "fp8-flash3"}, "fast", "fp8-flash3", None),  # FA3 built
-    ({"sdpa", "fp8-flash3"}, "exact", "sdpa", "FA3 attention is not used"),
+    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8", "triton-fp8"}, "exact", "flashinfer-fa3", None),
+    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8", "triton-fp8"}, "fast", "cudnn-fp8", None),
+    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8", "triton-fp8", "flashattn3-fp8"}, "fast",
+     "flashattn3-fp8", None),  # FlashAttention-3 built
+    ({"sdpa", "flashattn3-fp8"}, "exact", "sdpa", "FA3 attention is not used"),
 ], ids=["fast-all", "fast-only-triton", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit",
         "exact-flashinfer", "fast-flashinfer", "fast-flash3", "exact-flash3"])
 def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expect_note):
@@ -345,7 +335,7 @@ def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expec
     takes FlashAttention-3's fp8-flash3 when it is built, else cuDNN's fp8 when it can run, else fp8-triton with a
     note saying why, else sdpa with a note naming both reasons; exact takes FlashInfer's fa3 when it can run, else sdpa
     with a note naming why fa3 could not."""
-    from fastremover.fast import attention
+    from fastremover.ops.attention import registry
 
     asked = []
 
@@ -353,16 +343,16 @@ def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expec
         asked.append((name, device))
         return None if name in available else f"fake: {name} is not available here"
 
-    monkeypatch.setattr(attention, "unavailable_reason", fake_reason)
+    monkeypatch.setattr(registry, "unavailable_reason", fake_reason)
     dev = torch.device("cuda")
-    backend, notes = attention.auto_backend(mode, dev)
+    backend, notes = registry.choose(mode, dev)
     assert backend == expect_backend, (backend, notes)
     if expect_note is None:
         assert notes == []
     else:
         assert len(notes) == 1 and expect_note in notes[0], notes
         if mode == "exact":
-            assert "fake: fa3 is not" in notes[0], notes  # the note says why FlashInfer's FA3 is not used
+            assert "fake: flashinfer-fa3 is not" in notes[0], notes  # the note says why FlashInfer's FA3 is not used
         else:
             assert "fake: fp8 is not" in notes[0], notes  # the note says why cuDNN's FP8 attention is not used
             assert ("fake: fp8-triton" in notes[0]) is (expect_backend == "sdpa"), notes
@@ -443,10 +433,10 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
     """exact (SDPA, FlashInfer's FA3), fast with its default cuDNN FP8 attention (centred K and V), with our Triton
     FP8 attention and with FlashInfer's FA3 FP8 kernel inside the captured loop: the graph replays bit-identically and
     reads new inputs."""
-    from fastremover.fast.attention import auto_backend, unavailable_reason
+    from fastremover.ops.attention import canonical, choose, unavailable_reason
 
-    if expect == "auto":  # fp8-flash3 where FlashAttention-3 is built, else cuDNN's fp8
-        expect = auto_backend(mode, torch.device("cuda"))[0]
+    # flashattn3-fp8 where FlashAttention-3 is built, else cuDNN's fp8; the old names are aliases
+    expect = choose(mode, torch.device("cuda"))[0] if expect == "auto" else canonical(expect)
     if attention not in ("auto", "sdpa"):
         why = unavailable_reason(attention, torch.device("cuda"))
         if why is not None:
@@ -484,7 +474,7 @@ def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
         fast = FastTransformer(real_model, fp8=True, attention=backend, concurrent=concurrent,
                                tail_overlap=tail_overlap)
         assert fast.describe()["concurrent_branches"] == concurrent
-        if backend == "fp8-flash3" and tail_overlap and fast.sm_count == 132:  # H200 / H100 SXM: 684 tiles, rows
+        if backend == "flashattn3-fp8" and tail_overlap and fast.sm_count == 132:  # H200 / H100 SXM: 684 tiles, rows
             assert fast.split_rows(1, 7290, 12) == 7040  # [7040, 7290) are the last wave's 24
         cond = fast.conditioning(t, 1)
         with torch.no_grad():
@@ -509,20 +499,21 @@ def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
 @pytest.mark.gpu
 def test_gpu_fast_mode_defaults_to_the_fastest_fp8_attention():
     """On a Hopper GPU the fast mode's `auto` attention is FlashAttention-3's `fp8-flash3` where it is built, else
-    cuDNN's `fp8` (both with K and V centred: W2 48.6 dB, fast/attention.py); exact takes FlashInfer's FA3 when it
+    cuDNN's `fp8` (both with K and V centred: W2 48.6 dB, docs/performance.md); exact takes FlashInfer's FA3 when it
     can run, else SDPA."""
     from fastremover.fast.engine import resolve_attention
 
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev) < (9, 0):
         pytest.skip("cuDNN's FP8 attention needs Hopper (sm_90)")
-    from fastremover.fast.attention import unavailable_reason
+    from fastremover.ops.attention import unavailable_reason
 
-    why = unavailable_reason("fp8", dev)
+    why = unavailable_reason("cudnn-fp8", dev)
     assert why is None, why  # the GPU image carries cudnn-frontend (bench/gpu_session.sh)
-    fast_default = "fp8-flash3" if unavailable_reason("fp8-flash3", dev) is None else "fp8"
+    fast_default = "flashattn3-fp8" if unavailable_reason("flashattn3-fp8", dev) is None else "cudnn-fp8"
     assert resolve_attention("auto", "fast", dev) == (fast_default, [])
-    exact_default = "fa3" if unavailable_reason("fa3", dev) is None else "sdpa"  # FlashInfer's FA3 when installed
+    # FlashInfer's FA3 when installed
+    exact_default = "flashinfer-fa3" if unavailable_reason("flashinfer-fa3", dev) is None else "sdpa"
     assert resolve_attention("auto", "exact", dev) == (exact_default, [])
 
 

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from fastremover.fast.attention import quantize_qkv
+from fastremover.ops.attention.quantize import quantize_qkv
 from fastremover.fast.flash3_attention import flash3_fp8_codes, import_error
 from fastremover.bench.harness import save_experiment
 

@@ -19,7 +19,7 @@ import torch
 
 from fastremover.bench.harness import save_experiment
 from fastremover.bench.profile_step import capture
-from fastremover.fast.attention import quantize_qkv
+from fastremover.ops.attention.quantize import quantize_qkv
 from fastremover.fast.flash3_attention import _descale, flash3_fp8_codes
 from fastremover.fast.kernels.quant import quant_fp8_static
 from fastremover.fast.transformer_fast import O_AMAX_PER_V_SCALE

@@ -1,5 +1,5 @@
 """FlashAttention-3 FP8 builds side by side: the kernel alone and our full fp8-flash3 path, time and cosine vs fp16
-SDPA, at the DiT's shapes (q, k ~ N(0, 1), K with a shared per-channel offset of 1, as fast/attention.py's bench).
+SDPA, at the DiT's shapes (q, k ~ N(0, 1), K with a shared per-channel offset of 1, as tools/bench_attention.py).
 
 Each build registers the same torch ops, so one process holds one build: run once per build with its output folder
 first on PYTHONPATH and a label, and compare the JSON rows (same seeds, same inputs).
@@ -13,10 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 
+import sys
+from pathlib import Path
+
 import torch
 
-from fastremover.fast.attention import _cos, _kernel_only_rows, _time_ms, sdpa
-from fastremover.fast.flash3_attention import flash3_fp8, import_error
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from bench_attention import _cos, _kernel_only_rows, _time_ms, sdpa  # noqa: E402
+
+from fastremover.fast.flash3_attention import flash3_fp8, import_error  # noqa: E402
+from fastremover.ops import attention as registry  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -43,7 +49,7 @@ def main(argv=None) -> int:
         ms = _time_ms(lambda: flash3_fp8(q, k, v))
         rows.append({"seq": s, "backend": "fp8-flash3 (quant + kernel + mean)", "ms": ms, "tflops": flop / ms / 1e9,
                      "cos": _cos(out, ref), "speedup": base / ms})
-        rows += _kernel_only_rows("fp8-flash3", s, q, k, v, ref, flop, base, contiguous=False)
+        rows += _kernel_only_rows(registry.get("flashattn3-fp8"), s, q, k, v, ref, flop, base, contiguous=False)
         rows.insert(len(rows) - 2, {"seq": s, "backend": "sdpa-fp16", "ms": base})
     for r in rows:
         r["build"] = a.label

@@ -12,13 +12,16 @@ the GPU tests check it with torch.equal.
 from __future__ import annotations
 
 import json
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from fastremover.fast.transformer_fast import Conditioning, FastTransformer
+from fastremover.fast.lru import LRUCache
 from fastremover.models.transformer import RemoverTransformer
 from fastremover.schedulers import build_scheduler
+
+if TYPE_CHECKING:  # the fast transformer needs Triton: imported only where a fast mode is built
+    from fastremover.fast.transformer_fast import Conditioning, FastTransformer
 
 Progress = Callable[[str, int, int], None]
 
@@ -60,13 +63,17 @@ class EagerDenoiser:
 
 
 class FastDenoiser:
-    """The loop on `FastTransformer`; with `cuda_graphs`, captured once per (shape, steps) and replayed."""
+    """The loop on `FastTransformer`; with `cuda_graphs`, captured once per (shape, steps) and replayed.
 
-    def __init__(self, fast: FastTransformer, scheduler_config: dict, cuda_graphs: bool):
+    At most `max_graphs` captured graphs are kept (least recently used first out: crop mode gives every request its
+    own shape); an evicted graph's memory goes back to the allocator and its shape is captured again if it returns.
+    One denoiser serves one thread at a time."""
+
+    def __init__(self, fast: FastTransformer, scheduler_config: dict, cuda_graphs: bool, max_graphs: int = 4):
         self.fast = fast
         self.scheduler_config = scheduler_config
         self.cuda_graphs = cuda_graphs
-        self._graphs: dict[tuple, tuple] = {}
+        self._graphs: LRUCache[tuple] = LRUCache(max_graphs)
 
     def describe(self) -> dict:
         return {**self.fast.describe(), "cuda_graphs": self.cuda_graphs}
@@ -82,7 +89,7 @@ class FastDenoiser:
         key = (tuple(noise.shape), noise.dtype, tuple(masked_latents.shape), masked_latents.dtype, steps,
                json.dumps(self.scheduler_config, sort_keys=True, default=str))
         if key in self._graphs:
-            graph, static_inputs, static_out, _scheduler, _cond = self._graphs[key]
+            graph, static_inputs, static_out, *_held = self._graphs.get(key)
             for buf, src in zip(static_inputs, (noise, masked_latents, mask_latents)):
                 buf.copy_(src)
             graph.replay()
@@ -105,6 +112,8 @@ class FastDenoiser:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = self._loop(scheduler, cond, *static_inputs)
-        # scheduler and cond stay referenced by the cache entry: the graph reads their device tensors.
-        self._graphs[key] = (graph, static_inputs, static_out, scheduler, cond)
+        # scheduler, cond and the transformer's per-shape tensors stay referenced by the cache entry: the graph
+        # reads their device tensors.
+        held = self.fast.shape_state(tuple(noise.shape), noise.device)
+        self._graphs.put(key, (graph, static_inputs, static_out, scheduler, cond, held))
         return out

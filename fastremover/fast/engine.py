@@ -21,9 +21,8 @@ import os
 import torch
 
 from fastremover.errors import FastRemoverError
-from fastremover.fast.attention import BACKENDS, auto_backend, unavailable_reason
+from fastremover.ops import attention as attention_backends
 from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
-from fastremover.fast.transformer_fast import FastTransformer
 from fastremover.models.transformer import RemoverTransformer
 
 MODES = ("eager", "exact", "fast")
@@ -57,20 +56,9 @@ def resolve_mode(mode: str, device: torch.device) -> tuple[str, list[str]]:
 
 
 def resolve_attention(attention: str, mode: str, device: torch.device) -> tuple[str, list[str]]:
-    """The attention backend for an (already resolved) mode: `auto` picks per mode; an explicit backend must be able
-    to run (an error otherwise: a run asked for fp8 attention must not silently get fp16)."""
-    if mode == "eager":
-        if attention not in ("auto", "sdpa"):
-            raise FastRemoverError(f"--attention {attention}: the eager mode always uses torch SDPA (use --mode fast)")
-        return "sdpa", []
-    if attention == "auto":
-        return auto_backend(mode, device)
-    if attention not in BACKENDS:
-        raise FastRemoverError(f"--attention {attention!r}: choose one of {['auto', *BACKENDS]}")
-    why = unavailable_reason(attention, device)
-    if why is not None:
-        raise FastRemoverError(f"--attention {attention}: {why}")
-    return attention, []
+    """(canonical attention backend, notes) for an (already resolved) mode: `auto` picks by the registry's priorities;
+    an explicit backend must belong to the mode and be able to run (fastremover.ops.attention.registry.resolve)."""
+    return attention_backends.resolve(attention, mode, device)
 
 
 def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode: str, device: torch.device,
@@ -84,6 +72,8 @@ def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode
         raise FastRemoverError(f"FASTREMOVER_FUSED_FFN1={flag!r}: use 1 (the default: fused where it runs) or 0 "
                                "(the two-pass FFN)")
     fused_ffn1 = mode == "fast" and flag != "0"
+    from fastremover.fast.transformer_fast import FastTransformer  # needs Triton: only for the exact / fast modes
+
     fast = FastTransformer(transformer, fp8=(mode == "fast"), attention=backend, fused_ffn1=fused_ffn1)
     if flag == "1" and mode == "fast" and not fast.fused_ffn1:
         notes.append("FASTREMOVER_FUSED_FFN1=1: the fused FFN GEMM needs an sm_90 GPU with Triton tensor descriptors; "

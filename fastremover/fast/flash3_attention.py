@@ -4,7 +4,7 @@ Optional and built from source: FA3 has no wheel on the package index. `bench/bu
 kernels only (head dim 128, e4m3 and bf16 inputs, sm_90a) without a GPU against a given torch version and writes
 `flash_attn_interface.py` + `flash_attn_3/_C.abi3.so` to put on PYTHONPATH.
 
-- `flash3_fp8(q, k, v)`: our per-tensor e4m3 quantization (fast/attention.py's `quantize_qkv`: K mean-smoothed, V
+- `flash3_fp8(q, k, v)`: our per-tensor e4m3 quantization (ops/attention/quantize.py's `quantize_qkv`: K mean-smoothed, V
   centred, both exact under softmax), FA3's FP8 kernel (per-(batch, head) fp32 descale factors, bf16 output), then
   V's mean added back in the input dtype. V is centred for the same reason as with cuDNN: Hopper's FP8 MMA
   accumulates P @ V in reduced precision (flash-attention PR 2250).
@@ -55,7 +55,7 @@ def flash3_fp8_codes(q8, k8, v8, sq, sk, sv) -> torch.Tensor:
 
 def flash3_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
                smooth_v: bool = True) -> torch.Tensor:
-    from fastremover.fast.attention import _add_v_mean, quantize_qkv  # noqa: PLC0415 - avoids an import cycle
+    from fastremover.ops.attention.quantize import add_v_mean as _add_v_mean, quantize_qkv  # noqa: PLC0415
 
     q8, k8, v8, sq, sk, sv, *v_mean = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
     o = flash3_fp8_codes(q8, k8, v8, sq, sk, sv).to(q.dtype)

@@ -7,7 +7,7 @@ and transposes V's tiles in shared memory (FP8 wgmma needs a K-major B operand).
 FlashInfer's JIT (nvcc, a few minutes, cached under FLASHINFER_WORKSPACE_BASE).
 
 - `fa3_half(q, k, v)`: fp16/bf16 in and out, fp32 accumulation (no quantization: a candidate for the exact mode).
-- `fa3_fp8(q, k, v)`: our per-tensor e4m3 quantization (fast/attention.py's `quantize_qkv`: K mean-smoothed, V
+- `fa3_fp8(q, k, v)`: our per-tensor e4m3 quantization (ops/attention/quantize.py's `quantize_qkv`: K mean-smoothed, V
   centred, both exact under softmax) and FlashInfer's FP8 kernel, fp16 output, then V's mean added back. Hopper's FP8
   MMA accumulates P @ V in reduced precision like cuDNN's, so V is centred here too (see fast/attention.py).
 
@@ -92,7 +92,7 @@ def fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=torch.float16) -> torch.Tens
 
 def fa3_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
             smooth_v: bool = True) -> torch.Tensor:
-    from fastremover.fast.attention import _add_v_mean, quantize_qkv  # noqa: PLC0415 - avoids an import cycle
+    from fastremover.ops.attention.quantize import add_v_mean as _add_v_mean, quantize_qkv  # noqa: PLC0415
 
     q8, k8, v8, sq, sk, sv, *v_mean = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
     o = fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=q.dtype)

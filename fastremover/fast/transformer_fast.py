@@ -7,11 +7,13 @@ Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
                                                         fast/cublaslt.py; `gemm`)
     q,k    = qk_norm_rope(q), qk_norm_rope(k)           RMSNorm across heads + 3D RoPE in one pass, [B,S,H,Dh] layout;
                                                         with 8-bit attention the same pass writes e4m3 codes (below)
-    o      = attention(q, k, v); linear(o)              backend from fast/attention.py; with the fp8 backend in the
-                                                        fast mode, cuDNN's FP8 output codes feed the FP8 O projection
-                                                        directly (per-tensor scale broadcast to rows); fp8-fa3 and
-                                                        fp8-flash3 16-bit outputs are quantized with a static scale;
-                                                        V's centre (V is centred) rides in the O projection's bias
+    o      = attention(q, k, v); linear(o)              backend from the registry (fastremover/ops/attention); in the
+                                                        fast mode a backend that takes codes gets e4m3 q/k/v: an
+                                                        "fp8-codes" output (cuDNN) feeds the FP8 O projection
+                                                        directly (per-tensor scale broadcast to rows), a
+                                                        "centred-16bit" one (FlashInfer FA3 FP8, FlashAttention-3) is
+                                                        quantized again with a static scale; V's centre (V is
+                                                        centred) rides in the O projection's bias
     x      = gate_residual(x, o, gate)                  in place, fp32 math; fused with the adaLN that follows
     n2     = adaln_modulate(x, c_shift, c_scale)        (one kernel: gate_residual_adaln)
     f      = linear(gelu_tanh(linear(n2)))              fp8: GELU fused with the quantization of its output (static
@@ -31,7 +33,7 @@ is row-wise: `_rowwise_rest`); the next norm's outputs land in row slices of sha
 inputs: the outputs equal the one-stream order's (GPU test), and the split's equal the unsplit block's up to the
 GEMMs' choice of kernels at two row counts (equal in the GPU test's runs).
 
-8-bit attention's q/k/v quantization (fast mode with fp8, fp8-fa3 or fp8-flash3): per-tensor e4m3 with K and V
+8-bit attention's q/k/v quantization (fast mode, a backend that takes codes): per-tensor e4m3 with K and V
 centred. Softmax makes ANY centre exact: q . (k - c) moves every logit of a query row by the same q . c, and
 attn(v) = attn(v - c) + c because each row of P sums to 1 (the + c is W_o c in the O projection's bias). V is
 centred on its own sequence mean every step: that is what keeps Hopper's reduced-precision FP8 P @ V accumulation
@@ -60,13 +62,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastremover.fast.attention import get_backend
-from fastremover.fast.cudnn_sdpa import sdpa_fp8
-from fastremover.fast.flash3_attention import flash3_fp8_codes
-from fastremover.fast.flashinfer_attention import fa3_fp8_codes
 from fastremover.fast.fp8 import Fp8Linear
+from fastremover.fast.lru import LRUCache
 from fastremover.fast.kernels.qk_norm_rope import rope_amax_bound
 from fastremover.models.transformer import RemoverTransformer
+from fastremover.ops import attention as attention_backends
 
 
 def kernel_ops(use_triton: bool) -> SimpleNamespace:
@@ -97,7 +97,8 @@ O_AMAX_PER_V_SCALE = 448.0 * 1.125
 
 
 # FlashAttention-3's FP8 forward at head dim 128 works on 128-query-row tiles (hopper/tile_size.h: 128 x 224)
-FLASH3_FP8_BLOCK_M = 128
+FLASH3_FP8_BLOCK_M = 128  # FlashAttention-3's FP8 query tile: attention_row_split's default
+SHAPE_CACHE_SIZE = 16  # per-shape kernel state kept (V statistics counters)
 
 
 def attention_row_split(s: int, tiles_per_block_row: int, sms: int, block_m: int = FLASH3_FP8_BLOCK_M) -> int | None:
@@ -182,17 +183,20 @@ class FastTransformer(nn.Module):
         self.fused_ffn1 = False  # set below in fp8 mode
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton
         self.ops = kernel_ops(self.use_triton)
-        self.attention_name = attention
-        self.attention = get_backend(attention, device)
+        self.backend = attention_backends.runnable(attention, device)  # FastRemoverError with the reasons
+        self.attention_name = self.backend.name
+        self.attention = self.backend.call
         if not fp8:
             # exact mode: q/k/v as one GEMM on the concatenated weights (one 4608-wide GEMM instead of three)
             self.qkv = nn.ModuleList(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v) for b in model.blocks)
-        # fp8 attention whose codes go straight into the FP8 O projection (no dequantize / requantize pass)
-        self.fp8_attention_codes = fp8 and attention == "fp8"
-        # FlashInfer's FA3 FP8 kernel (fp16 out) and FlashAttention-3's (bf16 out) write 16-bit (o - c): quantized
-        # again (static scale) for the O projection, V's centre in the projection's bias (quantizing o itself, centre
-        # included, would spend the e4m3 codes' range on the centre)
-        self.fp8_attention_requant = fp8 and attention in ("fp8-fa3", "fp8-flash3")
+        # The backend's capabilities (registry record), not its name, decide the path. fp8-codes output (cuDNN): the
+        # codes go straight into the FP8 O projection (no dequantize / requantize pass). centred-16bit output
+        # (FlashInfer's FA3 FP8 kernel, FlashAttention-3's): 16-bit (o - c), quantized again (static scale) for the O
+        # projection, V's centre in the projection's bias (quantizing o itself, centre included, would spend the e4m3
+        # codes' range on the centre)
+        takes_codes = fp8 and self.backend.takes_codes
+        self.fp8_attention_codes = takes_codes and self.backend.output == "fp8-codes"
+        self.fp8_attention_requant = takes_codes and self.backend.output == "centred-16bit"
         self._calibrations: dict[tuple, AttentionCalibration] = {}
         # CUDA: the 8-bit attention's three independent preparations (q, k, V statistics + codes) run on their own
         # streams, and b_o + W_o c beside the attention kernel (see _attention_fp8); a captured graph keeps them as
@@ -204,10 +208,10 @@ class FastTransformer(nn.Module):
         # V's statistics pass does its own final reduction (quant_fp8_centred(fused_finalize=True): two kernels on
         # V's chain instead of three), with one program counter per layer kept here (the kernel resets it)
         self.fused_v_stats = fused_v_stats and self.use_triton
-        self._v_counters: dict[tuple, torch.Tensor] = {}
-        # fp8-flash3, one batch: the attention's partial last wave of tiles as a second call, overlapped with the
-        # rest of the block on the other rows (attention_row_split); sm_count None = no split (a test may set it on
-        # the CPU to exercise the split with a faked kernel)
+        self._v_counters: LRUCache[torch.Tensor] = LRUCache(SHAPE_CACHE_SIZE)  # per (device, batch, tokens, width)
+        # a backend with row_split_block_m (FlashAttention-3's FP8), one batch: the attention's partial last wave of
+        # tiles as a second call, overlapped with the rest of the block on the other rows (attention_row_split);
+        # sm_count None = no split (a test may set it on the CPU to exercise the split with a faked kernel)
         self.tail_overlap = tail_overlap
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         if fp8:
@@ -260,10 +264,10 @@ class FastTransformer(nn.Module):
 
     def split_rows(self, b: int, s: int, heads: int) -> int | None:
         """The first attention call's query rows when the last wave is split off (attention_row_split), else None."""
-        if not (self.tail_overlap and self.attention_name == "fp8-flash3" and self.fp8_attention_requant and b == 1
-                and self.sm_count):
+        block_m = self.backend.row_split_block_m
+        if not (self.tail_overlap and block_m is not None and self.fp8_attention_requant and b == 1 and self.sm_count):
             return None
-        return attention_row_split(s, b * heads, self.sm_count, FLASH3_FP8_BLOCK_M)
+        return attention_row_split(s, b * heads, self.sm_count, block_m)
 
     def _v_stats_options(self, index: int, v: torch.Tensor, b: int, s: int) -> dict:
         """quant_centred's keyword options for layer `index`: the fused finalize and this layer's counter."""
@@ -275,9 +279,18 @@ class FastTransformer(nn.Module):
         counters = self._v_counters.get(key)
         if counters is None:
             size = centred_counter_size(s, v.shape[1], b)
-            counters = self._v_counters[key] = torch.zeros(len(self.model.blocks), size, dtype=torch.int32,
-                                                           device=v.device)
+            counters = torch.zeros(len(self.model.blocks), size, dtype=torch.int32, device=v.device)
+            self._v_counters.put(key, counters)
         return {"fused_finalize": True, "counter": counters[index]}
+
+    def shape_state(self, hidden_shape: tuple, device: torch.device) -> tuple:
+        """The per-shape tensors a step of this input shape reads from this module's caches (RoPE tables, V's
+        statistics counters). A captured graph keeps them referenced, so evicting them from the bounded caches
+        never frees memory the graph still reads."""
+        grid = self.model.post_patch_grid(hidden_shape)
+        b, s = hidden_shape[0], grid[0] * grid[1] * grid[2]
+        width = self.config.num_attention_heads * self.config.attention_head_dim
+        return (self.model.rope(grid, device), self._v_counters.get((device, b, s, width)))
 
     def _streams(self, device: torch.device) -> tuple:
         """(side_v, side_k, side_tail) per device, created once (a captured graph refers to the streams it was
@@ -393,13 +406,11 @@ class FastTransformer(nn.Module):
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
             # bounds it and the quantization needs no amax pass
-            if self.attention_name == "fp8-fa3":
-                o_c = fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
-            else:
-                o_c = flash3_fp8_codes(q8, k8, v8, sq, sk, sv)  # bf16
+            o_c = self.backend.codes_call(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)  # 16-bit (o - c)
             o_in = ops.quant_static(o_c.view(b * s, -1), sv, O_AMAX_PER_V_SCALE)
         else:  # codes of (o - c) / sv
-            o_in = (sdpa_fp8(q8, k8, v8, sq, sk, sv).view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
+            o_codes = self.backend.codes_call(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
+            o_in = (o_codes.view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
         if main is not None:
             main.wait_stream(side_k)
         if b == 1:  # one batch: b_o + W_o c is the GEMM's bias (added in its fp32 epilogue, no extra pass)
@@ -433,7 +444,7 @@ class FastTransformer(nn.Module):
         attn_out = []
         for rows, stream in chunks:
             with _on(stream):
-                attn_out.append(flash3_fp8_codes(q8[:, rows], k8, v8, sq, sk, sv))  # bf16 (o - c) of these rows
+                attn_out.append(self.backend.codes_call(q8[:, rows], k8, v8, sq, sk, sv, out_dtype=self.dtype))
         o_proj = self.fp8_blocks[index]["o"]
         for (rows, stream), o_c in zip(chunks, attn_out):
             with _on(stream):

@@ -21,6 +21,7 @@ result rounds to the same values except for rare one-ulp differences.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -28,6 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastremover.errors import FastRemoverError
+from fastremover.models.config_types import check_config_types
+
+
+ROPE_CACHE_SIZE = 16  # RoPE tables kept per model (one per latent grid the model has seen lately)
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class RemoverTransformerConfig:
                 f"transformer config has unknown keys {unknown}; expected a MiniMax-Remover Transformer3DModel config "
                 f"(keys: {sorted(known)})"
             )
+        check_config_types(cls, given, "transformer")
         if "patch_size" in given:
             given["patch_size"] = tuple(given["patch_size"])
         cfg = cls(**given)
@@ -278,7 +284,8 @@ class RemoverTransformer(nn.Module):
         )
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
-        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per (grid, device), the most recent ROPE_CACHE_SIZE (a captured graph keeps its own tables referenced)
+        self._rope_cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def to_inference_dtype(self, dtype: torch.dtype) -> "RemoverTransformer":
         """Cast to `dtype`, keeping the upstream fp32 islands (time embedder, modulation tables) in fp32."""
@@ -300,6 +307,9 @@ class RemoverTransformer(nn.Module):
         key = (grid, str(device))
         if key not in self._rope_cache:
             self._rope_cache[key] = rope_cos_sin(grid, self.config.attention_head_dim, self.config.rope_max_seq_len, device)
+            while len(self._rope_cache) > ROPE_CACHE_SIZE:
+                self._rope_cache.popitem(last=False)
+        self._rope_cache.move_to_end(key)
         return self._rope_cache[key]
 
     def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:

@@ -1090,7 +1090,7 @@ def codegen_report(configs=None, head_dim: int = 128) -> list[dict]:
 def bench(seq: int = 32760, heads: int = 12, head_dim: int = 128, batch: int = 1, seed: int = 0,
           budget_s: float = 55.0, device: str = "cuda") -> dict:
     """The H200 measurement (see main); device="cpu" under TRITON_INTERPRET=1 only smoke-tests the code path."""
-    from fastremover.fast.attention import sdpa
+    from fastremover.ops.attention.sdpa import sdpa
 
     t_start = time.perf_counter()
     dev = device

@@ -1,0 +1,152 @@
+"""The attention backend registry: what each backend is, when it can run, and which one a mode picks.
+
+A backend is one `AttentionBackend` record, registered by its own small module (one file per backend; adding one is
+that file plus its import in `fastremover/ops/attention/__init__.py`). The record says:
+
+* `call(q, k, v) -> o`: the stand-alone attention, q/k/v/o as [B, S, H, D] 16-bit tensors (any strides with a unit
+  stride in D and rows of H*D contiguous values);
+* `validate(device, dtype=None, shape=None) -> list[str]`: why it cannot run there (empty: it can);
+* its capabilities, which the fast transformer reads instead of comparing names:
+  - `takes_codes`: in the fast mode the transformer hands it e4m3 codes it quantized itself (q and k with static
+    bounds, K and V centred) and `codes_call(q8, k8, v8, sq, sk, sv, out_dtype)` runs the kernel on them;
+  - `output`: what `codes_call` returns: "fp8-codes" (e4m3 codes of (o - c) / sv, fed straight to the FP8 O
+    projection) or "centred-16bit" ((o - c) in 16 bits, quantized again with a static scale);
+  - `row_split_block_m`: the kernel's query-tile height when the transformer may split the partial last wave of
+    tiles into a second call (None: no split);
+  - `precision`: "16bit" or "8bit" attention math;
+* `priority`: per engine mode, its rank for `--attention auto` (higher wins; a mode it lacks never picks it, and an
+  explicit request for it in that mode is refused); `announce_if_skipped`: whether `auto` says so on a GPU when this
+  backend is passed over for a lower one.
+
+No code outside this registry compares backend names. Names are canonical (`sdpa`, `flashinfer-fa3`,
+`flashinfer-fa3-fp8`, `flashattn3-fp8`, `cudnn-fp8`, `triton-fp8`); the earlier names are aliases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from fastremover.errors import FastRemoverError
+
+if TYPE_CHECKING:
+    import torch
+
+MODES = ("eager", "exact", "fast")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    label: str  # for notes: "FlashInfer's FA3 attention"
+    call: Callable
+    validate: Callable[..., list[str]]
+    aliases: tuple[str, ...] = ()
+    priority: Mapping[str, int] = field(default_factory=dict)
+    precision: str = "16bit"  # "16bit" | "8bit"
+    takes_codes: bool = False
+    codes_call: Callable | None = None
+    output: str = "16bit"  # codes_call's output: "fp8-codes" | "centred-16bit" (call() always returns 16-bit o)
+    row_split_block_m: int | None = None
+    announce_if_skipped: bool = True
+
+    def __post_init__(self):
+        if self.takes_codes and (self.codes_call is None or self.output not in ("fp8-codes", "centred-16bit")):
+            raise ValueError(f"attention backend {self.name}: takes_codes needs codes_call and an output format")
+
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(backend: AttentionBackend) -> AttentionBackend:
+    """Add a backend (its module calls this once at import). Names and aliases must be new."""
+    for name in (backend.name, *backend.aliases):
+        if name in _BACKENDS or name in _ALIASES or name == "auto":
+            raise ValueError(f"attention backend name {name!r} is taken")
+    _BACKENDS[backend.name] = backend
+    for alias in backend.aliases:
+        _ALIASES[alias] = backend.name
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Remove a backend (tests that register a temporary one)."""
+    backend = _BACKENDS.pop(name)
+    for alias in backend.aliases:
+        _ALIASES.pop(alias, None)
+
+
+def names(with_aliases: bool = False) -> list[str]:
+    return [*_BACKENDS, *(_ALIASES if with_aliases else ())]
+
+
+def canonical(name: str) -> str:
+    """The canonical name of `name` (an alias or a name); FastRemoverError for an unknown one."""
+    if name in _BACKENDS:
+        return name
+    if name in _ALIASES:
+        return _ALIASES[name]
+    raise FastRemoverError(f"--attention {name!r}: unknown backend; choose one of {['auto', *names(True)]}")
+
+
+def get(name: str) -> AttentionBackend:
+    return _BACKENDS[canonical(name)]
+
+
+def unavailable_reason(name: str, device: "torch.device") -> str | None:
+    """None when backend `name` can run on `device`, else its validator's reasons in one line."""
+    reasons = get(name).validate(device)
+    return "; ".join(reasons) if reasons else None
+
+
+def available(device: "torch.device") -> list[str]:
+    return [name for name in _BACKENDS if unavailable_reason(name, device) is None]
+
+
+def runnable(name: str, device: "torch.device") -> AttentionBackend:
+    """The backend, or FastRemoverError with its validator's reasons."""
+    backend = get(name)
+    why = unavailable_reason(backend.name, device)
+    if why is not None:
+        raise FastRemoverError(f"attention backend {name!r} cannot run here: {why}")
+    return backend
+
+
+def choose(mode: str, device: "torch.device") -> tuple[str, list[str]]:
+    """`--attention auto` for an engine mode: the runnable backend of highest priority, and notes. A note is given
+    when the fast mode ends up without 8-bit attention (any device), or, on a GPU, when backends marked
+    `announce_if_skipped` were passed over (each named with its reasons)."""
+    ranked = sorted((b for b in _BACKENDS.values() if mode in b.priority), key=lambda b: -b.priority[mode])
+    skipped: list[tuple[AttentionBackend, str]] = []
+    for backend in ranked:
+        why = unavailable_reason(backend.name, device)
+        if why is None:
+            break
+        skipped.append((backend, why))
+    else:
+        raise FastRemoverError(f"mode {mode}: no attention backend can run here")
+    told = [(b, why) for b, why in skipped if b.announce_if_skipped]
+    if mode == "fast" and backend.precision != "8bit":
+        listed = "; ".join(f"{b.name}: {why}" for b, why in told)
+        return backend.name, [f"mode fast: 8-bit attention unavailable ({listed}); attention runs in fp16 "
+                              f"({backend.name})"]
+    if told and device.type == "cuda":
+        listed = "; ".join(f"{b.label} is not used ({b.name}: {why})" for b, why in told)
+        return backend.name, [f"mode {mode}: {listed}; attention runs {backend.label} ({backend.name})"]
+    return backend.name, []
+
+
+def resolve(attention: str, mode: str, device: "torch.device") -> tuple[str, list[str]]:
+    """(canonical backend name, notes) for `--attention` in an already resolved engine mode: `auto` picks by
+    priority; an explicit backend must belong to the mode and be able to run (an error otherwise: a run asked for
+    fp8 attention must not silently get fp16)."""
+    if attention == "auto":
+        return choose(mode, device)
+    backend = get(attention)
+    if mode not in backend.priority:
+        allowed = [b.name for b in _BACKENDS.values() if mode in b.priority]
+        raise FastRemoverError(f"--attention {attention}: not available in the {mode} mode (it runs {allowed}); "
+                               "use --mode exact or fast")
+    runnable(attention, device)
+    return backend.name, []
