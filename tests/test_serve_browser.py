@@ -1,0 +1,102 @@
+"""The web page in a real headless Chromium (Debian's `chromium`, driven by Playwright with `executable_path`):
+upload the demo clip and its mask, wait for the job, and check that the result <video> loads with a duration > 0.
+A screenshot is saved to $FASTREMOVER_ARTIFACTS (default: the test's tmp folder)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import numpy as np
+from playwright import sync_api  # in the dev extra: no skip (only a missing browser binary skips, outside CI)
+from test_serve import gated_worker, thread_server, write_clip
+
+from fastremover import media
+from fastremover.serve.app import ServeConfig, create_app
+
+
+def chromium_path() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    return None
+
+
+def test_page_uploads_polls_and_plays_the_result(tmp_path):
+    executable = chromium_path()
+    if executable is None:
+        if os.environ.get("FASTREMOVER_REQUIRE_CHROMIUM"):  # CI sets it: there a missing browser is a failure
+            pytest.fail("FASTREMOVER_REQUIRE_CHROMIUM is set but no chromium is on PATH (apt-get install chromium)")
+        print("SKIPPED: no chromium on PATH (apt-get install chromium)")
+        pytest.skip("no chromium on PATH: apt-get install chromium (CI's .ci/run installs it)")
+    # The demo clip (`fastremover demo`'s synthetic clip, seed 0) at a small size.
+    video, mask = write_clip(tmp_path / "media", frames=17, height=96, width=128)
+    mask_frames = media.synthetic_clip(17, 96, 128, seed=0)[1]
+    artifacts = Path(os.environ.get("FASTREMOVER_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    worker, _ = gated_worker()  # the real classic pipeline; its gate stays open here
+    app = create_app(ServeConfig(data_dir=str(tmp_path / "data"), poll_after_ms=100), workers=[worker])
+    with thread_server(app) as url, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable, headless=True,
+                                     args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("requestfailed", lambda r: errors.append(f"{r.url} {r.failure}") if "blob:" not in r.url else None)
+            page.goto(url + "/")
+            assert page.title() == "fastremover"
+            page.set_input_files("#video", str(video))
+            page.set_input_files("#mask", str(mask))
+            page.click("details summary")  # open the options
+            page.fill("input[name=steps]", "2")
+            page.click("#submit")
+            page.wait_for_function(
+                "() => { const v = document.getElementById('result-video');"
+                " return v.src && v.readyState >= 2 && v.duration > 0; }", timeout=90_000)
+            duration = page.evaluate("document.getElementById('result-video').duration")
+            assert duration == pytest.approx(17 / 24, abs=0.05)
+            assert page.evaluate("document.getElementById('input-video').src").startswith("blob:")
+            assert page.get_attribute("#download", "href").startswith("blob:")
+            assert "completed" in page.inner_text("#status")
+            page.click("#refresh")
+            page.wait_for_function("() => document.querySelector('#jobs tbody').innerText.includes('completed')")
+            shot = artifacts / "serve_page.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"screenshot: {shot}")
+            assert shot.stat().st_size > 10_000 and errors == []
+
+            # Again without a mask: a box dragged on the first frame (the server builds the mask from it).
+            first = page.get_attribute("#result-video", "data-video-id")
+            page.set_input_files("#mask", [])
+            page.wait_for_selector("#frame", state="visible")  # shown since the video was chosen
+            ys, xs = np.nonzero(mask_frames[0])
+            x0, y0, x1, y1 = max(0, xs.min() - 3), max(0, ys.min() - 3), min(128, xs.max() + 4), min(96, ys.max() + 4)
+            page.locator("#frame").scroll_into_view_if_needed()
+            rect = page.locator("#frame").bounding_box()
+            scale = rect["width"] / 128
+
+            def at(x, y):
+                return rect["x"] + x * scale, rect["y"] + y * scale
+
+            page.mouse.move(*at(x0 + 0.5, y0 + 0.5))
+            page.mouse.down()
+            page.mouse.move(*at(x1 - 0.5, y1 - 0.5), steps=4)
+            page.mouse.up()
+            box = [int(v) for v in page.input_value("#box").split(",")]
+            assert np.allclose(box, [x0, y0, x1 - x0 - 1, y1 - y0 - 1], atol=1), (box, [x0, y0, x1, y1])
+            page.click("#submit")
+            page.wait_for_function(
+                "(first) => { const v = document.getElementById('result-video');"
+                " return v.dataset.videoId !== first && v.readyState >= 2 && v.duration > 0"
+                " && document.getElementById('input-video').readyState >= 2; }", arg=first,
+                timeout=90_000)
+            boxed = artifacts / "serve_page_box.png"
+            page.screenshot(path=str(boxed), full_page=True)
+            print(f"screenshot: {boxed}")
+            assert errors == []
+        finally:
+            browser.close()
