@@ -1,0 +1,211 @@
+"""One host: one worker process per slot (a GPU, or a CPU process), fed longest-first from one shared queue.
+
+Each slot is a spawned process started with ``CUDA_VISIBLE_DEVICES`` set to its GPU (so torch sees that one alone,
+as ``cuda``); it loads the model once (`RemovalWorker`), then takes clips from the shared queue until it is empty. The
+driver queues the clips longest first, so the long clips start early and the short ones fill the gaps at the end. A
+worker that dies (a crash in a decoder, the kernel's OOM killer) costs the clip it was running (reported failed) and
+is started again; a worker that cannot load the model stops the batch with its error. Workers also stop, between
+clips, when the driver is gone.
+
+One slot runs in the driver's own process (no spawn, same results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from typing import Callable, Sequence
+
+from fastremover.batch.execute import failed, note, run_clip, where
+from fastremover.batch.plan import ClipTask
+from fastremover.errors import FastRemoverError
+from fastremover.worker import ModelSpec, RemovalWorker
+
+OnStart = Callable[[ClipTask, str], None]  # (task, worker)
+OnDone = Callable[[ClipTask, dict], None]  # (task, report entry)
+
+POLL_S = 0.5  # how often the driver looks for workers that died
+
+
+def slot_spec(spec: ModelSpec, gpu: str | None) -> ModelSpec:
+    """The spec a slot's worker loads: a GPU slot sees only its GPU (CUDA_VISIBLE_DEVICES), as device "cuda"."""
+    return spec if gpu is None else dataclasses.replace(spec, device="cuda")
+
+
+def _worker_main(slot: int, gpu: str | None, spec: ModelSpec, tasks, events, parent: int) -> None:
+    """A worker process: load the model, then run clips from ``tasks`` until its end marker. CUDA_VISIBLE_DEVICES
+    is already ``gpu`` (set in the environment the process was spawned with)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it stops the workers
+    try:
+        worker = RemovalWorker(slot_spec(spec, gpu), note=note)
+        worker.pipeline  # noqa: B018 - one model load per worker, before the first clip
+    except FastRemoverError as exc:
+        events.put(("init_failed", slot, str(exc), True))
+        return
+    except Exception:  # noqa: BLE001 - reported to the driver with its traceback
+        events.put(("init_failed", slot, traceback.format_exc(), False))
+        return
+    events.put(("ready", slot, where()))
+    while True:
+        task = tasks.get()
+        if task is None or os.getppid() != parent:  # the queue is done, or the driver is gone
+            break
+        events.put(("start", slot, task.index, where()))
+        events.put(("done", slot, task.index, run_clip(worker, task)))
+    worker.close()
+
+
+@contextlib.contextmanager
+def _cuda_visible(gpu: str | None):
+    """CUDA_VISIBLE_DEVICES=gpu in this process's environment while a child is spawned (None: unchanged)."""
+    if gpu is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def _raise_init_error(message: str, user: bool) -> None:
+    if user:
+        raise FastRemoverError(message)
+    raise RuntimeError(f"a batch worker failed to start:\n{message}")
+
+
+def run_in_process(tasks: Sequence[ClipTask], spec: ModelSpec, on_done: OnDone, on_start: OnStart | None = None,
+                   gpu: int | None = None) -> None:
+    """Run ``tasks`` in order in this process on one worker (``gpu``: an index of the visible GPUs)."""
+    if gpu is not None and spec.device is None:
+        spec = dataclasses.replace(spec, device=f"cuda:{gpu}")
+    worker = RemovalWorker(spec, note=note)
+    worker.pipeline  # noqa: B018 - load before the first clip, so a bad model stops the batch with its error
+    try:
+        for task in tasks:
+            if on_start:
+                on_start(task, where())
+            on_done(task, run_clip(worker, task))
+    finally:
+        worker.close()
+
+
+def visible_gpu_ids(indices: Sequence[int]) -> list[str]:
+    """CUDA_VISIBLE_DEVICES values for indices of the GPUs this process sees (it may itself be limited to some)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return [str(i) for i in indices]
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    return [names[i] for i in indices]
+
+
+def run_pool(tasks: Sequence[ClipTask], spec: ModelSpec, slots: Sequence[int | None], on_done: OnDone,
+             on_start: OnStart | None = None) -> None:
+    """Run ``tasks`` on one spawned worker process per slot (the index of a GPU this process sees, or None for a CPU
+    worker); each GPU worker sees only its GPU.
+
+    Tasks are queued in the given order (the caller sorts them longest-first); each idle worker takes the next.
+    ``on_done`` is called in the driver for every task exactly once. Returns when all are done; on an exception
+    (KeyboardInterrupt included) the workers are stopped before it propagates.
+    """
+    if not tasks:
+        return
+    gpus = [None if s is None else visible_gpu_ids([int(s)])[0] for s in slots]
+    ctx = mp.get_context("spawn")
+    task_q, events = ctx.Queue(), ctx.Queue()
+    by_index = {task.index: task for task in tasks}
+    for task in tasks:
+        task_q.put(task)
+    for _ in slots:
+        task_q.put(None)
+    parent = os.getpid()
+    procs: dict[int, mp.process.BaseProcess] = {}
+
+    def start(slot: int) -> None:
+        proc = ctx.Process(target=_worker_main, args=(slot, gpus[slot], spec, task_q, events, parent),
+                           name=f"fastremover-batch-{slot}")
+        with _cuda_visible(gpus[slot]):  # inherited from the start: nothing the child imports can see other GPUs
+            proc.start()
+        procs[slot] = proc
+
+    for slot in range(len(slots)):
+        start(slot)
+    running: dict[int, int] = {}  # slot -> task index
+    remaining = set(by_index)
+    ready: set[int] = set()  # slots whose current process has loaded the model
+    restarts = 0
+
+    def handle(event) -> None:
+        kind, slot = event[0], event[1]
+        if kind == "init_failed":
+            _raise_init_error(event[2], event[3])
+        elif kind == "ready":
+            ready.add(slot)
+        elif kind == "start":
+            running[slot] = event[2]
+            if on_start:
+                on_start(by_index[event[2]], event[3])
+        elif kind == "done":
+            running.pop(slot, None)
+            if event[2] in remaining:
+                remaining.discard(event[2])
+                on_done(by_index[event[2]], event[3])
+
+    checked = time.monotonic()
+    try:
+        while remaining:
+            try:
+                handle(events.get(timeout=POLL_S))
+            except queue.Empty:
+                pass
+            if time.monotonic() - checked < POLL_S:
+                continue
+            checked = time.monotonic()
+            for slot, proc in list(procs.items()):
+                if proc.is_alive():
+                    continue
+                while True:  # messages the worker sent before it exited come first
+                    try:
+                        handle(events.get_nowait())
+                    except queue.Empty:
+                        break
+                index = running.pop(slot, None)
+                if index is not None and index in remaining:
+                    remaining.discard(index)
+                    on_done(by_index[index], failed(by_index[index], f"the worker process died (exit code "
+                                                    f"{proc.exitcode}) while running this clip"))
+                del procs[slot]
+                if slot not in ready and proc.exitcode != 0:
+                    raise RuntimeError(f"a batch worker exited (code {proc.exitcode}) before it loaded the model; "
+                                       "its error is above")
+                ready.discard(slot)
+                if proc.exitcode != 0 and remaining and restarts < len(by_index):
+                    restarts += 1
+                    start(slot)
+            if remaining and not procs:
+                raise RuntimeError(f"every batch worker exited with {len(remaining)} clips left")
+        for proc in procs.values():  # each took its end-of-queue marker and is closing its worker
+            proc.join(timeout=30)
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs.values():
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        task_q.close()
+        events.close()
+        task_q.cancel_join_thread()
+        events.cancel_join_thread()
