@@ -6,27 +6,55 @@ User-caused problems (`FastRemoverError`) print one line and exit with code 2; n
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import os
+import signal
 import sys
-import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
 
+from fastremover.batch.cli import add_batch_parser, cmd_batch
 from fastremover.errors import FastRemoverError
+from fastremover.log import logger, setup_cli, teardown_cli
+from fastremover.masktools.cli import add_box_args, add_mask_parser, box_mask_file, cmd_mask, mask_from_args
+from fastremover.serve.cli import add_serve_parser, cmd_serve
 
 EXIT_USER_ERROR = 2
+# OSErrors a user causes (permissions, missing or too-long paths, a full disk): one line, never a traceback.
+USER_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
+                         errno.ENOSPC, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, getattr(errno, "EDQUOT", 122)})
 
 
 def _err(message: str) -> None:
     print(f"fastremover: {message}", file=sys.stderr)
 
 
+def warn(message: str) -> None:
+    """A note for the user (a fallback, a doubt about the inputs): a log record, shown unless -q."""
+    logger.warning(message)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt, so every atomic write cleans up after itself."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    logger.warning(f"warning: {message}")
+
+
 class _Bars:
     """One tqdm bar per stage, fed by the pipeline's progress callback. A stage that starts over (the denoise steps of
     the next window) gets a fresh bar."""
 
-    UNITS = {"window": "window", "vae_encode": "chunk", "vae_decode": "frame"}
+    UNITS = {"window": "window", "vae_encode": "chunk", "vae_decode": "frame", "frames": "frame"}
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -38,33 +66,22 @@ class _Bars:
         from tqdm import tqdm
 
         bar = self.bars.get(stage)
+        total = total or None  # "frames" of a clip whose length is not known yet: a bar without an end
         if bar is not None and (done < bar.n or total != bar.total):
             bar.close()
             bar = None
         if bar is None:
             unit = self.UNITS.get(stage, "step")
-            bar = self.bars[stage] = tqdm(total=total, desc=stage, unit=unit, leave=False, file=sys.stderr)
+            bar = self.bars[stage] = tqdm(total=total, desc=stage, unit=unit, leave=stage == "frames",
+                                          file=sys.stderr)
         bar.update(done - bar.n)
-        if done >= total:
+        if total and done >= total:
             bar.close()
             del self.bars[stage]
 
     def close(self) -> None:
         for bar in self.bars.values():
             bar.close()
-
-
-def check_writable(path: str) -> None:
-    """Fail before the (long) run if the output cannot be written."""
-    out = Path(path)
-    parent = out.parent if out.suffix else out
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".fastremover-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise FastRemoverError(f"cannot write the output {path}: {e.strerror or e}; choose another -o path") from None
 
 
 # = fastremover.windows.CROP_MODES and DEFAULT_WINDOW (literals: importing the package's numerical modules pulls in
@@ -99,18 +116,28 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
     p.add_argument("--crop", choices=CROP_CHOICES, default="auto",
                    help="run the model on a box around the mask: auto (when the box is under half the frame, default) "
                    "| on | off")
+    p.add_argument("--max-decoded-gib", type=float, default=4.0,
+                   help="host memory for the frames held at a time while streaming (about 15 bytes per pixel x "
+                   "(window + 25) frames), not the whole clip (default 4)")
+    p.add_argument("--weights", choices=["dense", "nvfp4", "nvfp4-w4a4"], default="dense",
+                   help="transformer block linears: dense (default) | nvfp4 (4-bit NVFP4 weights, W4A16: ~3.5x less "
+                   "weight memory, no speed-up on Hopper; eager mode) | nvfp4-w4a4 (activations 4-bit too; crops "
+                   "only, see --force-w4a4)")
+    p.add_argument("--force-w4a4", action="store_true",
+                   help="allow --weights nvfp4-w4a4 on full frames (it may collapse)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _add_attention_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention", choices=["auto", "sdpa", "fp8", "fp8-triton", "fa3", "fp8-fa3", "fp8-flash3"],
-                   default="auto",
-                   help="attention backend of modes exact/fast: auto (exact: fa3 where it can run, else sdpa; fast: "
-                   "fp8-flash3 where it is built, else fp8 = cuDNN FP8 attention with centred K and V, else "
-                   "fp8-triton = our Triton FP8 kernel), or one of them explicitly (an "
-                   "error if it cannot run here); fa3 / fp8-fa3: FlashInfer's FA3-style Hopper kernels, fp16 / FP8 "
-                   "(needs pip install flashinfer-python); fp8-flash3: FlashAttention-3's own FP8 kernel (built "
-                   "from source: bench/build_flash3.sh)")
+    from fastremover.ops import attention  # the backend registry (light: no torch)
+
+    p.add_argument("--attention", choices=["auto", *attention.names(with_aliases=True)], default="auto",
+                   help="attention backend of modes exact/fast: auto (the highest-priority backend that runs here: "
+                   "exact: flashinfer-fa3, else sdpa; fast: flashattn3-fp8 where it is built, else cudnn-fp8, else "
+                   "triton-fp8) or one explicitly (an error if it cannot run here). flashinfer-fa3 / "
+                   "flashinfer-fa3-fp8: FlashInfer's FA3 Hopper kernels (pip install flashinfer-python); cudnn-fp8: "
+                   "cuDNN's FP8 attention (the cudnn extra); flashattn3-fp8: FlashAttention-3's FP8 kernel (built "
+                   "from source: bench/build_flash3.sh). Old names fa3, fp8-fa3, fp8, fp8-flash3, fp8-triton work too")
 
 
 def _add_vae_precision_arg(p: argparse.ArgumentParser) -> None:
@@ -129,13 +156,23 @@ def _add_window_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastremover", description="Remove objects from videos given a mask video.")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1, default=0,
+                           help="also print debug records (the resolved engine configuration, per-stage details)")
+    verbosity.add_argument("-q", "--silent", dest="verbosity", action="store_const", const=-1,
+                           help="print errors only (no notes or warnings; progress bars: the commands' --quiet)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("remove", help="remove the masked object from a video")
     p.add_argument("video", help="video file (mp4/mov/mkv/webm/gif), folder of numbered frames, or an image")
-    p.add_argument("--mask", required=True, help="mask video/folder/image: white (> threshold) = remove")
+    p.add_argument("--mask", default=None,
+                   help="mask video/folder/image: white (> threshold) = remove (or build one with --box)")
     p.add_argument("-o", "--output", required=True, help="output .mp4/.mov/.mkv, a folder for PNG frames, or .png")
     _add_model_args(p, default_model=None)
+    add_box_args(p)
+    p.add_argument("--resume", action="store_true",
+                   help="continue a killed run of this same command from its last finished window (its state is "
+                   "kept in .<output>.fastremover-resume beside the output until the run finishes)")
 
     p = sub.add_parser("demo", help="make a synthetic clip + mask, remove the object, write a side-by-side preview")
     p.add_argument("-o", "--output", default="fastremover-demo", help="output folder (default ./fastremover-demo)")
@@ -143,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=432)
     p.add_argument("--height", type=int, default=240)
     _add_model_args(p, default_model=None)
+    add_box_args(p)
 
     sub.add_parser("info", help="versions, device, and which fast paths are available")
 
@@ -162,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the fidelity comparison always runs crop off")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up; medians are reported")
     p.add_argument("--hash-repeats", type=int, default=0, help="re-run whole engine requests N times, compare hashes")
+    p.add_argument("--quality", action="store_true",
+                   help="instead: the ground-truth quality benchmark of the removers (synthetic clips with known clean "
+                   "footage): PSNR / SSIM / flicker inside the mask for the classic remover, its v1, per-frame "
+                   "Telea, and the diffusion model given --model PATH; JSON + picture strips under --out")
     p.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
     p.add_argument("--no-save", action="store_true", help="print the table only")
 
@@ -171,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_args(p, default_model=None)
     p.add_argument("--max-frames", type=int, default=None, help="use only the first N frames")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+    add_batch_parser(sub, _add_model_args)
+    add_mask_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -192,27 +238,26 @@ def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> 
     _add_window_args(p)
 
 
-def _pipeline_from_args(args):
-    from fastremover.pipeline import RemovalPipeline, warn
-
-    model = args.model
-    if model is None:
+def _announce_model(args) -> None:
+    if args.model is None:
         warn("no --model given: using the weightless classic remover (pass --model PATH for MiniMax-Remover)")
-        model = "classic"
     if (args.device or "").startswith("cpu") and args.precision in ("fp16", "bf16"):
         warn(f"--precision {args.precision} on the CPU is very slow (conv3d); fp32 is recommended there")
-    pipe = RemovalPipeline.from_model(
-        model, preset=args.preset, weights_seed=args.weights_seed, device=args.device, precision=args.precision,
-        mode=args.mode, vae_precision=args.vae_precision, attention=args.attention,
-    )
-    for note in pipe.config.notes:
-        warn(note)
-    return pipe
+
+
+def _model_spec(args):
+    from fastremover.worker import ModelSpec
+
+    spec = ModelSpec(model=args.model or "classic", preset=args.preset, weights_seed=args.weights_seed, device=args.device,
+                     precision=args.precision, mode=args.mode, attention=args.attention,
+                     vae_precision=args.vae_precision, weights=args.weights, force_w4a4=args.force_w4a4)
+    spec.validate()
+    return spec
 
 
 def _options_from_args(args):
     """RunOptions from the flags, validated: bad flags fail before any file is read or model loaded."""
-    from fastremover.pipeline import RunOptions
+    from fastremover.options import RunOptions
 
     options = RunOptions(
         steps=args.steps, seed=args.seed, dilate=args.dilate, size=args.size, composite=not args.no_composite,
@@ -222,74 +267,105 @@ def _options_from_args(args):
     return options
 
 
-def _run_removal(args, options, frames: np.ndarray, mask: np.ndarray):
-    from fastremover.pipeline import warn
-
-    pipe = _pipeline_from_args(args)
-    bars = _Bars(enabled=not args.quiet)
-    try:
-        result = pipe.remove(frames, mask, options, progress=bars)
-    finally:
-        bars.close()
-    for note in result.notes:
-        warn(note)
-    return pipe, result
+def _run_line(result) -> str:
+    d = result.describe
+    return f"[{d.get('model')}, {d.get('device')}, {d.get('precision')}, mode {d.get('mode')}, vae {d.get('vae')}]"
 
 
 def cmd_remove(args) -> int:
-    from fastremover import media
+    import tempfile
+
+    from fastremover.worker import Job, RemovalWorker
 
     options = _options_from_args(args)
-    check_writable(args.output)
-    video = media.read_video(args.video)
-    mask = media.match_mask_to_video(media.read_mask(args.mask, threshold=args.mask_threshold), video)
-    pipe, result = _run_removal(args, options, video.frames, mask)
-    media.write_video(args.output, result.frames, video.fps, audio_from=video.source if video.has_audio else None)
-    print(f"wrote {args.output}: {len(result.frames)} frames {video.width}x{video.height} @ {float(video.fps):.3f} fps "
-          f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}, mode {pipe.config.mode}, "
-          f"vae {pipe.config.vae}]")
-    print(f"timing: {result.timer.summary()}")
-    if (line := _geometry_line(result)):
-        print(line)
+    spec = _model_spec(args)
+    if args.mask is None and not (args.box or args.point or args.sam2):
+        raise FastRemoverError("give --mask MASK (white = remove) or --box X,Y,W,H around the object")
+    with tempfile.TemporaryDirectory(prefix="fastremover-boxmask-") as tmp:
+        mask = box_mask_file(args, tmp) or args.mask  # --box: the tracked mask as lossless frames
+        job = Job(video=args.video, mask=mask, output=args.output, options=options,
+                  mask_threshold=args.mask_threshold, max_decoded_gib=args.max_decoded_gib, resume=args.resume)
+        job.validate()
+        worker = RemovalWorker(spec, note=warn)
+        worker.check(job)  # the output path, the inputs and their decoded size: before the model loads
+        _announce_model(args)
+        bars = _Bars(enabled=not args.quiet)
+        try:
+            result = worker.run(job, progress=bars)
+        finally:
+            bars.close()
+    print(f"wrote {args.output}: {result.num_frames} frames {result.width}x{result.height} @ {float(result.fps):.3f} "
+          f"fps {_run_line(result)}")
+    print("timing: " + "  ".join(f"{k} {v:.2f}s" for k, v in result.stages.items()) + f"  | total {result.seconds:.2f}s"
+          f"  ({result.num_frames / max(result.seconds, 1e-9):.1f} frames/s)")
+    if result.geometry:
+        print(result.geometry)
+    logger.debug("engine: " + json.dumps(result.describe, default=str))
     return 0
 
 
-def _geometry_line(result) -> str:
-    """How the clip was split and cropped, when it was (empty for one full-frame window)."""
-    runs = [w for w in result.windows if w.ran]
-    cropped = [w for w in runs if w.box is not None]
-    if len(result.windows) <= 1 and not cropped:
-        return ""
-    parts = []
-    if len(result.windows) > 1:
-        longest = max(w.stop - w.start for w in result.windows)
-        overlap = min(w.overlap for w in result.windows[1:])  # the last window may share more
-        parts.append(f"{len(result.windows)} windows of up to {longest} frames (overlap {overlap})")
-    if cropped:
-        sizes = sorted({f"{w.box[3] - w.box[2]}x{w.box[1] - w.box[0]}" for w in cropped})
-        parts.append(f"cropped in {len(cropped)} of {len(runs)} windows ({', '.join(sizes)})")
-    return "windows: " + "; ".join(parts)
+DEMO_FILES = ("input.mp4", "mask.mp4", "output.mp4", "preview.mp4")
+DEMO_MARKER = ".fastremover-demo"
+
+
+def _check_demo_folder(out: Path) -> None:
+    """The demo writes its four files into `out`: a new or empty folder, or one an earlier demo wrote (it holds the
+    marker and nothing but the demo's files), so no file of the user's is ever replaced."""
+    from fastremover.outputs import check_output
+
+    if not out.exists():
+        check_output(str(out) + "/")  # name lengths and a writable location
+        return
+    if not out.is_dir():
+        raise FastRemoverError(f"-o {out} is a file; the demo writes a folder")
+    try:
+        names = set(os.listdir(out))
+    except OSError as e:
+        raise FastRemoverError(f"cannot list -o {out}: {e.strerror or e}") from None
+    if names and (DEMO_MARKER not in names or names - set(DEMO_FILES) - {DEMO_MARKER}):
+        raise FastRemoverError(f"-o {out} already holds files the demo did not write; choose a new or empty folder")
 
 
 def cmd_demo(args) -> int:
     from fastremover import media
+    from fastremover.worker import RemovalWorker, geometry_line
 
     options = _options_from_args(args)
+    for name, value, low, high in (("--frames", args.frames, 1, 2000), ("--width", args.width, 16, 3840),
+                                   ("--height", args.height, 16, 2160)):
+        if not low <= value <= high:
+            raise FastRemoverError(f"{name} {value}: must be between {low} and {high}")
     out = Path(args.output)
-    check_writable(str(out / "input.mp4"))
+    _check_demo_folder(out)
+    worker = RemovalWorker(_model_spec(args), note=warn)
+    _announce_model(args)
     video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0)
+    built = mask_from_args(args, video)  # --box: the tracked mask instead of the true one
+    if built is not None:
+        iou = (built & mask).sum() / max(1, (built | mask).sum())
+        print(f"mask from --box: IoU {iou:.3f} against the true mask")
+        mask = built
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).write_text("written by fastremover demo\n")
     media.write_video(out / "input.mp4", video.frames, video.fps)
     media.write_video(out / "mask.mp4", np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
-    pipe, result = _run_removal(args, options, video.frames, mask)
+    bars = _Bars(enabled=not args.quiet)
+    try:
+        result = worker.pipeline.remove(video.frames, mask, options, progress=bars)
+    finally:
+        bars.close()
+    for note in result.notes:
+        warn(note)
     media.write_video(out / "output.mp4", result.frames, video.fps)
     overlay = video.frames.copy()
     overlay[result.mask] = (overlay[result.mask] // 2 + np.array([127, 0, 0], np.uint8)).astype(np.uint8)
     preview = np.concatenate([overlay, result.frames], axis=2)
     media.write_video(out / "preview.mp4", preview, video.fps)
+    config = worker.pipeline.config
     print(f"demo in {out}/: input.mp4 mask.mp4 output.mp4 preview.mp4 (left: input with the mask in red, right: output)")
-    print(f"[{pipe.config.model}, {pipe.config.device}, {pipe.config.precision}, mode {pipe.config.mode}] "
+    print(f"[{config.model}, {config.device}, {config.precision}, mode {config.mode}] "
           f"timing: {result.timer.summary()}")
-    if (line := _geometry_line(result)):
+    if (line := geometry_line(result)):
         print(line)
     return 0
 
@@ -313,6 +389,15 @@ def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> l
 
 
 def cmd_bench(args) -> int:
+    if args.quality:
+        from fastremover.bench.quality import format_quality_table, run_quality
+
+        model = None if args.model in (None, "classic", "random") else args.model  # a checkpoint adds its column
+        result = run_quality(None if args.no_save else args.out, model=model)
+        print(format_quality_table(result))
+        for path in result["files"]:
+            print(f"wrote {path}")
+        return 0
     from fastremover.bench.harness import file_inputs, format_table, save_results, synthetic_inputs
 
     if args.video:
@@ -366,15 +451,34 @@ def cmd_info(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench, "verify": cmd_verify}
+    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench, "verify": cmd_verify,
+                "mask": cmd_mask, "serve": cmd_serve, "batch": cmd_batch}
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
+    handler = setup_cli(args.verbosity)
     try:
-        return commands[args.command](args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return commands[args.command](args)
     except FastRemoverError as e:
         _err(f"error: {e}")
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        _err("interrupted")
+        _err("interrupted; nothing was written")
         return 130
+    except Terminated:
+        _err("terminated (SIGTERM); nothing was written")
+        return 143
+    except OSError as e:
+        if e.errno not in USER_ERRNOS:
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        _err(f"error: cannot access{where}: {e.strerror or e}")
+        return EXIT_USER_ERROR
+    finally:
+        teardown_cli(handler)
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 if __name__ == "__main__":

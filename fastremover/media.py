@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fractions
+import itertools
+import json
 import os
 import re
-import secrets
+import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
@@ -31,6 +33,7 @@ import av
 import cv2
 import numpy as np
 
+from fastremover import outputs
 from fastremover.errors import FastRemoverError
 from fastremover.masks import threshold_mask
 
@@ -40,6 +43,7 @@ __all__ = [
     "read_mask",
     "match_mask_to_video",
     "write_video",
+    "write_frames",
     "write_image",
     "atomic_write_path",
     "probe",
@@ -61,10 +65,9 @@ VIDEO_EXTENSIONS = frozenset(
 #: File endings read with OpenCV, alone or as numbered frames in a folder.
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff"})
 
-#: Containers ``write_video`` produces (all H.264).
-_VIDEO_OUTPUTS = {".mp4": "mp4", ".mov": "mov", ".mkv": "matroska"}
-#: Single-image outputs (1-frame results).
-_IMAGE_OUTPUTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff"})
+#: Containers ``write_video`` produces (all H.264), and single-image outputs (1-frame results).
+_VIDEO_OUTPUTS = outputs.VIDEO_OUTPUTS
+_IMAGE_OUTPUTS = outputs.IMAGE_OUTPUTS
 
 #: Audio codecs copied without re-encoding, per output container.  Others are transcoded to AAC.
 #: Kept explicit (rather than trusting FFmpeg's ``supported_codecs``, which also lists codecs that only
@@ -305,17 +308,30 @@ def _iter_folder(folder: Path, files: list[Path]) -> Iterator[np.ndarray]:
         yield image
 
 
-def _collect(items: Iterator[np.ndarray], expected: int, path: str | os.PathLike, what: str) -> np.ndarray:
+def _collect(
+    items: Iterator[np.ndarray], expected: int, path: str | os.PathLike, what: str, max_bytes: int | None = None
+) -> np.ndarray:
     """Stack same-shaped frames into one array, filling a preallocated buffer when the count is known.
 
     A list + ``np.stack`` would briefly hold every frame twice (2 GB extra for 300 frames of 1080p); with
     the container's frame count we fill the final array in place.  Counts are only hints: extra frames
-    are appended and missing ones trimmed.
+    are appended and missing ones trimmed.  ``max_bytes`` bounds the decoded size: decoding stops with a
+    FastRemoverError as soon as the frames (announced or decoded) would exceed it.
     """
     buffer: np.ndarray | None = None
     extra: list[np.ndarray] = []
     count = 0
+
+    def too_large(frames: int, item: np.ndarray) -> FastRemoverError:
+        h, w = item.shape[:2]
+        return FastRemoverError(
+            f"{what} {path} decodes to more than {max_bytes / 2**30:.1f} GiB ({frames} frames of {w}x{h} or more); "
+            "raise the limit with --max-decoded-gib if this machine has the memory, or use a shorter or smaller clip"
+        )
+
     for item in items:
+        if max_bytes is not None and (max(count + 1, expected) * item.nbytes > max_bytes):
+            raise too_large(max(count + 1, expected), item)
         if buffer is None:
             buffer = np.empty((max(1, expected),) + item.shape, item.dtype)
         elif item.shape != buffer.shape[1:]:
@@ -341,7 +357,11 @@ def _collect(items: Iterator[np.ndarray], expected: int, path: str | os.PathLike
 
 
 def read_video(
-    path: str | os.PathLike, *, max_frames: int | None = None, default_fps: Fraction | float = DEFAULT_FPS
+    path: str | os.PathLike,
+    *,
+    max_frames: int | None = None,
+    default_fps: Fraction | float = DEFAULT_FPS,
+    max_bytes: int | None = None,
 ) -> Video:
     """Read a video file, a folder of numbered frames, or one image into memory.
 
@@ -352,15 +372,16 @@ def read_video(
     * A single image is a 1-frame video.
     Folders and images carry no frame rate, so they get ``default_fps`` (24 unless given).
 
-    ``max_frames`` stops reading after that many frames (useful to preview a long clip).
+    ``max_frames`` stops reading after that many frames (useful to preview a long clip); ``max_bytes`` refuses a
+    clip whose decoded frames would take more memory (checked before and while decoding).
     """
     frames_iter, fps, source, has_audio, expected = _iter_source(path, max_frames, default_fps)
-    frames = _collect(frames_iter, expected, path, "video")
+    frames = _collect(frames_iter, expected, path, "video", max_bytes)
     return Video(frames=frames, fps=fps, source=source, has_audio=has_audio)
 
 
 def read_mask(
-    path: str | os.PathLike, *, threshold: int = 20, max_frames: int | None = None
+    path: str | os.PathLike, *, threshold: int = 20, max_frames: int | None = None, max_bytes: int | None = None
 ) -> np.ndarray:
     """Read a mask video / folder / image as ``bool [F, H, W]``: first (red) channel ``> threshold``.
 
@@ -370,7 +391,8 @@ def read_mask(
     Frames are thresholded as they are decoded, so a long mask costs 1 byte per pixel, not 3.
     """
     frames_iter, _, _, _, expected = _iter_source(path, max_frames, DEFAULT_FPS)
-    return _collect((threshold_mask(frame[None], threshold)[0] for frame in frames_iter), expected, path, "mask")
+    masks = (threshold_mask(frame[None], threshold)[0] for frame in frames_iter)
+    return _collect(masks, expected, path, "mask", max_bytes)
 
 
 def match_mask_to_video(mask: np.ndarray, video: Video) -> np.ndarray:
@@ -403,6 +425,33 @@ def match_mask_to_video(mask: np.ndarray, video: Video) -> np.ndarray:
     return np.ascontiguousarray(mask)
 
 
+def _sample(frames: np.ndarray, count: int = 5) -> np.ndarray:
+    return frames[np.unique(np.linspace(0, len(frames) - 1, num=min(count, len(frames))).round().astype(int))]
+
+
+def looks_binary(frames: np.ndarray) -> float:
+    """Share of pixels (of a few sampled frames) that are grey and near black or white, as in a mask video."""
+    x = _sample(frames).astype(np.int16)
+    grey = (x.max(axis=-1) - x.min(axis=-1)) <= 12
+    level = x.mean(axis=-1)
+    return float((grey & ((level <= 24) | (level >= 231))).mean())
+
+
+def swapped_inputs_warnings(video_path: str | os.PathLike, frames: np.ndarray, mask_path: str | os.PathLike) -> list[str]:
+    """Warnings when the inputs look swapped: the video looks like a black-and-white mask and the mask's first frame
+    like a natural picture (or the mask alone looks natural). A look at a few frames only; the run goes on."""
+    mask_rgb = read_video(mask_path, max_frames=1).frames
+    natural = 1.0 - looks_binary(mask_rgb)
+    notes = []
+    if looks_binary(frames) >= 0.98 and natural >= 0.3:
+        notes.append(f"the video {video_path} looks like a black-and-white mask and the mask {mask_path} "
+                     "like a natural video: are the two swapped? (the video comes first, the mask after --mask)")
+    elif natural >= 0.5:
+        notes.append(f"the mask {mask_path} does not look like a black-and-white mask ({natural:.0%} of its first "
+                     "frame is neither dark nor white): check that --mask names the mask")
+    return notes
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------------------------
@@ -430,16 +479,19 @@ def atomic_write_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success rename it over ``path``, on error delete it.
 
     The temporary file lives in the same folder (so the final ``os.replace`` is an atomic rename on the same
-    filesystem) and is named ``.<name>.<random>.tmp`` (hidden, and matched by the repo's ``*.tmp`` ignore).
-    It is created empty with mode ``0o666`` minus the umask, so the result gets the same permissions as any
-    ordinarily written file.  A missing parent folder is created.  Writers must say the format explicitly:
-    the temporary name does not end like the target.
+    filesystem) and is named ``.<name>.fastremover-<host>-<pid>-<random>.tmp`` (hidden, matched by the repo's
+    ``*.tmp`` ignore); temporary files that killed runs left for the same target are removed first
+    (:func:`fastremover.outputs.remove_stale_temps`). It is created empty with mode ``0o666`` minus the umask, so the
+    result gets the same permissions as any ordinarily written file.  A missing parent folder is created.  Writers
+    must say the format explicitly: the temporary name does not end like the target.  Any exception (also
+    KeyboardInterrupt and the CLI's SIGTERM) removes the temporary file.
     """
     path = Path(path)
     _ensure_parent(path)
     if path.is_dir():
         raise FastRemoverError(f"cannot write {path}: it is an existing folder; choose a file name")
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    outputs.remove_stale_temps(path.parent, path.name)
+    tmp = path.with_name(outputs.temp_name(path.name))
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         os.close(fd)
@@ -491,28 +543,39 @@ def write_image(path: str | os.PathLike, frame: np.ndarray) -> None:
         tmp.write_bytes(data)
 
 
-_FRAME_NAME = re.compile(r"^\d{5,}\.png$")
-
-
-def _write_frame_folder(folder: Path, frames: np.ndarray) -> None:
-    """Write ``00000.png, 00001.png, ...`` into ``folder``, each atomically.
-
-    Frames named that way from an earlier, longer run are removed so the folder reads back as exactly this
-    result; other files in the folder are left alone.
+def _write_frame_folder(folder: Path, frames: Iterable[np.ndarray]) -> int:
+    """Write ``00000.png, 00001.png, ...`` and the manifest into a new hidden folder beside ``folder``, then swap it
+    in (:func:`fastremover.outputs.swap_in_folder`): readers see the old folder or the new one, never a mix. An
+    existing ``folder`` must be empty or one fastremover wrote (its manifest lists every file in it); nothing else is
+    ever deleted. An error or interruption removes the half-written new folder.
     """
-    if folder.exists() and not folder.is_dir():
-        raise FastRemoverError(f"cannot write frames to {folder}: it is a file; give a folder path")
+    reason = outputs.replaceable_folder(folder)
+    if reason is not None:
+        raise FastRemoverError(f"cannot write frames to {folder}: {reason}")
+    _ensure_parent(folder)
+    outputs.remove_stale_temps(folder.parent, folder.name)
+    tmp = folder.with_name(outputs.temp_name(folder.name))
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
     except OSError as exc:
         raise _user_os_error(folder, exc) from exc
-    names = [f"{i:05d}.png" for i in range(frames.shape[0])]
-    for name, frame in zip(names, frames):
-        write_image(folder / name, frame)
-    keep = set(names)
-    for stale in folder.iterdir():
-        if _FRAME_NAME.match(stale.name) and stale.name not in keep and stale.is_file():
-            stale.unlink()
+    names: list[str] = []
+    try:
+        for frame in frames:  # written as they arrive: a stream of frames is never held whole
+            name = f"{len(names):05d}.png"
+            (tmp / name).write_bytes(_encode_image(tmp / name, _check_frames(frame[None])[0]))
+            names.append(name)
+        if not names:
+            raise ValueError("no frames to write")
+        manifest = {"fastremover": "frame folder", "files": names}
+        (tmp / outputs.MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+        outputs.swap_in_folder(tmp, folder)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in _USER_ERRNOS:
+            raise _user_os_error(folder, exc) from exc
+        raise
+    return len(names)
 
 
 def write_video(
@@ -529,7 +592,8 @@ def write_video(
     * ``.mp4`` / ``.mov`` / ``.mkv``: H.264 (libx264, ``crf`` quality, ``preset`` speed) at exactly ``fps``
       (a Fraction such as 30000/1001 stays exact: it is the codec time base), tagged BT.709 limited range,
       with ``+faststart`` for mp4/mov so it streams in browsers.
-    * a path ending in ``/`` or an existing folder: PNG frames ``00000.png, 00001.png, ...`` (lossless).
+    * a path ending in ``/`` or an existing folder: PNG frames ``00000.png, 00001.png, ...`` (lossless) plus a
+      manifest; an existing folder must be empty or one that fastremover wrote (see ``_write_frame_folder``).
     * ``.png`` / ``.jpg`` (and bmp/webp/tif): a single image; the result must have exactly one frame.
 
     Frame size is kept exactly.  Even sizes use ``yuv420p`` (plays everywhere).  yuv420p cannot store an odd
@@ -538,31 +602,54 @@ def write_video(
     browsers and QuickTime may not — a warning says so.  (Padding would change the size the mask and the
     source refer to; cropping would drop real pixels.)
 
-    Audio: if ``audio_from`` has an audio stream it is copied into the video without re-encoding when the
+    Audio: every audio stream of ``audio_from`` is copied into the video without re-encoding when the
     container accepts that codec (mp4 takes aac/mp3/alac/opus/flac/ac3/eac3), otherwise transcoded to AAC
     (192 kb/s), and cut to the video's duration (to within one audio packet when copied, to the sample when
     transcoded).  Copied audio keeps its timing relative to the source's first video frame; transcoded audio
-    starts with the first video frame.  ``audio_from`` without audio is fine: no audio is written.
+    starts with the first video frame.  A stream that can be neither copied nor transcoded is dropped with a
+    warning naming it.  ``audio_from`` without audio is fine: no audio is written.
     The source is meant to be the clip the frames came from (``Video.source``); any other file also works.
 
     The file appears atomically: an error leaves no partial output and any existing file untouched.
     """
     frames = _check_frames(frames)
+    folder = os.fspath(path).endswith(("/", os.sep)) or Path(path).is_dir()
+    if not folder and Path(path).suffix.lower() in _IMAGE_OUTPUTS and frames.shape[0] != 1:
+        raise FastRemoverError(
+            f"cannot write {frames.shape[0]} frames to the image {path}; use an .mp4 path or a folder path ending in '/'"
+        )
+    write_frames(path, iter(frames), fps, audio_from=audio_from, crf=crf, preset=preset)
+
+
+def write_frames(
+    path: str | os.PathLike,
+    frames: Iterable[np.ndarray],
+    fps: Fraction | float,
+    *,
+    audio_from: str | os.PathLike | None = None,
+    crf: int = 18,
+    preset: str = "medium",
+) -> int:
+    """:func:`write_video` for frames that arrive one at a time (``uint8 [H, W, 3]`` each, all the same size): each
+    frame is converted and encoded as it comes, so a clip of any length is written in constant memory. The bytes
+    written are those ``write_video`` writes for the same frames stacked. Returns the number of frames written.
+
+    The iterator may raise to abandon the write (the temporary output is then removed, as for any error)."""
     path_str = os.fspath(path)
     path = Path(path_str)
     suffix = path.suffix.lower()
 
     if path_str.endswith(("/", os.sep)) or (path.is_dir() and suffix not in _VIDEO_OUTPUTS):
-        _write_frame_folder(path, frames)
-        return
+        return _write_frame_folder(path, frames)
     if suffix in _IMAGE_OUTPUTS:
-        if frames.shape[0] != 1:
+        images = [frame for frame, _ in zip(frames, range(2))]
+        if len(images) != 1:
             raise FastRemoverError(
-                f"cannot write {frames.shape[0]} frames to the image {path}; "
+                f"cannot write {'several' if images else 'no'} frames to the image {path}; "
                 f"use an .mp4 path or a folder path ending in '/'"
             )
-        write_image(path, frames[0])
-        return
+        write_image(path, images[0])
+        return 1
     if suffix not in _VIDEO_OUTPUTS:
         raise FastRemoverError(
             f"cannot write {path}: unsupported ending {suffix or '(none)'!r}; use .mp4, .mov, .mkv, "
@@ -575,21 +662,29 @@ def write_video(
     if audio_path is not None:
         _check_exists(audio_path)
     with atomic_write_path(path) as tmp:
-        _encode_h264(tmp, container_format, frames, rate, crf=crf, preset=preset, audio_from=audio_path, label=path)
+        return _encode_h264(tmp, container_format, frames, rate, crf=crf, preset=preset, audio_from=audio_path,
+                            label=path)
 
 
 def _encode_h264(
     tmp: Path,
     container_format: str,
-    frames: np.ndarray,
+    frames: Iterable[np.ndarray],
     rate: Fraction,
     *,
     crf: int,
     preset: str,
     audio_from: Path | None,
     label: Path,
-) -> None:
-    num_frames, height, width, _ = frames.shape
+) -> int:
+    """Encode `frames` (an iterable of equal-size uint8 [H, W, 3]) into `tmp`; returns the frame count."""
+    frames = iter(frames)
+    first = next(frames, None)
+    if first is None:
+        raise ValueError("no frames to write")
+    first = _check_frames(first[None])[0]
+    frames = itertools.chain([first], frames)
+    height, width, _ = first.shape
     odd = height % 2 or width % 2
     pix_fmt = "yuv444p" if odd else "yuv420p"
     if odd:
@@ -616,18 +711,30 @@ def _encode_h264(
 
         audio = _AudioCopier(audio_from, out, container_format) if audio_from is not None else None
         try:
-            for index, frame in enumerate(_yuv_frames(frames, pix_fmt)):
+            num_frames = 0
+            for index, frame in enumerate(_yuv_frames(_same_shape(frames, first.shape), pix_fmt)):
                 frame.pts = index
                 frame.time_base = ctx.time_base
                 out.mux(stream.encode(frame))
+                num_frames = index + 1
             out.mux(stream.encode(None))
             if audio is not None:
                 audio.copy(duration=float(num_frames / rate))
+                for why in audio.dropped:
+                    warnings.warn(f"{label}: {why}; that stream was dropped", stacklevel=3)
         finally:
             if audio is not None:
                 audio.close()
     finally:
         out.close()
+    return num_frames
+
+
+def _same_shape(frames: Iterator[np.ndarray], shape: tuple[int, ...]) -> Iterator[np.ndarray]:
+    for frame in frames:
+        if frame.shape != shape or frame.dtype != np.uint8:
+            raise ValueError(f"every frame must be uint8 {list(shape)}, got {frame.dtype} {list(frame.shape)}")
+        yield frame
 
 
 def _to_yuv(rgb: np.ndarray, pix_fmt: str) -> av.VideoFrame:
@@ -640,97 +747,121 @@ def _to_yuv(rgb: np.ndarray, pix_fmt: str) -> av.VideoFrame:
     )
 
 
-def _yuv_frames(frames: np.ndarray, pix_fmt: str):
+def _yuv_frames(frames: Iterable[np.ndarray], pix_fmt: str) -> Iterator[av.VideoFrame]:
     """The frames converted to `pix_fmt`, each converted in one background thread while the caller encodes the
     previous one (swscale and the encoder both release the GIL). Exactly one conversion runs at a time, in frame
     order, so the output is the same as converting inline (concurrent swscale conversions were not reproducible)."""
+    frames = iter(frames)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastremover-yuv") as pool:
-        pending = pool.submit(_to_yuv, frames[0], pix_fmt) if len(frames) else None
-        for index in range(len(frames)):
+        current = next(frames, None)
+        pending = pool.submit(_to_yuv, current, pix_fmt) if current is not None else None
+        while pending is not None:
             frame = pending.result()
-            if index + 1 < len(frames):
-                pending = pool.submit(_to_yuv, frames[index + 1], pix_fmt)
+            following = next(frames, None)
+            pending = pool.submit(_to_yuv, following, pix_fmt) if following is not None else None
             yield frame
 
 
+@dataclass
+class _AudioTrack:
+    source: av.audio.stream.AudioStream
+    out: av.audio.stream.AudioStream
+    transcode: bool
+    total: int = 0  # samples to write (transcoded tracks)
+    written: int = 0
+    done: bool = False
+
+
 class _AudioCopier:
-    """Copies (or, if the container needs it, transcodes to AAC) the first audio stream of a source file."""
+    """Copies (or, where the container needs it, transcodes to AAC) every audio stream of a source file, in one
+    demuxing pass. A stream that can be neither is dropped, and ``dropped`` says which and why."""
 
     def __init__(self, source: Path, out: av.container.OutputContainer, container_format: str) -> None:
         self.source = source
         self.out = out
         self.input = _open_input(source)
-        self.in_stream = self.input.streams.audio[0] if self.input.streams.audio else None
-        self.out_stream = None
-        self.transcode = False
+        self.tracks: dict[int, _AudioTrack] = {}
+        self.dropped: list[str] = []
         # Audio timing is relative to the source's first video frame, which is t=0 in our output.
         self.offset = 0.0
         if self.input.streams.video and self.input.streams.video[0].start_time is not None:
             video = self.input.streams.video[0]
             self.offset = float(video.start_time * video.time_base)
-        if self.in_stream is None:
-            return
-        # The codec's canonical name ("mp3"), not the decoder's ("mp3float").
-        codec = self.in_stream.codec_context.codec.canonical_name
         allowed = _AUDIO_COPY[container_format]
-        copyable = codec in out.supported_codecs if allowed is None else codec in allowed
-        if copyable:
-            self.out_stream = out.add_stream_from_template(self.in_stream)
-        else:
-            self.transcode = True
-            in_ctx = self.in_stream.codec_context
-            self.out_stream = out.add_stream("aac", rate=in_ctx.sample_rate or 48000)
-            # Map by channel count: sources often carry an unnamed layout ("1 channels") the encoder rejects.
-            self.out_stream.layout = {1: "mono", 6: "5.1"}.get(in_ctx.layout.nb_channels, "stereo")
-            self.out_stream.bit_rate = 192_000
+        for stream in self.input.streams.audio:
+            # The codec's canonical name ("mp3"), not the decoder's ("mp3float").
+            codec = stream.codec_context.codec.canonical_name
+            copyable = codec in out.supported_codecs if allowed is None else codec in allowed
+            try:
+                if copyable:
+                    self.tracks[stream.index] = _AudioTrack(stream, out.add_stream_from_template(stream), False)
+                    continue
+                in_ctx = stream.codec_context
+                encoder = out.add_stream("aac", rate=in_ctx.sample_rate or 48000)
+                # Map by channel count: sources often carry an unnamed layout ("1 channels") the encoder rejects.
+                encoder.layout = {1: "mono", 6: "5.1"}.get(in_ctx.layout.nb_channels, "stereo")
+                encoder.bit_rate = 192_000
+                self.tracks[stream.index] = _AudioTrack(stream, encoder, True)
+            except (av.FFmpegError, ValueError) as exc:
+                self.dropped.append(f"audio stream {stream.index} ({codec}): {exc}")
 
     def copy(self, duration: float) -> None:
-        if self.in_stream is None:
+        if not self.tracks:
             return
-        if self.transcode:
-            self._transcode(duration)
-        else:
-            self._remux(duration)
-
-    def _remux(self, duration: float) -> None:
-        for packet in self.input.demux(self.in_stream):
-            if packet.pts is None or packet.dts is None:  # demuxer flush packet
+        for track in self.tracks.values():
+            if track.transcode:
+                track.total = int(round(duration * track.out.codec_context.sample_rate))
+        for packet in self.input.demux(*(t.source for t in self.tracks.values())):
+            track = self.tracks[packet.stream.index]
+            if track.done:
                 continue
-            start = float(packet.pts * packet.time_base) - self.offset
-            length = float((packet.duration or 0) * packet.time_base)
-            if start >= duration:
+            if track.transcode:
+                for frame in packet.decode():
+                    self._encode(track, frame, duration)
+            else:
+                self._remux(track, packet, duration)
+            if all(t.done for t in self.tracks.values()):
                 break
-            if start + length <= 0 and packet.pts >= 0:
-                # Entirely before the first video frame.  (Codec priming packets, which already have negative
-                # timestamps in the source, are kept: the decoder needs them and the muxer hides them.)
-                continue
-            shift = round(self.offset / packet.time_base)
-            packet.pts -= shift
-            packet.dts -= shift
-            packet.stream = self.out_stream
-            self.out.mux(packet)
+        for track in self.tracks.values():
+            if track.transcode:
+                self.out.mux(track.out.encode(None))
 
-    def _transcode(self, duration: float) -> None:
+    def _remux(self, track: _AudioTrack, packet: av.Packet, duration: float) -> None:
+        if packet.pts is None or packet.dts is None:  # demuxer flush packet
+            return
+        start = float(packet.pts * packet.time_base) - self.offset
+        length = float((packet.duration or 0) * packet.time_base)
+        if start >= duration:
+            track.done = True
+            return
+        if start + length <= 0 and packet.pts >= 0:
+            # Entirely before the first video frame.  (Codec priming packets, which already have negative
+            # timestamps in the source, are kept: the decoder needs them and the muxer hides them.)
+            return
+        shift = round(self.offset / packet.time_base)
+        packet.pts -= shift
+        packet.dts -= shift
+        packet.stream = track.out
+        self.out.mux(packet)
+
+    def _encode(self, track: _AudioTrack, frame: av.AudioFrame, duration: float) -> None:
         """Re-encode to AAC, from the first video frame's time for ``duration`` seconds (sample-exact end)."""
-        sample_rate = self.out_stream.codec_context.sample_rate
-        total = int(round(duration * sample_rate))
-        written = 0
-        for frame in self.input.decode(self.in_stream):
-            if frame.time is not None:
-                start = frame.time - self.offset
-                if start >= duration:
-                    break
-                if start + frame.samples / frame.sample_rate <= 0:
-                    continue  # entirely before the first video frame
-            frame.pts = None  # the encoder numbers samples from 0 = the first video frame
-            if written + frame.samples > total:
-                keep = total - written
-                if keep <= 0:
-                    break
-                frame = _trim_audio_frame(frame, keep)
-            written += frame.samples
-            self.out.mux(self.out_stream.encode(frame))
-        self.out.mux(self.out_stream.encode(None))
+        if frame.time is not None:
+            start = frame.time - self.offset
+            if start >= duration:
+                track.done = True
+                return
+            if start + frame.samples / frame.sample_rate <= 0:
+                return  # entirely before the first video frame
+        frame.pts = None  # the encoder numbers samples from 0 = the first video frame
+        if track.written + frame.samples > track.total:
+            keep = track.total - track.written
+            if keep <= 0:
+                track.done = True
+                return
+            frame = _trim_audio_frame(frame, keep)
+        track.written += frame.samples
+        self.out.mux(track.out.encode(frame))
 
     def close(self) -> None:
         self.input.close()

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 import torch
@@ -32,48 +33,31 @@ from fastremover.classic import classic_remove
 from fastremover.errors import FastRemoverError
 from fastremover.masks import composite, dilate_masks
 from fastremover.fast.engine import MODES, build_denoiser, resolve_mode
+from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
 from fastremover.models.loading import RemoverModels, load_models
 from fastremover.timing import StageTimer
 from fastremover.windows import (
-    CROP_MODES,
-    DEFAULT_WINDOW,
     Box,
     Window,
     ceil_4k1,
     choose_crop,
+    STREAM_PREFETCH,
+    default_overlap,
     crossfade_weights,
     plan_windows,
     usable_window_length,
-    validate_windows,
 )
 
+if TYPE_CHECKING:
+    from fastremover.stream import ResumeStore
+
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-SIZE_MULTIPLE = 16  # VAE 8x spatial downsampling times the transformer's 2x2 patches
+WEIGHTS = ("dense", "nvfp4", "nvfp4-w4a4")
 # A crop's output is pasted back with a ramp up to this wide inside the mask: the model saw less of the scene, so its
 # colours may drift a little from the surroundings (see crop_feather for the cap).
 CROP_FEATHER = 4
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
-
-
-def parse_size(size: str | tuple[int, int] | None) -> tuple[int, int] | None:
-    """"native"/None -> None; "WxH" or (W, H) -> (W, H), both multiples of 16."""
-    if size is None or size == "native":
-        return None
-    if isinstance(size, str):
-        try:
-            w_str, h_str = size.lower().split("x")
-            w, h = int(w_str), int(h_str)
-        except ValueError:
-            raise FastRemoverError(f"--size {size!r}: use 'native' or WIDTHxHEIGHT, e.g. 832x480") from None
-    else:
-        w, h = size
-    if w <= 0 or h <= 0 or w % SIZE_MULTIPLE or h % SIZE_MULTIPLE:
-        raise FastRemoverError(
-            f"--size {w}x{h}: width and height must be positive multiples of {SIZE_MULTIPLE} "
-            f"(e.g. {max(16, w // 16 * 16)}x{max(16, h // 16 * 16)}), or use --size native"
-        )
-    return w, h
 
 
 def crop_feather(dilate: int) -> int:
@@ -88,37 +72,6 @@ def crop_feather(dilate: int) -> int:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@dataclass
-class RunOptions:
-    """Per-request options."""
-
-    steps: int = 12
-    seed: int = 42
-    dilate: int = 6
-    size: str | tuple[int, int] = "native"
-    composite: bool = True
-    window: int = DEFAULT_WINDOW  # frames per window (used as the largest 4k+1 <= window); shorter clips: one window
-    # frames each window shares with the previous one (conditioning + cross-fade); None: about a fifth of the window
-    # as 4k+1 frames (17 for the default 81, see windows.default_overlap)
-    overlap: int | None = None
-    crop: str = "auto"  # auto | on | off: run the model on a box around the mask instead of the whole frame
-
-    def validate(self) -> None:
-        if self.steps < 1:
-            raise FastRemoverError(f"--steps {self.steps}: need at least 1 step")
-        if self.dilate < 0:
-            raise FastRemoverError(f"--dilate {self.dilate}: must be >= 0")
-        parse_size(self.size)
-        validate_windows(self.window, self.overlap)
-        if self.crop not in CROP_MODES:
-            raise FastRemoverError(f"--crop {self.crop!r}: choose one of {list(CROP_MODES)}")
-        if self.crop == "on" and parse_size(self.size) is not None:
-            raise FastRemoverError(
-                f"--crop on runs the model at the source resolution; it cannot be combined with --size {self.size} "
-                "(use --size native, or --crop off)"
-            )
 
 
 @dataclass
@@ -139,6 +92,8 @@ class EngineConfig:
     vae: str = "eager"  # the VAE path that runs: "eager" (models.vae.WanVAE) or "fast-fp16" / "fast-bf16" / "fast-fp8"
     vae_precision: str = "auto"  # as requested: auto | fp16 (the model dtype) | fp8 (FP8 conv3d in the fast VAE)
     cuda_graphs: bool = False
+    weights: str = "dense"  # the transformer block linears: dense | nvfp4 | nvfp4-w4a4 (fast/nvfp4_linear.py)
+    nvfp4: dict | None = None  # with NVFP4 weights: resident bytes before / after packing (Nvfp4Report.describe)
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
@@ -173,6 +128,22 @@ class RemovalResult:
     ran_model: bool = False
     notes: list[str] = field(default_factory=list)
     windows: list[WindowRun] = field(default_factory=list)  # per window: frames, overlap, crop box, run size
+
+
+@dataclass
+class StreamResult:
+    """What `RemovalPipeline.remove_stream` did (the frames themselves went to its `emit`)."""
+
+    timer: StageTimer = field(default_factory=StageTimer)
+    num_frames: int = 0
+    height: int = 0
+    width: int = 0
+    ran_model: bool = False
+    notes: list[str] = field(default_factory=list)
+    windows: list[WindowRun] = field(default_factory=list)
+    resumed_windows: int = 0  # windows rebuilt from the resume store instead of run
+    any_masked: bool = False
+    all_masked: bool = True
 
 
 @dataclass
@@ -227,7 +198,20 @@ class RemovalPipeline:
         mode: str = "auto",
         attention: str = "auto",
         vae_precision: str = "auto",
+        weights: str = "dense",
+        force_w4a4: bool = False,
     ):
+        """weights: the transformer block linears as stored: "dense", "nvfp4" (packed 4-bit weights, W4A16) or
+        "nvfp4-w4a4" (activations quantized too; refused on full-frame windows unless force_w4a4). NVFP4 runs in the
+        eager mode (the fused transformer reads dense weights): an explicit exact / fast mode is an error."""
+        if weights not in WEIGHTS:
+            raise FastRemoverError(f"--weights {weights!r}: choose one of {list(WEIGHTS)}")
+        if weights != "dense" and models is not None:
+            if mode in ("exact", "fast"):
+                raise FastRemoverError(f"--weights {weights} runs in --mode eager only (the fused transformer reads "
+                                       "dense weights)")
+            mode = "eager"
+        self.weights, self.force_w4a4 = weights, force_w4a4
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise FastRemoverError("--device cuda: no CUDA GPU is available here; use --device cpu")
@@ -238,14 +222,22 @@ class RemovalPipeline:
             raise FastRemoverError(f"--mode {mode!r}: choose one of {['auto', *MODES]}")
         self.dtype = PRECISIONS[precision]
         self.models = models
+        self.closed = False
         active, notes = resolve_mode(mode, self.device) if models is not None else ("eager", [])
         self.denoiser = None
         self.vae = None  # models.vae (eager) or a FastWanVAE, chosen with the mode (fast.vae_fast.build_vae)
         vae_path = "none"
+        components_extra = {"weights": weights}
         if models is not None:
             from fastremover.fast.vae_fast import build_vae
 
             models.transformer.to(self.device).to_inference_dtype(self.dtype)
+            if weights != "dense":
+                from fastremover.fast.nvfp4_linear import quantize_linears_nvfp4
+
+                nvfp4 = quantize_linears_nvfp4(models.transformer, w4a4=weights == "nvfp4-w4a4")
+                notes = notes + [nvfp4.summary()]
+                components_extra = {"weights": weights, "nvfp4": nvfp4.describe()}
             self.vae, vae_path = build_vae(models.vae, active, self.device, self.dtype, vae_precision)
             self.denoiser, attention_notes = build_denoiser(
                 models.transformer, models.scheduler_config, active, self.device, attention
@@ -262,6 +254,7 @@ class RemovalPipeline:
             vae=vae_path,
             vae_precision=vae_precision,
             **components,
+            **components_extra,
         )
 
     @classmethod
@@ -276,11 +269,27 @@ class RemovalPipeline:
         mode: str = "auto",
         attention: str = "auto",
         vae_precision: str = "auto",
+        weights: str = "dense",
+        force_w4a4: bool = False,
     ) -> "RemovalPipeline":
         """`model`: "classic" (no weights), "random" (preset config, deterministic random weights) or a checkpoint dir."""
         models = None if model == "classic" else load_models(model, preset, weights_seed)
         return cls(models, device=device, precision=precision, mode=mode, attention=attention,
-                   vae_precision=vae_precision)
+                   vae_precision=vae_precision, weights=weights, force_w4a4=force_w4a4)
+
+    def close(self) -> None:
+        """Release the models, the denoiser's captured graphs and the GPU memory they hold. The pipeline cannot run
+        afterwards."""
+        self.denoiser = self.vae = self.models = None
+        self.closed = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "RemovalPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------------------------------------------------------
     # Stages
@@ -395,6 +404,8 @@ class RemovalPipeline:
         keep_pixels: also return the decoded video at the run size before cropping/compositing (for fidelity checks;
         single full-frame window only).
         """
+        if self.closed:
+            raise RuntimeError("this RemovalPipeline was closed; build a new one")
         options = options or RunOptions()
         options.validate()
         size = parse_size(options.size)
@@ -419,7 +430,6 @@ class RemovalPipeline:
                          "(the VAE works in 4k+1 frames)")
         # An explicit --size resizes the whole frame: a crop would be a different geometry, so auto means off then.
         crop_mode = "off" if size is not None else options.crop
-        feather_for_crops = crop_feather(options.dilate)
 
         out = frames.copy()  # the output, written window by window
         runs: list[WindowRun] = []
@@ -428,38 +438,13 @@ class RemovalPipeline:
             progress("window", 0, len(windows))
         for index, win in enumerate(windows):
             span = slice(win.start, win.stop)
-            with timer.stage("preprocess"):
-                # Frames shared with the previous window enter as known content: its output, with the mask cleared,
-                # so the model continues from what it already generated instead of inventing it again.
-                window_frames = out[span].copy()
-                window_mask = dilated[span].copy()
-                window_mask[: win.overlap] = False
-                # The box only needs to hold what is still to be generated (the shared frames are known already).
-                box = choose_crop(window_mask, crop_mode)
-            if not window_mask.any():  # nothing new to remove: `out` already holds the input / previous output
-                runs.append(WindowRun(win.start, win.stop, win.overlap, None, None, ran=False))
-            else:
-                if self.models is None and window_mask.all() and not dilated.all():
-                    raise FastRemoverError(
-                        f"frames {win.start}..{win.stop - 1} are masked entirely: the classic remover has nothing to "
-                        "fill them from inside one window; use a larger --window or a diffusion model (--model PATH)"
-                    )
-                # Latents and decoded pixels describe the whole clip only for one full-frame window.
-                whole_clip = len(windows) == 1 and box is None
-                filled = self._fill_window(window_frames, window_mask, box, size, options, timer, progress,
-                                           keep_latents=whole_clip, keep_pixels=whole_clip and keep_pixels)
-                with timer.stage("composite"):
-                    # Against the input and the real mask: shared frames take this window's model pixels inside the
-                    # mask too, so the cross-fade below blends the two windows' pixels there.
-                    if options.composite:
-                        feather = feather_for_crops if box is not None else 0
-                        window_out = composite(frames[span], filled.frames, dilated[span], feather=feather)
-                    else:
-                        window_out = filled.frames
-                    _write_window(out, window_out, win)
-                runs.append(WindowRun(win.start, win.stop, win.overlap, box, filled.run_hw, ran=True))
-                if len(windows) == 1:
-                    generated, latents, pixels = filled.frames, filled.latents, filled.pixels
+            # Latents and decoded pixels describe the whole clip only for one full-frame window.
+            run, filled = self._run_window(out[span], frames[span], dilated[span], win, options, timer, progress,
+                                           crop_mode=crop_mode, clip_all_masked=bool(dilated.all()),
+                                           keep_whole=len(windows) == 1, keep_pixels=keep_pixels)
+            runs.append(run)
+            if filled is not None and len(windows) == 1:
+                generated, latents, pixels = filled.frames, filled.latents, filled.pixels
             if progress:
                 progress("window", index + 1, len(windows))
 
@@ -475,6 +460,226 @@ class RemovalPipeline:
             notes=notes,
             windows=runs,
         )
+
+    def remove_stream(
+        self,
+        pairs: Iterable[tuple[np.ndarray, np.ndarray]],
+        emit: Callable[[np.ndarray], None],
+        options: RunOptions | None = None,
+        *,
+        progress: Progress | None = None,
+        timer: StageTimer | None = None,
+        store: "ResumeStore | None" = None,
+        total_frames: int = 0,
+        prefetch: int | None = None,
+    ) -> "StreamResult":
+        """`remove` for a clip that arrives frame by frame, in memory bounded by one window.
+
+        pairs: (frame uint8 [H,W,3], mask bool [H,W] undilated) in order (e.g. `stream.open_clip(...).pairs`).
+        emit(frame): called once per output frame, in order, as soon as no later window can change it (the frames
+        a window shares with the next one wait for its cross-fade). The frames are the ones `remove` returns for the
+        stacked clip, bit for bit. The input is read, and the masks dilated, in a background thread up to `prefetch`
+        frames ahead (default: STREAM_PREFETCH, at most one window's new frames), so decoding overlaps the model.
+
+        store: a `stream.ResumeStore`: each finished window of a clip of more than one window is saved in it, and
+        windows it already holds (a resumed run) are rebuilt from it instead of run.
+        total_frames: the clip's length if known (for progress only; 0 = unknown). progress gets "window" (done,
+        windows planned from total_frames, at least done) and "frames" (frames handed to `emit`, total_frames; 0 when
+        unknown or exceeded).
+        """
+        from fastremover.stream import Prefetch, fingerprint_frames
+        from fastremover.windows import next_window, window_lookahead
+
+        if self.closed:
+            raise RuntimeError("this RemovalPipeline was closed; build a new one")
+        options = options or RunOptions()
+        options.validate()
+        size = parse_size(options.size)
+        timer = timer or StageTimer(self.device)
+        crop_mode = "off" if size is not None else options.crop
+        usable = usable_window_length(options.window)
+        overlap = default_overlap(options.window) if options.overlap is None else options.overlap
+        depth = min(STREAM_PREFETCH, max(1, usable - overlap)) if prefetch is None else prefetch
+
+        def prepared():
+            for frame, mask in pairs:
+                if frame.ndim != 3 or frame.shape[-1] != 3 or frame.dtype != np.uint8:
+                    raise FastRemoverError(f"frames must be uint8 [H,W,3], got {frame.dtype} {list(frame.shape)}")
+                if mask.shape != frame.shape[:2]:
+                    raise FastRemoverError(f"mask shape {list(mask.shape)} does not match the frame "
+                                           f"{list(frame.shape[:2])}")
+                yield frame, dilate_masks(np.asarray(mask, bool)[None], options.dilate)[0]
+
+        # Frames [base, base + len(inputs)) of the clip: input, dilated mask, output so far (None: the input).
+        inputs: list[np.ndarray] = []
+        masks: list[np.ndarray] = []
+        outs: list[np.ndarray | None] = []
+        base = 0
+        ended = False
+        result = StreamResult(timer=timer)
+        source = Prefetch(prepared(), depth, name="fastremover-read")
+
+        def fill(count: int) -> None:
+            nonlocal ended
+            while not ended and base + len(inputs) < count:
+                t = time.perf_counter()
+                item = next(source, None)  # waits only when decoding is behind the windows
+                timer.wall_s["read"] = timer.wall_s.get("read", 0.0) + time.perf_counter() - t
+                if item is None:
+                    ended = True
+                    break
+                frame, dilated = item
+                if inputs and frame.shape != inputs[0].shape:
+                    raise FastRemoverError("the video changes resolution mid-stream; re-encode it at one resolution")
+                inputs.append(frame)
+                masks.append(dilated)
+                outs.append(None)
+                result.any_masked |= bool(dilated.any())
+                result.all_masked &= bool(dilated.all())
+
+        def release(upto: int) -> None:
+            nonlocal base
+            while base < upto:
+                out = outs.pop(0)
+                frame = inputs.pop(0)
+                masks.pop(0)
+                emit(frame if out is None else out)
+                base += 1
+                if progress:  # total 0: unknown (no count in the container, or the count was short)
+                    progress("frames", base, total_frames if total_frames >= base else 0)
+
+        planned = len(plan_windows(total_frames, options.window, options.overlap)) if total_frames > 0 else 0
+        if progress:
+            progress("window", 0, planned)
+        try:
+            prev: Window | None = None
+            finished = 0
+            index = 0
+            while True:
+                fill(window_lookahead(prev, options.window, options.overlap))
+                win = next_window(prev, base + len(inputs), ended, options.window, options.overlap)
+                if win is None:
+                    break
+                if index == 0:
+                    single = ended and win.stop == base + len(inputs)
+                    result.height, result.width = inputs[0].shape[:2]
+                    if store is not None:
+                        if single:  # nothing to resume in a run of one window
+                            store.clear()
+                            store = None
+                        else:
+                            first = fingerprint_frames(inputs[:4] + masks[:4])
+                            finished = store.start(first)
+                            if store.note:
+                                result.notes.append(store.note)
+                            if finished:
+                                result.notes.append(f"--resume: continued after {finished} finished windows (their "
+                                                    "output rebuilt from the saved state)")
+                    if not single and usable != options.window:
+                        result.notes.append(f"--window {options.window}: using {usable} frames per window "
+                                            "(the VAE works in 4k+1 frames)")
+                release(win.start)
+                span = slice(win.start - base, win.stop - base)
+                frames_w = np.stack(inputs[span])
+                dilated_w = np.stack(masks[span])
+                # The buffers now hold views of the stacks, so each frame is in memory once, not twice.
+                inputs[span], masks[span] = list(frames_w), list(dilated_w)
+                out_w = np.stack([f if o is None else o for f, o in zip(inputs[span], outs[span])])
+                if index < finished:  # a resumed run: this window's output is in the store
+                    record = store.windows[index]
+                    if (record["start"], record["stop"], record["overlap"]) != (win.start, win.stop, win.overlap):
+                        raise RuntimeError(f"saved window {index} is {record}, the plan {win}")
+                    out_w = store.load(index, frames_w)
+                    box = tuple(record["box"]) if record["box"] is not None else None
+                    run_hw = tuple(record["run_hw"]) if record["run_hw"] is not None else None
+                    run = WindowRun(win.start, win.stop, win.overlap, box, run_hw, record["ran"])
+                else:
+                    # Whether the whole clip is masked is known only at its end; until then, "every frame so far".
+                    clip_all_masked = result.all_masked and ended
+                    run, _ = self._run_window(out_w, frames_w, dilated_w, win, options, timer, progress,
+                                              crop_mode=crop_mode, clip_all_masked=clip_all_masked)
+                    if store is not None:
+                        store.save(index, {"start": win.start, "stop": win.stop, "overlap": win.overlap,
+                                           "box": run.box, "run_hw": run.run_hw, "ran": run.ran}, out_w, frames_w)
+                # Per frame: None where the output is the input, else its own copy (views would keep the whole
+                # window's array alive as long as any of its frames waits for the next window).
+                outs[span] = [None if np.array_equal(o, f) else o.copy() for o, f in zip(out_w, frames_w)]
+                del out_w, frames_w, dilated_w
+                result.windows.append(run)
+                index += 1
+                prev = win
+                if progress:
+                    progress("window", index, max(index, planned))
+            release(base + len(inputs))
+        finally:
+            source.close()
+        result.num_frames = base
+        result.resumed_windows = finished
+        result.ran_model = self.models is not None and any(run.ran for run in result.windows)
+        if not result.any_masked:
+            result.notes.append("the mask is empty: nothing to remove, the output is the input")
+        elif result.all_masked:
+            result.notes.append("the mask covers every pixel: the whole video is regenerated, nothing of the input "
+                                "is kept")
+        return result
+
+    def _run_window(
+        self,
+        out: np.ndarray,
+        frames: np.ndarray,
+        dilated: np.ndarray,
+        win: Window,
+        options: RunOptions,
+        timer: StageTimer,
+        progress: Progress | None,
+        *,
+        crop_mode: str,
+        clip_all_masked: bool,
+        keep_whole: bool = False,
+        keep_pixels: bool = False,
+    ) -> tuple[WindowRun, "_Filled | None"]:
+        """Run one window and write its result into `out` in place.
+
+        `out`, `frames`, `dilated`: the window's frames [win.start, win.stop) of the output so far (the input where
+        no earlier window wrote), of the input and of the dilated mask. The first `win.overlap` frames are shared with
+        the previous window: they enter as known content (its output, mask cleared) and are cross-faded.
+        `clip_all_masked`: every pixel of the whole clip is masked (the classic fill is then allowed on a fully
+        masked window, and refuses it itself)."""
+        size = parse_size(options.size)
+        with timer.stage("preprocess"):
+            # Frames shared with the previous window enter as known content: its output, with the mask cleared,
+            # so the model continues from what it already generated instead of inventing it again.
+            # (`out` itself, not a copy, which would be one more window of frames in memory: nothing writes `out`
+            # before the composite below, and the fills return new arrays.)
+            window_frames = out
+            window_mask = dilated.copy()
+            window_mask[: win.overlap] = False
+            # The box only needs to hold what is still to be generated (the shared frames are known already).
+            box = choose_crop(window_mask, crop_mode)
+        if self.weights == "nvfp4-w4a4" and box is None and window_mask.any() and not self.force_w4a4:
+            from fastremover.fast.nvfp4_linear import check_w4a4_allowed
+
+            check_w4a4_allowed(crop_active=False, force=False)  # FastRemoverError: full frames collapse (FlashRT)
+        if not window_mask.any():  # nothing new to remove: `out` already holds the input / previous output
+            return WindowRun(win.start, win.stop, win.overlap, None, None, ran=False), None
+        if self.models is None and window_mask.all() and not clip_all_masked:
+            raise FastRemoverError(
+                f"frames {win.start}..{win.stop - 1} are masked entirely: the classic remover has nothing to "
+                "fill them from inside one window; use a larger --window or a diffusion model (--model PATH)"
+            )
+        whole_clip = keep_whole and box is None
+        filled = self._fill_window(window_frames, window_mask, box, size, options, timer, progress,
+                                   keep_latents=whole_clip, keep_pixels=whole_clip and keep_pixels)
+        with timer.stage("composite"):
+            # Against the input and the real mask: shared frames take this window's model pixels inside the
+            # mask too, so the cross-fade below blends the two windows' pixels there.
+            if options.composite:
+                feather = crop_feather(options.dilate) if box is not None else 0
+                window_out = composite(frames, filled.frames, dilated, feather=feather)
+            else:
+                window_out = filled.frames
+            _write_window(out, window_out, Window(0, win.length, win.overlap))
+        return WindowRun(win.start, win.stop, win.overlap, box, filled.run_hw, ran=True), filled
 
     def _fill_window(
         self,

@@ -18,7 +18,7 @@ from fastremover.errors import FastRemoverError
 from fastremover.masks import mask_bbox
 
 __all__ = [
-    "Window", "plan_windows", "ceil_4k1", "usable_window_length", "default_overlap", "validate_windows", "crossfade_weights",
+    "Window", "plan_windows", "next_window", "window_lookahead", "ceil_4k1", "usable_window_length", "default_overlap", "validate_windows", "crossfade_weights",
     "seam_transitions", "seam_metric",
     "Box", "CROP_MODES", "expand_box", "snap_box", "crop_box", "choose_crop",
 ]
@@ -27,6 +27,9 @@ __all__ = [
 # Temporal windows
 
 DEFAULT_WINDOW = 81  # frames: what MiniMax-Remover / Wan 2.1 were trained on (21 latent frames)
+# Streaming: frames decoded (and masks dilated) ahead of the window loop in a background thread. Each costs a frame
+# of host memory (2.6 MiB at 720p), so the read-ahead covers the decode of a window's first frames, not all of them.
+STREAM_PREFETCH = 16
 MIN_WINDOW = 5  # the smallest 4k+1 clip with more than one latent frame
 
 
@@ -109,6 +112,42 @@ def plan_windows(num_frames: int, window: int = DEFAULT_WINDOW, overlap: int | N
             windows.append(Window(num_frames - length, num_frames, prev.stop - (num_frames - length)))
             return windows
         windows.append(Window(start, start + window, overlap))
+
+
+def window_lookahead(prev: Window | None, window: int = DEFAULT_WINDOW, overlap: int | None = None) -> int:
+    """How many frames of the clip (from frame 0) must have been read, unless the clip ends earlier, for
+    :func:`next_window` to place the window after ``prev`` (``None``: the first window)."""
+    overlap = default_overlap(window) if overlap is None else overlap
+    if prev is None:
+        return window + 1  # frame `window` exists <=> the clip needs more than one window
+    return prev.stop - overlap + usable_window_length(window) + 1
+
+
+def next_window(prev: Window | None, known: int, ended: bool, window: int = DEFAULT_WINDOW,
+                overlap: int | None = None) -> Window | None:
+    """The window after ``prev`` (``None``: the first) of :func:`plan_windows`, decided from the first ``known``
+    frames of a clip that is read as it goes: ``ended`` says that ``known`` is the clip's length; otherwise ``known``
+    must be at least :func:`window_lookahead`. Returns ``None`` after the last window.
+
+    Windows before the last one do not depend on the clip's length, so a clip can be planned window by window with
+    one window of look-ahead; the sequence equals ``plan_windows(length, window, overlap)``.
+    """
+    validate_windows(window, overlap)
+    overlap = default_overlap(window) if overlap is None else overlap
+    if not ended and known < window_lookahead(prev, window, overlap):
+        raise ValueError(f"next_window needs {window_lookahead(prev, window, overlap)} frames, got {known}")
+    usable = usable_window_length(window)
+    if prev is None:
+        if ended and known < 1:
+            raise FastRemoverError("the video has no frames")
+        return Window(0, known, 0) if ended and known <= window else Window(0, usable, 0)
+    if ended and prev.stop >= known:
+        return None
+    start = prev.stop - overlap
+    if ended and start + usable >= known:
+        length = min(usable, ceil_4k1(known - prev.stop + overlap))
+        return Window(known - length, known, prev.stop - (known - length))
+    return Window(start, start + usable, overlap)
 
 
 def crossfade_weights(overlap: int) -> np.ndarray:

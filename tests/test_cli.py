@@ -159,3 +159,53 @@ def test_console_entry_point_exit_code(tmp_path):
         capture_output=True, text=True,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "x.mp4" in proc.stderr
+
+
+def test_mask_command_and_remove_with_a_box(tmp_path, capsys):
+    """`fastremover mask` and `remove --box` through main(): the object in the synthetic clip is found from a box on
+    one frame, and the removal replaces it."""
+    video, truth = media.synthetic_clip(9, 96, 128, seed=4, object_fraction=0.08, travel=0.3)
+    src = tmp_path / "in.mp4"
+    media.write_video(src, video.frames, 24)
+    ys, xs = np.nonzero(truth[0])
+    x0, y0 = max(0, xs.min() - 2), max(0, ys.min() - 2)
+    box = f"{x0},{y0},{min(128, xs.max() + 3) - x0},{min(96, ys.max() + 3) - y0}"
+    code, out, err = run_cli(["mask", src, "--box", box, "-o", tmp_path / "mask.mp4", "--quiet"], capsys)
+    assert code == 0, err
+    built = media.read_mask(tmp_path / "mask.mp4")
+    iou = (built & truth).sum() / (built | truth).sum()
+    assert iou > 0.8, iou
+    code, _, err = run_cli(["remove", src, "--box", box, "-o", tmp_path / "out.mp4", "--quiet"], capsys)
+    assert code == 0, err
+    result = media.read_video(tmp_path / "out.mp4").frames.astype(int)
+    diff = np.abs(result - video.frames.astype(int)).mean(axis=-1)
+    assert diff[truth].mean() > 10 and diff[~truth].mean() < 6  # the object changed, the rest is the input
+    assert_one_line_error(*run_cli(["remove", src, "-o", tmp_path / "o2.mp4"], capsys)[::2], "--mask", "--box")
+    assert_one_line_error(*run_cli(["remove", src, "--mask", tmp_path / "mask.mp4", "--box", box, "-o",
+                                    tmp_path / "o3.mp4"], capsys)[::2], "not both")
+
+
+def test_nvfp4_weights_end_to_end_on_the_tiny_model(tmp_path, capsys):
+    """--weights nvfp4 packs the transformer's block linears to NVFP4 (W4A16): the output is close to the dense
+    run's but not equal (the quantized layers ran); W4A4 is refused on full frames unless forced; the fused modes
+    are refused."""
+    v, m, _, _ = write_clip(tmp_path)
+    base = ["--model", "random", "--preset", "tiny", "--steps", "2", "--device", "cpu", "--quiet", "--crop", "off"]
+    runs = {}
+    for weights in ("dense", "nvfp4"):
+        out = tmp_path / f"{weights}.mp4"
+        code, stdout, err = run_cli(["remove", v, "--mask", m, "-o", out, "--weights", weights, *base], capsys)
+        assert code == 0, err
+        runs[weights] = media.read_video(out).frames.astype(np.float64)
+    assert "NVFP4" in err or "nvfp4" in err  # the packing report is printed as a note
+    mse = ((runs["dense"] - runs["nvfp4"]) ** 2).mean()
+    psnr = 10 * np.log10(255**2 / max(mse, 1e-12))
+    print(f"tiny model, nvfp4 vs dense: PSNR {psnr:.1f} dB")
+    assert 0 < mse and psnr > 30
+    assert_one_line_error(*run_cli(["remove", v, "--mask", m, "-o", tmp_path / "w4.mp4", "--weights", "nvfp4-w4a4",
+                                    *base], capsys)[::2], "full")
+    code, _, err = run_cli(["remove", v, "--mask", m, "-o", tmp_path / "w4.mp4", "--weights", "nvfp4-w4a4", "--force-w4a4",
+                            *base], capsys)
+    assert code == 0, err
+    assert_one_line_error(*run_cli(["remove", v, "--mask", m, "-o", tmp_path / "f.mp4", "--weights", "nvfp4",
+                                    "--mode", "fast", *base], capsys)[::2], "eager")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -490,12 +489,10 @@ def test_synthetic_clip_shape_determinism_fraction():
     assert small.fps == Fraction(30000, 1001)
 
 
-def test_synthetic_clip_is_fast():
-    start = time.perf_counter()
+def test_synthetic_clip_at_full_size():
     video, mask = media.synthetic_clip(152, 480, 854)
-    elapsed = time.perf_counter() - start
-    assert video.frames.shape == (152, 480, 854, 3)
-    assert elapsed < 5.0, elapsed
+    assert video.frames.shape == (152, 480, 854, 3) and mask.shape == (152, 480, 854)
+    assert 0.1 < mask.mean() < 0.2
 
 
 def test_truncated_video_keeps_decodable_frames_with_a_warning(tmp_path, clip):

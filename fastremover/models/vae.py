@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastremover.errors import FastRemoverError
+from fastremover.models.config_types import check_config_types
 
 # A 3-tap causal conv needs the 2 frames before the current chunk.
 CACHE_T = 2
@@ -114,6 +115,7 @@ class WanVAEConfig:
                 f"VAE config has unknown keys {unknown}; expected a diffusers AutoencoderKLWan config "
                 f"(keys: {sorted(known)})"
             )
+        check_config_types(cls, given, "vae")
         return cls(**given)
 
     def to_dict(self) -> dict:

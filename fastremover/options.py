@@ -1,0 +1,103 @@
+"""Per-request options and their limits, checked before anything is read, loaded or run.
+
+This module imports neither torch nor the media libraries, so a bad flag is reported in well under a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastremover.errors import FastRemoverError
+from fastremover.windows import CROP_MODES, DEFAULT_WINDOW, validate_windows
+
+SIZE_MULTIPLE = 16  # VAE 8x spatial downsampling times the transformer's 2x2 patches
+MAX_SIDE = 7680  # --size: the longest side accepted (8K UHD width)
+MAX_PIXELS = 3840 * 2160  # --size: width x height accepted (4K UHD)
+MAX_STEPS = 1000
+MAX_DILATE = 512
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
+
+
+def _int(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FastRemoverError(f"{name} {value!r}: must be a whole number between {low} and {high}")
+    if not low <= value <= high:
+        raise FastRemoverError(f"{name} {value}: must be between {low} and {high}")
+    return value
+
+
+def parse_size(size: str | tuple[int, int] | None) -> tuple[int, int] | None:
+    """"native"/None -> None; "WxH" or (W, H) -> (W, H): multiples of 16, each side at most MAX_SIDE and at most
+    MAX_PIXELS in all."""
+    if size is None or size == "native":
+        return None
+    if isinstance(size, str):
+        try:
+            w_str, h_str = size.lower().split("x")
+            w, h = int(w_str), int(h_str)
+        except ValueError:
+            raise FastRemoverError(f"--size {size!r}: use 'native' or WIDTHxHEIGHT, e.g. 832x480") from None
+    else:
+        w, h = size
+    if w <= 0 or h <= 0 or w % SIZE_MULTIPLE or h % SIZE_MULTIPLE:
+        raise FastRemoverError(
+            f"--size {w}x{h}: width and height must be positive multiples of {SIZE_MULTIPLE} "
+            f"(e.g. {max(16, w // 16 * 16)}x{max(16, h // 16 * 16)}), or use --size native"
+        )
+    if max(w, h) > MAX_SIDE or w * h > MAX_PIXELS:
+        raise FastRemoverError(
+            f"--size {w}x{h}: at most {MAX_SIDE} pixels per side and {MAX_PIXELS:,} pixels in all "
+            f"(3840x2160); choose a smaller size"
+        )
+    return w, h
+
+
+@dataclass
+class RunOptions:
+    """Per-request options of `RemovalPipeline.remove` (and of every layer above it: CLI, service, batch)."""
+
+    steps: int = 12
+    seed: int = 42
+    dilate: int = 6
+    size: str | tuple[int, int] = "native"
+    composite: bool = True
+    window: int = DEFAULT_WINDOW  # frames per window (used as the largest 4k+1 <= window); shorter clips: one window
+    # frames each window shares with the previous one (conditioning + cross-fade); None: about a fifth of the window
+    # as 4k+1 frames (17 for the default 81, see windows.default_overlap)
+    overlap: int | None = None
+    crop: str = "auto"  # auto | on | off: run the model on a box around the mask instead of the whole frame
+
+    def validate(self) -> None:
+        """FastRemoverError naming the first option out of range; nothing else is touched."""
+        _int("--steps", self.steps, 1, MAX_STEPS)
+        _int("--seed", self.seed, 0, MAX_SEED)
+        _int("--dilate", self.dilate, 0, MAX_DILATE)
+        _int("--window", self.window, 1, 1_000_000)
+        if self.overlap is not None:
+            _int("--overlap", self.overlap, 0, 1_000_000)
+        parse_size(self.size)
+        validate_windows(self.window, self.overlap)
+        if self.crop not in CROP_MODES:
+            raise FastRemoverError(f"--crop {self.crop!r}: choose one of {list(CROP_MODES)}")
+        if self.crop == "on" and parse_size(self.size) is not None:
+            raise FastRemoverError(
+                f"--crop on runs the model at the source resolution; it cannot be combined with --size {self.size} "
+                "(use --size native, or --crop off)"
+            )
+
+
+def validate_mask_threshold(threshold) -> int:
+    return _int("--mask-threshold", threshold, 0, 255)
+
+
+def validate_device(device: str | None) -> str | None:
+    """None (pick automatically), "cpu", "cuda" or "cuda:N"; anything else is refused here, before torch is
+    imported. Whether a CUDA device exists is checked when the pipeline is built."""
+    if device is None:
+        return None
+    name = str(device).strip().lower()
+    if name in ("cpu", "cuda"):
+        return name
+    if name.startswith("cuda:") and name[5:].isdigit():
+        return name
+    raise FastRemoverError(f"--device {device!r}: choose cpu, cuda or cuda:N (e.g. cuda:1)")

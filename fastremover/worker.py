@@ -1,0 +1,263 @@
+"""The one worker: a loaded pipeline that runs file jobs (video + mask in, one output file or folder out).
+
+The CLI's `remove`, the HTTP service and batch runs are thin layers over `RemovalWorker.run`, so every check of the
+inputs and the output, the decoded-size budget, the atomic write and the audio copy live in one place.
+
+Thread safety: a worker (and the pipeline it owns) serves one job at a time; give each thread or process its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable
+
+from fastremover.errors import FastRemoverError
+from fastremover.options import RunOptions, validate_device, validate_mask_threshold
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total), as RemovalPipeline.remove reports it
+Note = Callable[[str], None]
+
+#: Default limit on the host memory of the frames a job holds at a time while streaming (streaming_bytes), in GiB.
+DEFAULT_MAX_DECODED_GIB = 4.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model a worker loads and how it runs (RemovalPipeline.from_model's arguments)."""
+
+    model: str = "classic"  # "classic", "random" (preset config, random weights) or a checkpoint folder
+    preset: str = "minimax-remover"
+    weights_seed: int = 0
+    device: str | None = None
+    precision: str | None = None
+    mode: str = "auto"
+    attention: str = "auto"
+    vae_precision: str = "auto"
+    weights: str = "dense"  # dense | nvfp4 | nvfp4-w4a4 (RemovalPipeline's `weights`)
+    force_w4a4: bool = False
+
+    def validate(self) -> None:
+        validate_device(self.device)
+        if self.precision not in (None, "fp16", "bf16", "fp32"):
+            raise FastRemoverError(f"--precision {self.precision!r}: choose fp16, bf16 or fp32")
+        if self.model != "classic" and self.model != "random" and not Path(self.model).expanduser().is_dir():
+            raise FastRemoverError(
+                f"--model {self.model}: not 'classic', 'random' or an existing checkpoint folder "
+                "(with transformer/ vae/ scheduler/)"
+            )
+
+
+@dataclass(frozen=True)
+class Job:
+    """One removal: input video and mask (paths), the output path, and the per-request options."""
+
+    video: str
+    mask: str
+    output: str
+    options: RunOptions = field(default_factory=RunOptions)
+    mask_threshold: int = 20
+    max_decoded_gib: float = DEFAULT_MAX_DECODED_GIB  # host memory for the frames held while streaming (GiB)
+    resume: bool = False  # continue a killed run of this job from its last finished window (see stream.ResumeStore)
+
+    def validate(self) -> None:
+        """Everything checkable without reading the inputs: options, the threshold, the budget."""
+        self.options.validate()
+        validate_mask_threshold(self.mask_threshold)
+        if not isinstance(self.max_decoded_gib, (int, float)) or not self.max_decoded_gib > 0:
+            raise FastRemoverError(f"--max-decoded-gib {self.max_decoded_gib!r}: must be a positive number")
+
+
+@dataclass
+class JobResult:
+    output: str
+    num_frames: int
+    width: int
+    height: int
+    fps: Fraction
+    seconds: float  # the whole job: read, remove, write
+    stages: dict[str, float]  # per-stage seconds of the removal (StageTimer), plus "read" and "write"
+    notes: list[str]
+    sha256: str  # of the output file (of the manifest's frame hashes for a frame folder)
+    ran_model: bool
+    geometry: str = ""  # how the clip was split into windows and cropped ("" for one full-frame window)
+    describe: dict = field(default_factory=dict)  # the engine configuration that ran
+
+
+class RemovalWorker:
+    """Owns one `RemovalPipeline` (built on first use) and runs `Job`s through it, one at a time."""
+
+    def __init__(self, spec: ModelSpec | None = None, *, pipeline=None, note: Note | None = None):
+        self.spec = spec or ModelSpec()
+        self.spec.validate()
+        self._pipeline = pipeline
+        self._note = note or (lambda message: None)
+
+    @property
+    def pipeline(self):
+        if self._pipeline is None:
+            from fastremover.pipeline import RemovalPipeline
+
+            s = self.spec
+            self._pipeline = RemovalPipeline.from_model(
+                s.model, preset=s.preset, weights_seed=s.weights_seed, device=s.device, precision=s.precision,
+                mode=s.mode, attention=s.attention, vae_precision=s.vae_precision, weights=s.weights,
+                force_w4a4=s.force_w4a4,
+            )
+            for message in self._pipeline.config.notes:
+                self._note(message)
+        return self._pipeline
+
+    def check(self, job: Job):
+        """Every check that needs no decoding: options, the output path against the inputs, the inputs' existence,
+        and the memory the frames held while streaming need (:func:`streaming_bytes`) against the budget. Returns
+        the output target. Raises FastRemoverError."""
+        from fastremover.outputs import check_inputs, check_output
+
+        job.validate()
+        target = check_output(job.output, inputs=[job.video, job.mask])
+        # The clip streams through the windows: its length does not matter, only what one window holds.
+        probe = check_inputs(job.video, job.mask, max_decoded_gib=math.inf)
+        target.check_frames(probe.num_frames)
+        needed = streaming_bytes(probe.num_frames, probe.height, probe.width, job.options)
+        if needed > job.max_decoded_gib * 2**30:
+            held = streaming_frames(probe.num_frames, job.options)
+            raise FastRemoverError(
+                f"{job.video} decodes to about {needed / 2**30:.2f} GiB of host memory while streaming ({held} frames "
+                f"of {probe.width}x{probe.height} held at a time); the limit is {job.max_decoded_gib:g} GiB: raise it "
+                f"with --max-decoded-gib {max(1, math.ceil(needed / 2**30))} if this machine has the memory, or use "
+                "a smaller --window"
+            )
+        return target
+
+    def run(self, job: Job, progress: Progress | None = None) -> JobResult:
+        """Run one job, streaming: frames are decoded as the windows need them and written (by one encoder thread)
+        as soon as they are final, so memory does not grow with the clip's length. The output appears atomically
+        at the end. Every multi-window run keeps a resume store beside the output (`stream.ResumeStore`) until it
+        finishes; `job.resume` continues from it, otherwise it is cleared first."""
+        from fastremover import media, stream
+
+        start = time.perf_counter()
+        target = self.check(job)
+        pipe = self.pipeline  # load the model only after the cheap checks passed
+        t0 = time.perf_counter()
+        clip = stream.open_clip(job.video, job.mask, threshold=job.mask_threshold)
+        first = next(clip.pairs, None)
+        if first is None:
+            raise FastRemoverError(f"video {job.video} contains no frames; give one with at least one frame")
+        notes = media.swapped_inputs_warnings(job.video, first[0][None], job.mask)
+        for message in notes:
+            self._note(message)
+        read_s = time.perf_counter() - t0
+        pairs = itertools.chain([first], clip.pairs)
+
+        store = stream.ResumeStore(stream.resume_dir(target.path), self._identity(job, pipe), resume=job.resume)
+        audio = clip.source if clip.has_audio else None
+        writer = stream.OrderedWriter(
+            lambda frames: media.write_frames(target.write_path, frames, clip.fps, audio_from=audio),
+            depth=WRITER_DEPTH)
+        exposed = 0.0  # time the window loop waited for the writer
+
+        def emit(frame):
+            nonlocal exposed
+            t = time.perf_counter()
+            writer.put(frame)
+            exposed += time.perf_counter() - t
+
+        try:
+            result = pipe.remove_stream(pairs, emit, job.options, progress=progress, store=store,
+                                        total_frames=clip.expected)
+            t = time.perf_counter()
+            writer.close()
+            exposed += time.perf_counter() - t
+        except BaseException:
+            writer.abandon()  # no output appears; the resume store stays for --resume
+            raise
+        store.clear()  # finished: nothing to resume
+        for message in result.notes:
+            self._note(message)
+        stages = {"read": read_s + result.timer.wall_s.pop("read", 0.0), **result.timer.wall_s, "write": exposed,
+                  "write_overlapped": max(0.0, writer.busy_s - exposed)}
+        return JobResult(
+            output=str(target.path), num_frames=result.num_frames, width=result.width, height=result.height,
+            fps=clip.fps, seconds=time.perf_counter() - start, stages=stages, notes=notes + result.notes,
+            sha256=output_sha256(target.path), ran_model=result.ran_model, geometry=geometry_line(result),
+            describe=pipe.config.describe(),
+        )
+
+    def _identity(self, job: Job, pipe) -> dict:
+        """What a resumed run must share with the saved one: the inputs (size, mtime), options, model, engine."""
+        from fastremover.stream import file_identity
+
+        engine = {k: v for k, v in pipe.config.describe().items() if k != "notes"}
+        return {"video": str(Path(job.video).resolve()), "video_file": file_identity(job.video),
+                "mask": str(Path(job.mask).resolve()), "mask_file": file_identity(job.mask),
+                "options": asdict(job.options), "mask_threshold": job.mask_threshold, "model": asdict(self.spec),
+                "engine": engine, "output": str(Path(job.output).resolve())}
+
+    def close(self) -> None:
+        """Release the pipeline (and its GPU memory); the worker loads it again if it runs another job."""
+        pipe, self._pipeline = self._pipeline, None
+        if pipe is not None and hasattr(pipe, "close"):
+            pipe.close()
+
+
+#: Frames the writer's queue and the reader's prefetch hold beyond the window (see RemovalPipeline.remove_stream).
+WRITER_DEPTH = 8
+#: Bytes per pixel of each held frame: RGB input and output (3 + 3), the dilated mask (1), and the window's transient
+#: working copies (the fill and its composite, window masks), about 8 more. (Measured: 720p, the default window and
+#: the classic fill peak at 1.7 GB RSS, about 14 bytes per pixel of each of the 106 held frames above the 0.3 GB the
+#: process starts with; tests/test_stream.py.)
+BYTES_PER_HELD_PIXEL = 3 + 3 + 1 + 8
+
+
+def streaming_frames(num_frames: int, options: RunOptions) -> int:
+    """Frames held at a time while streaming a clip of `num_frames` (0: unknown) with `options`: the window plus
+    one frame of look-ahead, the read-ahead (pipeline.STREAM_PREFETCH) and the writer's queue; never more than the
+    clip plus the queue."""
+    from fastremover.windows import STREAM_PREFETCH, default_overlap, usable_window_length
+
+    usable = usable_window_length(options.window)
+    overlap = default_overlap(options.window) if options.overlap is None else options.overlap
+    held = options.window + 1 + min(STREAM_PREFETCH, max(1, usable - overlap)) + WRITER_DEPTH
+    return min(held, num_frames + WRITER_DEPTH) if num_frames > 0 else held
+
+
+def streaming_bytes(num_frames: int, height: int, width: int, options: RunOptions) -> int:
+    """An upper estimate of the host memory the frames held while streaming take (model memory not included)."""
+    return streaming_frames(num_frames, options) * height * width * BYTES_PER_HELD_PIXEL
+
+
+def geometry_line(result) -> str:
+    """How the clip was split and cropped, when it was (empty for one full-frame window)."""
+    runs = [w for w in result.windows if w.ran]
+    cropped = [w for w in runs if w.box is not None]
+    if len(result.windows) <= 1 and not cropped:
+        return ""
+    parts = []
+    if len(result.windows) > 1:
+        longest = max(w.stop - w.start for w in result.windows)
+        overlap = min(w.overlap for w in result.windows[1:])  # the last window may share more
+        parts.append(f"{len(result.windows)} windows of up to {longest} frames (overlap {overlap})")
+    if cropped:
+        sizes = sorted({f"{w.box[3] - w.box[2]}x{w.box[1] - w.box[0]}" for w in cropped})
+        parts.append(f"cropped in {len(cropped)} of {len(runs)} windows ({', '.join(sizes)})")
+    return "windows: " + "; ".join(parts)
+
+
+def output_sha256(path: str | os.PathLike) -> str:
+    """sha256 of an output file; for a frame folder, of its frames' bytes in order."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.iterdir() if p.suffix == ".png") if path.is_dir() else [path]
+    for file in files:
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
