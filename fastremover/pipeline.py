@@ -277,6 +277,14 @@ class RemovalPipeline:
         return cls(models, device=device, precision=precision, mode=mode, attention=attention,
                    vae_precision=vae_precision, weights=weights, force_w4a4=force_w4a4)
 
+    def _begin(self, options: RunOptions | None, timer: StageTimer | None):
+        """A request's validated options, its explicit size (None for native) and its timer."""
+        if self.closed:
+            raise RuntimeError("this RemovalPipeline was closed; build a new one")
+        options = options or RunOptions()
+        options.validate()
+        return options, parse_size(options.size), timer or StageTimer(self.device)
+
     def close(self) -> None:
         """Release the models, the denoiser's captured graphs and the GPU memory they hold. The pipeline cannot run
         afterwards."""
@@ -404,12 +412,7 @@ class RemovalPipeline:
         keep_pixels: also return the decoded video at the run size before cropping/compositing (for fidelity checks;
         single full-frame window only).
         """
-        if self.closed:
-            raise RuntimeError("this RemovalPipeline was closed; build a new one")
-        options = options or RunOptions()
-        options.validate()
-        size = parse_size(options.size)
-        timer = timer or StageTimer(self.device)
+        options, size, timer = self._begin(options, timer)
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise FastRemoverError(f"frames must be uint8 [F,H,W,3], got {frames.dtype} {list(frames.shape)}")
         if mask.shape != frames.shape[:3]:
@@ -490,12 +493,7 @@ class RemovalPipeline:
         from fastremover.stream import Prefetch, fingerprint_frames
         from fastremover.windows import next_window, window_lookahead
 
-        if self.closed:
-            raise RuntimeError("this RemovalPipeline was closed; build a new one")
-        options = options or RunOptions()
-        options.validate()
-        size = parse_size(options.size)
-        timer = timer or StageTimer(self.device)
+        options, size, timer = self._begin(options, timer)
         crop_mode = "off" if size is not None else options.crop
         usable = usable_window_length(options.window)
         overlap = default_overlap(options.window) if options.overlap is None else options.overlap

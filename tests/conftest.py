@@ -21,8 +21,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
-    # 2-core CI: keep torch from oversubscribing when pytest runs several things.
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # 2-core CI: keep torch from oversubscribing when pytest runs several things (with pytest-xdist, the cores are
+    # shared among its worker processes).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
     yield
 
 

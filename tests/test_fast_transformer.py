@@ -354,13 +354,13 @@ def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expec
         if mode == "exact":
             assert "fake: flashinfer-fa3 is not" in notes[0], notes  # the note says why FlashInfer's FA3 is not used
         else:
-            assert "fake: fp8 is not" in notes[0], notes  # the note says why cuDNN's FP8 attention is not used
-            assert ("fake: fp8-triton" in notes[0]) is (expect_backend == "sdpa"), notes
+            assert "fake: cudnn-fp8 is not" in notes[0], notes  # the note says why cuDNN's FP8 attention is not used
+            assert ("fake: triton-fp8" in notes[0]) is (expect_backend == "sdpa"), notes
     assert all(d == dev for _, d in asked)  # the device is passed through
-    if mode == "fast" and expect_backend not in ("fp8", "fp8-flash3"):
-        assert "fp8" in [n for n, _ in asked]  # the note comes from asking, not from a guess
+    if mode == "fast" and expect_backend not in ("cudnn-fp8", "flashattn3-fp8"):
+        assert "cudnn-fp8" in [n for n, _ in asked]  # the note comes from asking, not from a guess
     if mode == "fast":
-        assert "fp8-flash3" in [n for n, _ in asked]
+        assert "flashattn3-fp8" in [n for n, _ in asked]
 
 
 def test_fused_qkv_fp8_linear_equals_three_separate_quantizations():

@@ -396,7 +396,7 @@ def test_5000_frames_run_with_flat_memory(tmp_path):
         masks = (np.repeat((disc(i) * 255).astype(np.uint8)[..., None], 3, 2) for i in range(frames))
         media.write_frames(f"{folder}/mask.mp4", masks, 24, preset="ultrafast")  # a disc in 10 frames mid-clip
         result = RemovalWorker(ModelSpec("random", preset="tiny", device="cpu")).run(Job(f"{folder}/in.mp4",
-            f"{folder}/mask.mp4", f"{folder}/out.mp4", options=RunOptions(steps=1, dilate=2, window=9, overlap=1),
+            f"{folder}/mask.mp4", f"{folder}/out.mp4", options=RunOptions(steps=1, dilate=2),
             max_decoded_gib=0.05))
         assert result.ran_model
         assert result.num_frames == frames

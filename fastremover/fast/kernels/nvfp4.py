@@ -254,15 +254,19 @@ def _check_nvfp4(t: ref.Nvfp4Tensor) -> tuple[int, int, int]:
 
 def dequantize_nvfp4(t: ref.Nvfp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Nvfp4Tensor -> [M, K] in dtype, bit-equal to nvfp4.dequantize_reference."""
+    return _dequantize(t, ref.alpha_of(t.global_scale), dtype)
+
+
+def _dequantize(t: ref.Nvfp4Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantize kernel: e2m1 code * e4m3 block scale * factor (a 1-element fp32 device tensor), [M, K] in dtype."""
     m, k, cpad = _check_nvfp4(t)
     if dtype not in _TL_DTYPES:
         raise ValueError(f"dtype must be one of {list(_TL_DTYPES)}, got {dtype}")
-    alpha = ref.alpha_of(t.global_scale)
-    check_device(_dequantize_kernel, packed=t.packed, scales=t.scales, alpha=alpha)
+    check_device(_dequantize_kernel, packed=t.packed, scales=t.scales, alpha=factor)
     out = torch.empty((m, k), dtype=dtype, device=t.packed.device)
     bm, bk = QUANT_BLOCK
     _dequantize_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
-        t.packed, t.scales.view(torch.uint8), alpha, out, m, k, cpad,
+        t.packed, t.scales.view(torch.uint8), factor, out, m, k, cpad,
         BLOCK_M=bm, BLOCK_K=bk, OUT_DTYPE=_TL_DTYPES[dtype], INTERPRET=interpreting(_dequantize_kernel),
         num_warps=4, **launch_options(_dequantize_kernel),
     )
@@ -283,20 +287,8 @@ def unit_weight_nvfp4(t: ref.Nvfp4Tensor, dtype: torch.dtype = torch.float16) ->
     """[N, K] in dtype, exact: fp16 W_unit * 2^-7 (the W4A16 kernel's shift; W_unit = e2m1 * sf in [2^-10, 2688] keeps
     its lowest bit >= 2^-17 there), bf16/fp32 W_unit. Times unit_multiplier(...) it is the dequantized weight; fed
     to cuBLAS with that multiplier as the GEMM's alpha, the weight never rounds (as in w4a16_gemm)."""
-    m, k, cpad = _check_nvfp4(t)
-    if dtype not in _TL_DTYPES:
-        raise ValueError(f"dtype must be one of {list(_TL_DTYPES)}, got {dtype}")
     shift = UNIT_SHIFT if dtype == torch.float16 else 1.0
-    factor = torch.full((1,), shift, dtype=torch.float32, device=t.packed.device)
-    check_device(_dequantize_kernel, packed=t.packed, scales=t.scales)
-    out = torch.empty((m, k), dtype=dtype, device=t.packed.device)
-    bm, bk = QUANT_BLOCK
-    _dequantize_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
-        t.packed, t.scales.view(torch.uint8), factor, out, m, k, cpad,
-        BLOCK_M=bm, BLOCK_K=bk, OUT_DTYPE=_TL_DTYPES[dtype], INTERPRET=interpreting(_dequantize_kernel),
-        num_warps=4, **launch_options(_dequantize_kernel),
-    )
-    return out
+    return _dequantize(t, torch.full((1,), shift, dtype=torch.float32, device=t.packed.device), dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
