@@ -23,6 +23,8 @@ from fastremover import media, outputs
 from fastremover.cli import main
 from fastremover.models.loading import random_models, save_checkpoint
 
+from av_clips import write_av_clip
+
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every file under root (hidden ones too) -> sha256 of its bytes; symlinks by their target."""
@@ -323,33 +325,10 @@ def test_user_oserrors_anywhere_are_one_line(clip, capsys, monkeypatch):
 # Audio, swapped inputs
 
 
-def _two_audio_tracks(path: Path, frames: np.ndarray) -> None:
-    out = av.open(str(path), "w")
-    vs = out.add_stream("libx264", rate=24)
-    vs.width, vs.height, vs.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-    tracks = [out.add_stream("aac", rate=44100) for _ in range(2)]
-    for track in tracks:
-        track.layout = "stereo"
-    for i, img in enumerate(frames):
-        frame = av.VideoFrame.from_ndarray(img, format="rgb24")
-        frame.pts = i
-        out.mux(vs.encode(frame))
-    out.mux(vs.encode(None))
-    for pitch, track in zip((440, 660), tracks):
-        t = np.arange(44100) / 44100
-        tone = (0.3 * np.sin(2 * np.pi * pitch * t)).astype(np.float32)
-        for k in range(0, len(tone), 1024):
-            af = av.AudioFrame.from_ndarray(np.stack([tone[k:k + 1024]] * 2), format="fltp", layout="stereo")
-            af.sample_rate, af.pts = 44100, k
-            out.mux(track.encode(af))
-        out.mux(track.encode(None))
-    out.close()
-
-
 def test_every_audio_stream_is_copied(tmp_path, capsys):
     video, mask = media.synthetic_clip(24, 48, 64, seed=2)
     src = tmp_path / "two-tracks.mp4"
-    _two_audio_tracks(src, video.frames)
+    write_av_clip(src, video.frames, tones=(440, 660))
     m = tmp_path / "mask.mp4"
     media.write_video(m, np.repeat(mask[..., None].astype(np.uint8) * 255, 3, axis=-1), 24)
     code, _, err = run(["remove", src, "--mask", m, "-o", tmp_path / "out.mp4", "--quiet"], capsys)

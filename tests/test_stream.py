@@ -26,6 +26,8 @@ from fastremover.pipeline import RemovalPipeline
 from fastremover.windows import next_window, plan_windows, window_lookahead
 from fastremover.worker import Job, ModelSpec, RemovalWorker
 
+from av_clips import write_av_clip
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -34,28 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _write_clip(path: Path, frames: np.ndarray, *, audio: bool = False, fps: int = 24) -> None:
-    """An H.264 mp4 of `frames`, with a one-second AAC tone when `audio`."""
-    out = av.open(str(path), "w")
-    vs = out.add_stream("libx264", rate=fps)
-    vs.width, vs.height, vs.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-    vs.codec_context.options = {"crf": "10"}
-    track = out.add_stream("aac", rate=44100) if audio else None
-    if track is not None:
-        track.layout = "stereo"
-    for i, img in enumerate(frames):
-        frame = av.VideoFrame.from_ndarray(img, format="rgb24")
-        frame.pts = i
-        out.mux(vs.encode(frame))
-    out.mux(vs.encode(None))
-    if track is not None:
-        t = np.arange(44100) / 44100
-        tone = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-        for k in range(0, len(tone), 1024):
-            af = av.AudioFrame.from_ndarray(np.stack([tone[k:k + 1024]] * 2), format="fltp", layout="stereo")
-            af.sample_rate, af.pts = 44100, k
-            out.mux(track.encode(af))
-        out.mux(track.encode(None))
-    out.close()
+    """An H.264 mp4 of `frames` (crf 10), with a one-second AAC tone when `audio`."""
+    write_av_clip(path, frames, fps=fps, tones=(440,) if audio else (), crf=10)
 
 
 def _mask_video(mask: np.ndarray) -> np.ndarray:
