@@ -434,8 +434,6 @@ def cmd_verify(args) -> int:
     results = _compare(args, inputs, repeats=0, hash_repeats=0)
     print(format_table(results))
     if args.json:
-        import json
-
         with media.atomic_write_path(args.json) as tmp:
             Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -262,7 +262,6 @@ class InputProbe:
     num_frames: int  # the video's (an estimate when the container has no count; 0 when unknown)
     width: int
     height: int
-    decoded_bytes: int  # RGB frames of the video + 1 byte per pixel of the mask
 
 
 def _check_readable(path: str | os.PathLike, what: str) -> Path:
@@ -282,25 +281,16 @@ def _check_readable(path: str | os.PathLike, what: str) -> Path:
     return p
 
 
-def check_inputs(video: str | os.PathLike, mask: str | os.PathLike, *, max_decoded_gib: float) -> InputProbe:
-    """Both inputs readable, and their decoded size (probed from the container, not decoded) within the budget."""
+def check_inputs(video: str | os.PathLike, mask: str | os.PathLike) -> InputProbe:
+    """Both inputs readable and probed as media (from the container, not decoded); the video's frame count and size.
+    What memory the run needs is the worker's to check (it depends on the window, not on the clip's length)."""
     video_path = _check_readable(video, "video")
     mask_path = _check_readable(mask, "mask")
     from fastremover import media
 
     v = media.probe(video_path)
-    m = media.probe(mask_path)
-    frames = int(v["num_frames"])
-    mask_frames = int(m["num_frames"]) if m["num_frames"] else frames
-    needed = frames * v["height"] * v["width"] * 3 + max(frames, mask_frames) * v["height"] * v["width"]
-    budget = max_decoded_gib * 2**30
-    if needed > budget:
-        raise FastRemoverError(
-            f"{video_path} decodes to {needed / 2**30:.1f} GiB ({frames} frames of {v['width']}x{v['height']}, with "
-            f"the mask); the limit is {max_decoded_gib:g} GiB: raise it with --max-decoded-gib "
-            f"{max(1, int(needed / 2**30) + 1)} if this machine has the memory, or use a shorter or smaller clip"
-        )
-    return InputProbe(num_frames=frames, width=int(v["width"]), height=int(v["height"]), decoded_bytes=needed)
+    media.probe(mask_path)  # a corrupt or unsupported mask fails here, before anything runs
+    return InputProbe(num_frames=int(v["num_frames"]), width=int(v["width"]), height=int(v["height"]))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ class RemovalWorker:
         job.validate()
         target = check_output(job.output, inputs=[job.video, job.mask])
         # The clip streams through the windows: its length does not matter, only what one window holds.
-        probe = check_inputs(job.video, job.mask, max_decoded_gib=math.inf)
+        probe = check_inputs(job.video, job.mask)
         target.check_frames(probe.num_frames)
         needed = streaming_bytes(probe.num_frames, probe.height, probe.width, job.options)
         if needed > job.max_decoded_gib * 2**30:
