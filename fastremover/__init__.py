@@ -25,7 +25,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "RemovalPipeline": "fastremover.pipeline",
     "RemovalResult": "fastremover.pipeline",
-    "EngineConfig": "fastremover.pipeline",
+    "EngineConfig": "fastremover.config",
+    "ResolvedEngine": "fastremover.config",
     "RunOptions": "fastremover.options",
     "RemovalWorker": "fastremover.worker",
     "ModelSpec": "fastremover.worker",

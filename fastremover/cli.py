@@ -22,6 +22,7 @@ from fastremover.errors import FastRemoverError
 from fastremover.log import logger, setup_cli, teardown_cli
 from fastremover.masktools.cli import add_box_args, add_mask_parser, box_mask_file, cmd_mask, mask_from_args
 from fastremover.serve.cli import add_serve_parser, cmd_serve
+from fastremover.h3.cli import add_parser as add_h3_parser, run as cmd_h3_decode
 
 EXIT_USER_ERROR = 2
 # OSErrors a user causes (permissions, missing or too-long paths, a full disk): one line, never a traceback.
@@ -137,7 +138,7 @@ def _add_attention_arg(p: argparse.ArgumentParser) -> None:
                    "triton-fp8) or one explicitly (an error if it cannot run here). flashinfer-fa3 / "
                    "flashinfer-fa3-fp8: FlashInfer's FA3 Hopper kernels (pip install flashinfer-python); cudnn-fp8: "
                    "cuDNN's FP8 attention (the cudnn extra); flashattn3-fp8: FlashAttention-3's FP8 kernel (built "
-                   "from source: bench/build_flash3.sh). Old names fa3, fp8-fa3, fp8, fp8-flash3, fp8-triton work too")
+                   "from source: tools/build_flash3.sh). Old names fa3, fp8-fa3, fp8, fp8-flash3, fp8-triton work too")
 
 
 def _add_vae_precision_arg(p: argparse.ArgumentParser) -> None:
@@ -170,6 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="output .mp4/.mov/.mkv, a folder for PNG frames, or .png")
     _add_model_args(p, default_model=None)
     add_box_args(p)
+    p.add_argument("--parallel", choices=["none", "ulysses"], default="none",
+                   help="split one clip over several processes: sequence-parallel denoise + parallel VAE "
+                   "(docs/parallel.md)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="--parallel ulysses: start this many ranks here (rank r on cuda:r; CPU processes with "
+                   "--device cpu); omit under torchrun")
+    p.add_argument("--sp-transport", choices=["fp16", "fp8"], default="fp16",
+                   help="how q/k/v travel between ranks: fp16 (exact) or fp8 (e4m3 + one scale per row and head)")
+    p.add_argument("--sp-head-groups", type=int, default=1,
+                   help="exchange and attend each rank's heads in this many groups (transfers overlap the attention)")
+    p.add_argument("--parallel-timeout", type=float, default=300.0,
+                   help="seconds one collective may wait before the run fails (default 300)")
     p.add_argument("--resume", action="store_true",
                    help="continue a killed run of this same command from its last finished window (its state is "
                    "kept in .<output>.fastremover-resume beside the output until the run finishes)")
@@ -206,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "Telea, and the diffusion model given --model PATH; JSON + picture strips under --out")
     p.add_argument("--out", default="bench/results", help="folder for the JSON results (default bench/results)")
     p.add_argument("--no-save", action="store_true", help="print the table only")
+    p.add_argument("--nvfp4-fidelity", action="store_true",
+                   help="also the NVFP4 fidelity rows (nvfp4, nvfp4+vae, nvfp4-w4a4 on a crop) against the dense "
+                   "eager run")
 
     p = sub.add_parser("verify", help="fidelity of the engine modes against the reference on your checkpoint and clip")
     p.add_argument("video")
@@ -217,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_parser(sub, _add_model_args)
     add_mask_parser(sub)
     add_serve_parser(sub)
+    add_h3_parser(sub)
     return parser
 
 
@@ -245,12 +262,24 @@ def _announce_model(args) -> None:
         warn(f"--precision {args.precision} on the CPU is very slow (conv3d); fp32 is recommended there")
 
 
+def engine_config(args):
+    """The EngineConfig of a command: its flags, then the environment's overrides (fastremover/config.py, the one
+    place both are read); a bad value is a FastRemoverError before any file is read or model loaded."""
+    from fastremover.config import EngineConfig
+
+    config = EngineConfig.from_args(args)
+    logger.debug("engine config: " + json.dumps(config.describe()))
+    return config
+
+
 def _model_spec(args):
     from fastremover.worker import ModelSpec
 
-    spec = ModelSpec(model=args.model or "classic", preset=args.preset, weights_seed=args.weights_seed, device=args.device,
-                     precision=args.precision, mode=args.mode, attention=args.attention,
-                     vae_precision=args.vae_precision, weights=args.weights, force_w4a4=args.force_w4a4)
+    config = engine_config(args)
+    spec = ModelSpec(model=args.model or "classic", preset=args.preset, weights_seed=args.weights_seed,
+                     device=config.device, precision=config.precision, mode=config.mode,
+                     attention=config.attention.backend, vae_precision=config.vae.precision,
+                     weights=config.linears.weights, force_w4a4=config.linears.force_w4a4)
     spec.validate()
     return spec
 
@@ -281,19 +310,37 @@ def cmd_remove(args) -> int:
     spec = _model_spec(args)
     if args.mask is None and not (args.box or args.point or args.sam2):
         raise FastRemoverError("give --mask MASK (white = remove) or --box X,Y,W,H around the object")
+    from fastremover.parallel.options import check_parallel_flags
+
+    check_parallel_flags(args.parallel, args.gpus, args.sp_transport, args.sp_head_groups, args.parallel_timeout)
+    if args.parallel != "none" and (args.box or args.point or args.sam2) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise FastRemoverError("--box under torchrun: make the mask first (fastremover mask ...) and pass --mask")
     with tempfile.TemporaryDirectory(prefix="fastremover-boxmask-") as tmp:
         mask = box_mask_file(args, tmp) or args.mask  # --box: the tracked mask as lossless frames
         job = Job(video=args.video, mask=mask, output=args.output, options=options,
                   mask_threshold=args.mask_threshold, max_decoded_gib=args.max_decoded_gib, resume=args.resume)
         job.validate()
-        worker = RemovalWorker(spec, note=warn)
-        worker.check(job)  # the output path, the inputs and their decoded size: before the model loads
-        _announce_model(args)
-        bars = _Bars(enabled=not args.quiet)
-        try:
-            result = worker.run(job, progress=bars)
-        finally:
-            bars.close()
+        if args.parallel != "none":
+            from fastremover.parallel.launch import run_remove
+
+            _announce_model(args)
+            bars = _Bars(enabled=not args.quiet)
+            try:
+                result = run_remove(spec, job, gpus=args.gpus, transport=args.sp_transport,
+                                    head_groups=args.sp_head_groups, timeout_s=args.parallel_timeout, progress=bars)
+            finally:
+                bars.close()
+            if result is None:  # a torchrun rank other than 0: rank 0 reports
+                return 0
+        else:
+            worker = RemovalWorker(spec, note=warn)
+            worker.check(job)  # the output path, the inputs and their decoded size: before the model loads
+            _announce_model(args)
+            bars = _Bars(enabled=not args.quiet)
+            try:
+                result = worker.run(job, progress=bars)
+            finally:
+                bars.close()
     print(f"wrote {args.output}: {result.num_frames} frames {result.width}x{result.height} @ {float(result.fps):.3f} "
           f"fps {_run_line(result)}")
     print("timing: " + "  ".join(f"{k} {v:.2f}s" for k, v in result.stages.items()) + f"  | total {result.seconds:.2f}s"
@@ -381,11 +428,13 @@ def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> l
         raise FastRemoverError(f"--modes {args.modes!r}: choose from {list(MODES)}")
     crop = getattr(args, "crop", None)  # bench only
     RunOptions(window=args.window, overlap=args.overlap, crop=crop or "off").validate()  # before loading the model
+    config = engine_config(args)
     models = load_models(args.model, args.preset, args.weights_seed)
     return compare(models, inputs, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
-                   hash_repeats=hash_repeats, device=args.device, precision=args.precision,
+                   hash_repeats=hash_repeats, device=config.device, precision=config.precision,
                    count_flops=not args.no_flops, window=args.window, overlap=args.overlap, crop=crop,
-                   vae_precision=args.vae_precision, attention=args.attention, on_result=on_result)
+                   vae_precision=config.vae.precision, attention=config.attention.backend, on_result=on_result,
+                   nvfp4_rows=getattr(args, "nvfp4_fidelity", False))
 
 
 def cmd_bench(args) -> int:
@@ -443,14 +492,17 @@ def cmd_verify(args) -> int:
 def cmd_info(args) -> int:
     from fastremover.info import collect_info, format_info
 
+    from fastremover.parallel.bench import info_lines
+
     print(format_info(collect_info()))
+    print("\n".join(info_lines()))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench, "verify": cmd_verify,
-                "mask": cmd_mask, "serve": cmd_serve, "batch": cmd_batch}
+                "mask": cmd_mask, "serve": cmd_serve, "batch": cmd_batch, "h3-decode": cmd_h3_decode}
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
     handler = setup_cli(args.verbosity)

@@ -1,4 +1,5 @@
-"""`fastremover info`: versions, device, and which fast paths would be active here."""
+"""`fastremover info`: versions, device, the engine configuration the environment gives, and what each engine mode
+resolves to here (fastremover.fast.engine.resolve: what the pipeline runs)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,18 @@ def collect_info() -> dict:
             p = torch.cuda.get_device_properties(i)
             gpus.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
     info["devices"] = gpus or ["cpu only (no CUDA GPU visible)"]
+    info["engine config (defaults + environment)"] = _engine_config()
     info["modes"] = _modes(torch.device("cuda" if gpus else "cpu"))
     from fastremover.fast.nvfp4_linear import format_memory_estimate, nvfp4_memory_estimate
     from fastremover.models.transformer import RemoverTransformerConfig
 
     info["transformer weights (released config), --weights"] = format_memory_estimate(
         nvfp4_memory_estimate(RemoverTransformerConfig())).splitlines()
+    from fastremover.fast.nvfp4_conv import format_vae_memory_estimate, vae_conv_memory_estimate
+    from fastremover.models.vae import WanVAEConfig
+
+    info["vae weights (released config), --weights nvfp4"] = [format_vae_memory_estimate(
+        vae_conv_memory_estimate(WanVAEConfig()))]
     info["vae"] = _vae_paths(torch.device("cuda" if gpus else "cpu"))
     return info
 
@@ -66,23 +73,46 @@ def _vae_paths(device: torch.device) -> dict[str, str]:
     }
 
 
+def _engine_config() -> dict[str, str]:
+    """Every engine option and kernel switch with the value it has here (the defaults, then the environment's
+    overrides: `EngineConfig.from_env`), and where a flag or a variable sets it."""
+    from fastremover.config import EngineConfig, kernel_tuning, option_table
+
+    config, tuning = EngineConfig.from_env().describe(), kernel_tuning().describe()
+    out = {}
+    for row in option_table():
+        path = row["option"].split(".")
+        value = tuning[path[1]] if path[0] == "tuning" else _get(config, path)
+        where = ", ".join(x for x in (row["flag"] and "--" + row["flag"].replace("_", "-"), row["env"]) if x)
+        out[row["option"]] = f"{value}" + (f"  ({where})" if where else "")
+    return out
+
+
+def _get(tree: dict, path: list[str]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 def _modes(device: torch.device) -> dict[str, str]:
-    """What each engine mode would run on this device (resolve_mode is what the pipeline uses)."""
-    from fastremover.fast.engine import MODES, resolve_mode
+    """What each engine mode resolves to on this device, with the environment's overrides (engine.resolve: what the
+    pipeline runs)."""
+    from fastremover.config import EngineConfig
+    from fastremover.fast.engine import MODES, resolve
     from fastremover.ops import attention
 
     out = {}
+    base = EngineConfig.from_env()
     for mode in MODES:
-        active, notes = resolve_mode(mode, device)
-        if active == "eager":
+        plan = resolve(base.with_(mode=mode), device)
+        notes = plan.notes
+        if plan.mode == "eager":
             desc = "eager module (reference order), torch SDPA"
         else:
-            backend, attention_notes = attention.choose(active, device)
-            notes = notes + attention_notes
-            desc = (f"fused Triton kernels, CUDA-graph denoise loop, attention {backend} "
-                    f"(--attention choices here: {'/'.join(attention.available(device))})")
-            if active == "fast":
-                desc += ", FP8 e4m3 linears"
+            desc = (f"fused Triton kernels, {'CUDA-graph' if plan.cuda_graphs else 'eager'} denoise loop, attention "
+                    f"{plan.attention} (--attention choices here: {'/'.join(attention.available(device))})")
+            if plan.mode == "fast":
+                desc += ", FP8 e4m3 linears" + ("" if plan.fused_ffn1 else ", two-pass FFN1")
         out[mode] = desc + (f"  [{notes[0]}]" if notes else "")
     return out
 

@@ -10,7 +10,9 @@ Data path (upstream MiniMax-Remover order, REFERENCE §1, per window):
     -> VAE encode twice (posterior mode): masked = frames*(1-mask), and 2*mask-1; both normalized
     -> denoise: noise ~ randn [1,16,T,H/8,W/8] from torch.Generator(device).manual_seed(seed);
        each step the transformer sees cat([x, masked_lat, mask_lat]) and the scheduler steps x
-    -> VAE decode of denormalized x -> crop padding, resize back to the source size, paste the crop back
+    -> VAE decode of denormalized x, one latent frame at a time (`fastremover.vae_api.VideoVAE`: the pipeline's
+       only way to its VAE); each chunk of pixels goes on at once through the steps below, all of them per frame
+    -> crop padding, resize back to the source size, paste the crop back
     -> composite: pixels outside the dilated mask are copied from the input (feathered inside the mask for crops);
        shared frames are cross-faded linearly from the previous window's output to this one's
 The `classic` backend replaces encode/denoise/decode with the weightless fill of `fastremover.classic`.
@@ -22,8 +24,9 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 from fastremover.classic import classic_remove
 from fastremover.errors import FastRemoverError
 from fastremover.masks import composite, dilate_masks
-from fastremover.fast.engine import MODES, build_denoiser, resolve_mode
+from fastremover.config import AttentionOptions, EngineConfig, LinearOptions, ResolvedEngine, VAEOptions
+from fastremover.fast.engine import MODES, build  # noqa: F401  (MODES: re-exported for the CLI)
 from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
 from fastremover.models.loading import RemoverModels, load_models
 from fastremover.timing import StageTimer
@@ -70,34 +74,18 @@ def crop_feather(dilate: int) -> int:
     return max(0, min(CROP_FEATHER, math.floor((dilate + 1) / math.sqrt(2) - 1)))
 
 
+def stream_prefetch(options: RunOptions, model: bool) -> int:
+    """Frames `remove_stream` reads (decoded, masks dilated) ahead of the windows by default: with a model, one
+    window's new frames, so the next window's input is ready when the current one ends; for the classic fill (which
+    is CPU-bound itself) at most STREAM_PREFETCH."""
+    usable = usable_window_length(options.window)
+    overlap = default_overlap(options.window) if options.overlap is None else options.overlap
+    new = max(1, usable - overlap)
+    return new if model else min(STREAM_PREFETCH, new)
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@dataclass
-class EngineConfig:
-    """What runs: printed by `fastremover info`, stored in bench JSON."""
-
-    model: str  # "classic", "random:<preset>:<seed>" or a checkpoint path
-    device: str
-    precision: str
-    mode: str = "eager"  # the mode that runs (after any fallback)
-    requested_mode: str = "eager"
-    fused_kernels: str = "none"
-    fp8_linears: bool = False
-    attention: str = "sdpa"
-    ffn1: str = "none"  # fp8 mode: the FFN's first GEMM + GELU quantization path (fast/transformer_fast.py)
-    fp8_gemm: str = "none"  # fp8 mode: cuBLASLt with workspace-free algorithms (fast/cublaslt.py) or torch._scaled_mm
-    concurrent_branches: bool = False  # fp8 attention on CUDA: q / k / V preparation on parallel streams
-    vae: str = "eager"  # the VAE path that runs: "eager" (models.vae.WanVAE) or "fast-fp16" / "fast-bf16" / "fast-fp8"
-    vae_precision: str = "auto"  # as requested: auto | fp16 (the model dtype) | fp8 (FP8 conv3d in the fast VAE)
-    cuda_graphs: bool = False
-    weights: str = "dense"  # the transformer block linears: dense | nvfp4 | nvfp4-w4a4 (fast/nvfp4_linear.py)
-    nvfp4: dict | None = None  # with NVFP4 weights: resident bytes before / after packing (Nvfp4Report.describe)
-    notes: list[str] = field(default_factory=list)
-
-    def describe(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -144,6 +132,8 @@ class StreamResult:
     resumed_windows: int = 0  # windows rebuilt from the resume store instead of run
     any_masked: bool = False
     all_masked: bool = True
+    # seconds the window loop spent inside `emit` (with an ordered writer behind it: the write time it did not hide)
+    emit_s: float = 0.0
 
 
 @dataclass
@@ -200,62 +190,30 @@ class RemovalPipeline:
         vae_precision: str = "auto",
         weights: str = "dense",
         force_w4a4: bool = False,
+        config: EngineConfig | None = None,
     ):
-        """weights: the transformer block linears as stored: "dense", "nvfp4" (packed 4-bit weights, W4A16) or
-        "nvfp4-w4a4" (activations quantized too; refused on full-frame windows unless force_w4a4). NVFP4 runs in the
-        eager mode (the fused transformer reads dense weights): an explicit exact / fast mode is an error."""
-        if weights not in WEIGHTS:
-            raise FastRemoverError(f"--weights {weights!r}: choose one of {list(WEIGHTS)}")
-        if weights != "dense" and models is not None:
-            if mode in ("exact", "fast"):
-                raise FastRemoverError(f"--weights {weights} runs in --mode eager only (the fused transformer reads "
-                                       "dense weights)")
-            mode = "eager"
-        self.weights, self.force_w4a4 = weights, force_w4a4
-        self.device = torch.device(device or default_device())
+        """config: the engine's input (fastremover/config.py); without it one is built from the keyword arguments and
+        the environment's overrides (`EngineConfig.with_env`). weights (config.linears.weights): the transformer block
+        linears as stored: "dense", "nvfp4" (packed 4-bit weights, W4A16) or "nvfp4-w4a4" (activations quantized too;
+        refused on full-frame windows unless force_w4a4). NVFP4 runs in the eager mode (the fused transformer reads
+        dense weights): an explicit exact / fast mode is an error. `self.config` is the ResolvedEngine: what runs."""
+        if config is None:
+            config = EngineConfig(device=device, precision=precision, mode=mode, attention=AttentionOptions(attention),
+                                  linears=LinearOptions(weights=weights, force_w4a4=force_w4a4),
+                                  vae=VAEOptions(vae_precision)).with_env()
+        self.engine_config = config
+        self.weights, self.force_w4a4 = config.linears.weights, config.linears.force_w4a4
+        self.device = torch.device(config.device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise FastRemoverError("--device cuda: no CUDA GPU is available here; use --device cpu")
-        precision = precision or ("fp16" if self.device.type == "cuda" else "fp32")
-        if precision not in PRECISIONS:
-            raise FastRemoverError(f"--precision {precision!r}: choose one of {list(PRECISIONS)}")
-        if mode not in ("auto", *MODES):
-            raise FastRemoverError(f"--mode {mode!r}: choose one of {['auto', *MODES]}")
+        precision = config.precision or ("fp16" if self.device.type == "cuda" else "fp32")
         self.dtype = PRECISIONS[precision]
         self.models = models
         self.closed = False
-        active, notes = resolve_mode(mode, self.device) if models is not None else ("eager", [])
-        self.denoiser = None
-        self.vae = None  # models.vae (eager) or a FastWanVAE, chosen with the mode (fast.vae_fast.build_vae)
-        vae_path = "none"
-        components_extra = {"weights": weights}
-        if models is not None:
-            from fastremover.fast.vae_fast import build_vae
-
-            models.transformer.to(self.device).to_inference_dtype(self.dtype)
-            if weights != "dense":
-                from fastremover.fast.nvfp4_linear import quantize_linears_nvfp4
-
-                nvfp4 = quantize_linears_nvfp4(models.transformer, w4a4=weights == "nvfp4-w4a4")
-                notes = notes + [nvfp4.summary()]
-                components_extra = {"weights": weights, "nvfp4": nvfp4.describe()}
-            self.vae, vae_path = build_vae(models.vae, active, self.device, self.dtype, vae_precision)
-            self.denoiser, attention_notes = build_denoiser(
-                models.transformer, models.scheduler_config, active, self.device, attention
-            )
-            notes = notes + attention_notes
-        components = self.denoiser.describe() if self.denoiser is not None else {}
-        self.config = EngineConfig(
-            model="classic" if models is None else models.source,
-            device=str(self.device),
-            precision=precision,
-            mode=active,
-            requested_mode=mode,
-            notes=notes,
-            vae=vae_path,
-            vae_precision=vae_precision,
-            **components,
-            **components_extra,
-        )
+        engine = build(models, config, self.device, self.dtype, precision)
+        self.denoiser = engine.denoiser
+        self.vae = engine.vae  # a VideoVAE: the eager one or a FastWanVAE, chosen with the mode (engine.build)
+        self.config: ResolvedEngine = engine.resolved
 
     @classmethod
     def from_model(
@@ -271,11 +229,12 @@ class RemovalPipeline:
         vae_precision: str = "auto",
         weights: str = "dense",
         force_w4a4: bool = False,
+        config: EngineConfig | None = None,
     ) -> "RemovalPipeline":
         """`model`: "classic" (no weights), "random" (preset config, deterministic random weights) or a checkpoint dir."""
         models = None if model == "classic" else load_models(model, preset, weights_seed)
         return cls(models, device=device, precision=precision, mode=mode, attention=attention,
-                   vae_precision=vae_precision, weights=weights, force_w4a4=force_w4a4)
+                   vae_precision=vae_precision, weights=weights, force_w4a4=force_w4a4, config=config)
 
     def _begin(self, options: RunOptions | None, timer: StageTimer | None):
         """A request's validated options, its explicit size (None for native) and its timer."""
@@ -328,33 +287,11 @@ class RemovalPipeline:
 
     @torch.no_grad()
     def encode(self, prep: Prepared, progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalized latents of the masked video and of the mask video (as 2*mask-1).
-
-        The fast VAE forms both inputs chunk by chunk and encodes them as one batch of 2 when memory allows."""
-        vae = self.vae
-
-        def chunks(offset):  # one "vae_encode" bar over both encodes
-            return (lambda done, total: progress("vae_encode", offset * total + done, 2 * total)) if progress else None
-
-        plan = None
-        if self.device.type == "cuda":  # frames too large for the free GPU memory: spatial tiles (fast/vae_tiling.py)
-            from fastremover.fast.vae_tiling import choose_tiling, encode_tiled
-
-            _, _, frames, height, width = prep.frames.shape
-            plan = choose_tiling(frames, height, width, self.dtype, None, self.models.vae.config, op="encode")
-        if plan is not None:
-            def encode(x, report):
-                return encode_tiled(vae.encode, x, plan.tile, plan.overlap, report)
-        elif hasattr(vae, "encode_removal_inputs"):
-            report = (lambda done, total: progress("vae_encode", done, total)) if progress else None
-            masked_latents, mask_latents = vae.encode_removal_inputs(prep.frames, prep.mask, progress=report)
-            return vae.normalize(masked_latents), vae.normalize(mask_latents)
-        else:
-            def encode(x, report):
-                return vae.encode(x, progress=report)
-        masked_latents = vae.normalize(encode(prep.frames * (1 - prep.mask), chunks(0)))
-        mask_latents = vae.normalize(encode(2 * prep.mask - 1.0, chunks(1)))
-        return masked_latents, mask_latents
+        """Normalized latents of the masked video and of the mask video (as 2*mask-1): the VAE's `encode_removal`
+        (`fastremover.vae_api.VideoVAE`: tiled when its own memory model says one call does not fit; the fast VAE
+        forms both inputs chunk by chunk, as one batch of 2 when memory allows)."""
+        report = (lambda done, total: progress("vae_encode", done, total)) if progress else None
+        return self.vae.encode_removal(prep.frames, prep.mask, report)
 
     @torch.no_grad()
     def denoise(
@@ -371,19 +308,26 @@ class RemovalPipeline:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
-        vae = self.vae
-        report = (lambda done, total: progress("vae_decode", done, total)) if progress else None
-        z = vae.denormalize(latents.to(self.dtype))
-        if self.device.type == "cuda":  # tiled when the free GPU memory is short (the eager VAE's memory model: the
-            # fast VAE needs about half of that, so the choice errs on the safe side)
-            from fastremover.fast.vae_tiling import decode_auto
+        """Normalized latents -> decoded [1,3,F',H',W'] at the run size (`decode_iter`'s chunks concatenated)."""
+        return torch.cat(list(self.decode_iter(latents, progress)), dim=2)
 
-            return decode_auto(vae.decode, z, self.models.vae.config, progress=report)
-        return vae.decode(z, progress=report)
+    def decode_iter(self, latents: torch.Tensor, progress: Progress | None = None) -> Iterator[torch.Tensor]:
+        """The decode one latent frame at a time: pixel chunks [1,3,k,H',W'] in order, each as soon as the VAE has
+        it (`VideoVAE.decode_latents_iter`: a tiled decode gives them after its last tile)."""
+        report = (lambda done, total: progress("vae_decode", done, total)) if progress else None
+        return self.vae.decode_latents_iter(latents, report)
 
     def finish(self, pixels: torch.Tensor, prep: Prepared) -> np.ndarray:
         """Decoded [1,3,F',H',W'] -> uint8 [F,H,W,3] at the source size (drop frame padding, crop or resize back)."""
-        x = pixels[:, :, : prep.num_frames]
+        return self.finish_chunk(pixels, prep, 0)
+
+    def finish_chunk(self, chunk: torch.Tensor, prep: Prepared, start: int) -> np.ndarray:
+        """`finish` of the decoded frames [start, start + k) (chunk [1,3,k,H',W']): uint8 [k',H,W,3], k' = the
+        frames of them before the padding to 4k+1 (possibly 0). Per frame the same ops as `finish` of the whole
+        video, so the same bytes."""
+        x = chunk[:, :, : max(0, prep.num_frames - start)]
+        if x.shape[2] == 0:
+            return np.empty((0, *prep.source_hw, 3), np.uint8)
         if prep.resized:
             x = _resize_video(x.float(), prep.source_hw)
         else:
@@ -475,14 +419,19 @@ class RemovalPipeline:
         store: "ResumeStore | None" = None,
         total_frames: int = 0,
         prefetch: int | None = None,
+        trace: Trace | None = None,
     ) -> "StreamResult":
         """`remove` for a clip that arrives frame by frame, in memory bounded by one window.
 
         pairs: (frame uint8 [H,W,3], mask bool [H,W] undilated) in order (e.g. `stream.open_clip(...).pairs`).
         emit(frame): called once per output frame, in order, as soon as no later window can change it (the frames
         a window shares with the next one wait for its cross-fade). The frames are the ones `remove` returns for the
-        stacked clip, bit for bit. The input is read, and the masks dilated, in a background thread up to `prefetch`
-        frames ahead (default: STREAM_PREFETCH, at most one window's new frames), so decoding overlaps the model.
+        stacked clip, bit for bit. The last window's frames are emitted as its VAE decode produces them (per latent
+        frame, after their composite and cross-fade), so an encoder behind `emit` works while the rest decodes.
+        The input is read, and the masks thresholded and dilated, in a background thread up to `prefetch` frames
+        ahead; default: with a model, one window's new frames (`stream_prefetch`), so the next window's input is
+        decoded and preprocessed while the current one runs; the classic fill, at most STREAM_PREFETCH.
+        trace(event, index): see `Trace` (tests and profiling).
 
         store: a `stream.ResumeStore`: each finished window of a clip of more than one window is saved in it, and
         windows it already holds (a resumed run) are rebuilt from it instead of run.
@@ -496,17 +445,19 @@ class RemovalPipeline:
         options, size, timer = self._begin(options, timer)
         crop_mode = "off" if size is not None else options.crop
         usable = usable_window_length(options.window)
-        overlap = default_overlap(options.window) if options.overlap is None else options.overlap
-        depth = min(STREAM_PREFETCH, max(1, usable - overlap)) if prefetch is None else prefetch
+        depth = stream_prefetch(options, self.models is not None) if prefetch is None else prefetch
 
         def prepared():
-            for frame, mask in pairs:
+            for i, (frame, mask) in enumerate(pairs):
                 if frame.ndim != 3 or frame.shape[-1] != 3 or frame.dtype != np.uint8:
                     raise FastRemoverError(f"frames must be uint8 [H,W,3], got {frame.dtype} {list(frame.shape)}")
                 if mask.shape != frame.shape[:2]:
                     raise FastRemoverError(f"mask shape {list(mask.shape)} does not match the frame "
                                            f"{list(frame.shape[:2])}")
-                yield frame, dilate_masks(np.asarray(mask, bool)[None], options.dilate)[0]
+                item = frame, dilate_masks(np.asarray(mask, bool)[None], options.dilate)[0]
+                if trace is not None:
+                    trace("read", i)
+                yield item
 
         # Frames [base, base + len(inputs)) of the clip: input, dilated mask, output so far (None: the input).
         inputs: list[np.ndarray] = []
@@ -535,16 +486,34 @@ class RemovalPipeline:
                 result.any_masked |= bool(dilated.any())
                 result.all_masked &= bool(dilated.all())
 
+        emitted = 0  # frames [0, emitted) of the clip went to `emit`
+
+        def hand_out(frame: np.ndarray) -> None:
+            nonlocal emitted
+            t = time.perf_counter()
+            emit(frame)
+            result.emit_s += time.perf_counter() - t
+            if trace is not None:
+                trace("emit", emitted)
+            emitted += 1
+            if progress:  # total 0: unknown (no count in the container, or the count was short)
+                progress("frames", emitted, total_frames if total_frames >= emitted else 0)
+
+        def emit_final(window_out: np.ndarray, first: int, start: int, count: int) -> None:
+            """Frames [start, start + count) of the last window (clip frames first + ...) are final: emit them."""
+            for j in range(start, start + count):
+                if first + j >= emitted:
+                    hand_out(window_out[j])
+
         def release(upto: int) -> None:
             nonlocal base
             while base < upto:
                 out = outs.pop(0)
                 frame = inputs.pop(0)
                 masks.pop(0)
-                emit(frame if out is None else out)
+                if base >= emitted:  # (the last window's frames went out as they were decoded)
+                    hand_out(frame if out is None else out)
                 base += 1
-                if progress:  # total 0: unknown (no count in the container, or the count was short)
-                    progress("frames", base, total_frames if total_frames >= base else 0)
 
         planned = len(plan_windows(total_frames, options.window, options.overlap)) if total_frames > 0 else 0
         if progress:
@@ -594,8 +563,13 @@ class RemovalPipeline:
                 else:
                     # Whether the whole clip is masked is known only at its end; until then, "every frame so far".
                     clip_all_masked = result.all_masked and ended
+                    # The last window: no later window changes its frames, so each goes out as soon as it is
+                    # composited and cross-faded (frames before win.start went out in release above).
+                    last = ended and win.stop == base + len(inputs)
                     run, _ = self._run_window(out_w, frames_w, dilated_w, win, options, timer, progress,
-                                              crop_mode=crop_mode, clip_all_masked=clip_all_masked)
+                                              crop_mode=crop_mode, clip_all_masked=clip_all_masked,
+                                              on_final=partial(emit_final, out_w, win.start) if last else None,
+                                              trace=trace, index=index)
                     if store is not None:
                         store.save(index, {"start": win.start, "stop": win.stop, "overlap": win.overlap,
                                            "box": run.box, "run_hw": run.run_hw, "ran": run.ran}, out_w, frames_w)
@@ -611,6 +585,7 @@ class RemovalPipeline:
             release(base + len(inputs))
         finally:
             source.close()
+        assert emitted == base, (emitted, base)
         result.num_frames = base
         result.resumed_windows = finished
         result.ran_model = self.models is not None and any(run.ran for run in result.windows)
@@ -635,6 +610,9 @@ class RemovalPipeline:
         clip_all_masked: bool,
         keep_whole: bool = False,
         keep_pixels: bool = False,
+        on_final: Callable[[int, int], None] | None = None,
+        trace: "Trace | None" = None,
+        index: int = 0,
     ) -> tuple[WindowRun, "_Filled | None"]:
         """Run one window and write its result into `out` in place.
 
@@ -642,7 +620,11 @@ class RemovalPipeline:
         no earlier window wrote), of the input and of the dilated mask. The first `win.overlap` frames are shared with
         the previous window: they enter as known content (its output, mask cleared) and are cross-faded.
         `clip_all_masked`: every pixel of the whole clip is masked (the classic fill is then allowed on a fully
-        masked window, and refuses it itself)."""
+        masked window, and refuses it itself).
+        The model's output is finished, composited and cross-faded chunk by chunk, as the VAE decodes it (one chunk
+        per latent frame; every step is per frame, so the bytes are those of the whole window at once).
+        on_final(start, count): called after frames [start, start + count) of the window are written into `out`
+        (the caller knows whether they are final). trace / index: events for `remove_stream`'s trace."""
         size = parse_size(options.size)
         with timer.stage("preprocess"):
             # Frames shared with the previous window enter as known content: its output, with the mask cleared,
@@ -665,18 +647,26 @@ class RemovalPipeline:
                 f"frames {win.start}..{win.stop - 1} are masked entirely: the classic remover has nothing to "
                 "fill them from inside one window; use a larger --window or a diffusion model (--model PATH)"
             )
+        feather = crop_feather(options.dilate) if box is not None else 0
+
+        def sink(start: int, filled_frames: np.ndarray) -> None:
+            """Frames [start, start + k) of the window filled by the model: composite and write them into `out`."""
+            stop = start + len(filled_frames)
+            with timer.stage("composite"):
+                # Against the input and the real mask: shared frames take this window's model pixels inside the
+                # mask too, so the cross-fade blends the two windows' pixels there.
+                if options.composite:
+                    window_out = composite(frames[start:stop], filled_frames, dilated[start:stop], feather=feather)
+                else:
+                    window_out = filled_frames
+                _write_frames(out, window_out, start, win.overlap)
+            if on_final is not None:
+                on_final(start, stop - start)
+
         whole_clip = keep_whole and box is None
-        filled = self._fill_window(window_frames, window_mask, box, size, options, timer, progress,
-                                   keep_latents=whole_clip, keep_pixels=whole_clip and keep_pixels)
-        with timer.stage("composite"):
-            # Against the input and the real mask: shared frames take this window's model pixels inside the
-            # mask too, so the cross-fade below blends the two windows' pixels there.
-            if options.composite:
-                feather = crop_feather(options.dilate) if box is not None else 0
-                window_out = composite(frames, filled.frames, dilated, feather=feather)
-            else:
-                window_out = filled.frames
-            _write_window(out, window_out, Window(0, win.length, win.overlap))
+        filled = self._fill_window(window_frames, window_mask, box, size, options, timer, progress, sink,
+                                   keep_frames=keep_whole, keep_latents=whole_clip,
+                                   keep_pixels=whole_clip and keep_pixels, trace=trace, index=index)
         return WindowRun(win.start, win.stop, win.overlap, box, filled.run_hw, ran=True), filled
 
     def _fill_window(
@@ -688,11 +678,18 @@ class RemovalPipeline:
         options: RunOptions,
         timer: StageTimer,
         progress: Progress | None,
+        sink: Callable[[int, np.ndarray], None],
+        keep_frames: bool = False,
         keep_latents: bool = False,
         keep_pixels: bool = False,
+        trace: "Trace | None" = None,
+        index: int = 0,
     ) -> "_Filled":
         """One window's frames (uint8 [F,H,W,3]) with the pixels of `mask` filled in by the model (or the classic
-        fill), on the whole frame or only inside `box` (the rest of the frame is `frames` unchanged)."""
+        fill), on the whole frame or only inside `box` (the rest of the frame is `frames` unchanged), handed to
+        `sink(start, filled frames [start, start + k))` in order: the model's chunk by chunk as the VAE decodes them,
+        the classic fill's at once. `frames` may be written by `sink` behind the chunk it was given (each chunk
+        reads only its own frames). keep_frames: also return all filled frames (`_Filled.frames`)."""
         if box is not None:
             y0, y1, x0, x1 = box
             with timer.stage("preprocess"):
@@ -700,10 +697,26 @@ class RemovalPipeline:
                 mask_in = np.ascontiguousarray(mask[:, y0:y1, x0:x1])
         else:
             frames_in, mask_in = frames, mask
+        kept: list[np.ndarray] = []
+
+        def paste(start: int, part: np.ndarray) -> np.ndarray:
+            if box is None:
+                return part
+            with timer.stage("composite"):
+                whole = frames[start : start + len(part)].copy()
+                whole[:, y0:y1, x0:x1] = part
+            return whole
+
+        def hand(start: int, part: np.ndarray) -> None:
+            if keep_frames:
+                kept.append(part)
+            sink(start, part)
 
         if self.models is None:
             with timer.stage("classic"):
-                filled = _Filled(classic_remove(frames_in, mask_in), run_hw=None)
+                part = classic_remove(frames_in, mask_in)
+            hand(0, paste(0, part))
+            filled = _Filled(None, run_hw=None)
         else:
             with timer.stage("preprocess"):
                 prep = self.prepare(frames_in, mask_in, size)
@@ -711,30 +724,50 @@ class RemovalPipeline:
                 masked_latents, mask_latents = self.encode(prep, progress)
             with timer.stage("denoise"):
                 latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress)
-            with timer.stage("vae_decode"):
-                pixels = self.decode(latents, progress)
-            with timer.stage("composite"):
-                filled = _Filled(
-                    self.finish(pixels, prep),
-                    prep.run_hw,
-                    latents=latents.float().cpu() if keep_latents else None,
-                    pixels=pixels.float().cpu() if keep_pixels else None,
-                )
-
-        if box is not None:
-            with timer.stage("composite"):
-                whole = frames.copy()
-                whole[:, y0:y1, x0:x1] = filled.frames
-                filled.frames = whole
+            del masked_latents, mask_latents
+            pixels: list[torch.Tensor] = []
+            if trace is not None:
+                trace("decode", index)
+            chunks = self.decode_iter(latents, progress)
+            start = 0  # decoded frames so far (the padding to 4k+1 included)
+            while True:
+                with timer.stage("vae_decode"):
+                    chunk = next(chunks, None)
+                if chunk is None:
+                    break
+                with timer.stage("composite"):
+                    if keep_pixels:
+                        pixels.append(chunk.float().cpu())
+                    part = self.finish_chunk(chunk, prep, start)
+                    decoded = chunk.shape[2]
+                    del chunk
+                if len(part):
+                    hand(start, paste(start, part))
+                start += decoded
+            if trace is not None:
+                trace("decoded", index)
+            filled = _Filled(
+                None,
+                prep.run_hw,
+                latents=latents.float().cpu() if keep_latents else None,
+                pixels=torch.cat(pixels, dim=2) if keep_pixels else None,
+            )
+        if keep_frames:
+            filled.frames = np.concatenate(kept) if len(kept) > 1 else kept[0]
         return filled
 
+
+#: remove_stream's trace: trace(event, index) with ("read", frame) from the reader thread once a frame and its
+#: dilated mask are ready, ("decode", window) / ("decoded", window) around a window's VAE decode, ("emit", frame)
+#: as a frame is handed to `emit`.
+Trace = Callable[[str, int], None]
 
 
 @dataclass
 class _Filled:
     """One window's model (or classic) output at the window's frame size, plus what the model ran on."""
 
-    frames: np.ndarray  # uint8 [F,H,W,3]
+    frames: np.ndarray | None  # uint8 [F,H,W,3], when kept (keep_frames)
     run_hw: tuple[int, int] | None  # the model's input (H, W) after fitting; None for classic
     latents: torch.Tensor | None = None
     pixels: torch.Tensor | None = None
@@ -744,11 +777,21 @@ def _write_window(clip: np.ndarray, window_frames: np.ndarray, win: Window) -> N
     """Write one window's frames into the whole clip. The frames it shares with the previous window are cross-faded
     linearly from what `clip` holds there (the previous window's output) to the new frames, so neither window's
     content switches abruptly."""
-    clip[win.start + win.overlap : win.stop] = window_frames[win.overlap :]
-    for i, weight in enumerate(crossfade_weights(win.overlap)):
-        old = clip[win.start + i].astype(np.float32)
-        # old + w * (new - old) is exactly `old` wherever both agree (e.g. every pixel outside the mask).
-        clip[win.start + i] = np.rint(old + weight * (window_frames[i].astype(np.float32) - old)).astype(np.uint8)
+    _write_frames(clip[win.start : win.stop], window_frames, 0, win.overlap)
+
+
+def _write_frames(window: np.ndarray, frames: np.ndarray, start: int, overlap: int) -> None:
+    """Write frames [start, start + k) of a window into `window` (the clip's frames of that window): frames before
+    `overlap` (shared with the previous window) are cross-faded from what `window` holds there, the rest copied."""
+    weights = crossfade_weights(overlap)
+    for j, frame in enumerate(frames):
+        i = start + j
+        if i < overlap:
+            old = window[i].astype(np.float32)
+            # old + w * (new - old) is exactly `old` wherever both agree (e.g. every pixel outside the mask).
+            window[i] = np.rint(old + weights[i] * (frame.astype(np.float32) - old)).astype(np.uint8)
+        else:
+            window[i] = frame
 
 
 def warn(message: str) -> None:

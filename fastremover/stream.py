@@ -7,7 +7,8 @@ Three pieces, each small and testable on its own:
   bounded number of items ahead, so decoding and mask preprocessing overlap the model's work.
 * :class:`OrderedWriter` hands finished frames to one encoder thread that owns the codec and writes them in order
   (:func:`fastremover.media.write_frames`): the file is byte-identical to writing the whole array serially, and the
-  write runs while the next window is computed.
+  write runs while the next window is computed (the last window's frames while it is still being decoded:
+  `RemovalPipeline.remove_stream` emits them per latent frame).
 * :class:`ResumeStore` keeps, beside the output, what a killed run needs to continue from its last finished window
   (see its docstring); `RemovalPipeline.remove_stream` reads and writes it.
 

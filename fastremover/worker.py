@@ -125,9 +125,10 @@ class RemovalWorker:
         # The clip streams through the windows: its length does not matter, only what one window holds.
         probe = check_inputs(job.video, job.mask)
         target.check_frames(probe.num_frames)
-        needed = streaming_bytes(probe.num_frames, probe.height, probe.width, job.options)
+        model = self.spec.model != "classic"
+        needed = streaming_bytes(probe.num_frames, probe.height, probe.width, job.options, model)
         if needed > job.max_decoded_gib * 2**30:
-            held = streaming_frames(probe.num_frames, job.options)
+            held = streaming_frames(probe.num_frames, job.options, model)
             raise FastRemoverError(
                 f"{job.video} decodes to about {needed / 2**30:.2f} GiB of host memory while streaming ({held} frames "
                 f"of {probe.width}x{probe.height} held at a time); the limit is {job.max_decoded_gib:g} GiB: raise it "
@@ -162,20 +163,13 @@ class RemovalWorker:
         writer = stream.OrderedWriter(
             lambda frames: media.write_frames(target.write_path, frames, clip.fps, audio_from=audio),
             depth=WRITER_DEPTH)
-        exposed = 0.0  # time the window loop waited for the writer
-
-        def emit(frame):
-            nonlocal exposed
-            t = time.perf_counter()
-            writer.put(frame)
-            exposed += time.perf_counter() - t
-
         try:
-            result = pipe.remove_stream(pairs, emit, job.options, progress=progress, store=store,
+            result = pipe.remove_stream(pairs, writer.put, job.options, progress=progress, store=store,
                                         total_frames=clip.expected)
             t = time.perf_counter()
             writer.close()
-            exposed += time.perf_counter() - t
+            # the write time not hidden behind the windows: waits in put (queue full) + the final flush
+            exposed = result.emit_s + time.perf_counter() - t
         except BaseException:
             writer.abandon()  # no output appears; the resume store stays for --resume
             raise
@@ -217,21 +211,31 @@ WRITER_DEPTH = 8
 BYTES_PER_HELD_PIXEL = 3 + 3 + 1 + 8
 
 
-def streaming_frames(num_frames: int, options: RunOptions) -> int:
-    """Frames held at a time while streaming a clip of `num_frames` (0: unknown) with `options`: the window plus
-    one frame of look-ahead, the read-ahead (pipeline.STREAM_PREFETCH) and the writer's queue; never more than the
-    clip plus the queue."""
-    from fastremover.windows import STREAM_PREFETCH, default_overlap, usable_window_length
+#: Bytes per pixel of a frame read ahead beyond STREAM_PREFETCH (a model run's deeper read-ahead): the input (3) and
+#: its dilated mask (1); nothing else exists for it yet.
+BYTES_PER_PREFETCHED_PIXEL = 3 + 1
 
-    usable = usable_window_length(options.window)
-    overlap = default_overlap(options.window) if options.overlap is None else options.overlap
-    held = options.window + 1 + min(STREAM_PREFETCH, max(1, usable - overlap)) + WRITER_DEPTH
+
+def streaming_frames(num_frames: int, options: RunOptions, model: bool = False) -> int:
+    """Frames held at a time while streaming a clip of `num_frames` (0: unknown) with `options`: the window plus
+    one frame of look-ahead, the read-ahead (`pipeline.stream_prefetch`: one window's new frames with a model, at most
+    STREAM_PREFETCH for the classic fill) and the writer's queue; never more than the clip plus the queue."""
+    from fastremover.pipeline import stream_prefetch
+
+    held = options.window + 1 + stream_prefetch(options, model) + WRITER_DEPTH
     return min(held, num_frames + WRITER_DEPTH) if num_frames > 0 else held
 
 
-def streaming_bytes(num_frames: int, height: int, width: int, options: RunOptions) -> int:
-    """An upper estimate of the host memory the frames held while streaming take (model memory not included)."""
-    return streaming_frames(num_frames, options) * height * width * BYTES_PER_HELD_PIXEL
+def streaming_bytes(num_frames: int, height: int, width: int, options: RunOptions, model: bool = False) -> int:
+    """An upper estimate of the host memory the frames held while streaming take (model memory not included): each
+    held frame at BYTES_PER_HELD_PIXEL, except the read-ahead beyond STREAM_PREFETCH (model runs) at
+    BYTES_PER_PREFETCHED_PIXEL."""
+    from fastremover.pipeline import stream_prefetch
+    from fastremover.windows import STREAM_PREFETCH
+
+    frames = streaming_frames(num_frames, options, model)
+    deep = min(frames, max(0, stream_prefetch(options, model) - STREAM_PREFETCH))
+    return ((frames - deep) * BYTES_PER_HELD_PIXEL + deep * BYTES_PER_PREFETCHED_PIXEL) * height * width
 
 
 def geometry_line(result) -> str:

@@ -4,7 +4,7 @@ fastremover/fast/flash3_attention.py).
 
 CPU: each is refused off the GPU with a clear error (never a silent fp16 SDPA run); the availability check names the
 missing piece (package or build script, Hopper). GPU (H200, with flashinfer-python installed and FlashAttention-3
-built as bench/gpu_session.sh's `flashinfer` / `flash3` phases do): at the W2 shape (S = 32760, 12 heads x 128) fa3
+built as tools/gpu_session.sh's `flashinfer` / `flash3` phases do): at the W2 shape (S = 32760, 12 heads x 128) fa3
 agrees with fp16 SDPA to fp16 rounding (not bit-equal: another kernel's reduction order), the FP8 backends have cosine
 >= 0.998 and are really 8-bit; batch > 1 equals per-item calls; each captures into a CUDA graph whose replay reads new
 inputs.
@@ -49,7 +49,7 @@ def test_refused_off_the_gpu_with_a_clear_error(name):
 
 @pytest.mark.parametrize("module,missing,remedy", [
     ("flashinfer_attention", "flashinfer", "pip install flashinfer-python"),
-    ("flash3_attention", "flash_attn_interface", "bench/build_flash3.sh"),
+    ("flash3_attention", "flash_attn_interface", "tools/build_flash3.sh"),
 ])
 def test_availability_names_the_missing_piece(monkeypatch, module, missing, remedy):
     """On a GPU without the library the reason says what to do; off Hopper it says Hopper (import error and device

@@ -98,30 +98,3 @@ def test_verify_needs_model(capsys):
         main(["verify", "v.mp4", "--mask", "m.mp4"])
 
 
-def test_profile_step_compare_json_has_provenance_and_burst_options(tmp_path, monkeypatch, capsys):
-    """profile_step's JSON carries what a cited result needs (GPU, commit, the command as run), and --burst asks
-    compare_graph_steps for the bench-like rounds (8 rounds of 12 replays after IDLE_S of idle). The GPU work is
-    faked: the call's arguments and the written file are what is checked."""
-    from fastremover.bench import profile_step
-
-    calls = []
-
-    def fake_compare(model, workload, labels, attention, **kw):
-        calls.append((model, workload, labels, attention, kw))
-        return {"workload": workload, "attention": "fake", "notes": [], "variants": [
-            {"variant": label, "step_ms_graph": 28.5, "step_ms_rounds": [28.5], "equal_to_shipped": True}
-            for label in labels]}
-
-    monkeypatch.setattr(profile_step, "real_model", lambda: "model")
-    monkeypatch.setattr(profile_step, "compare_graph_steps", fake_compare)
-    argv = ["--workload", "w1", "--compare", "shipped", "torch-gemm", "--burst", "1", "--out", str(tmp_path / "c.json")]
-    profile_step.main(argv)
-    assert calls == [("model", "w1", ["shipped", "torch-gemm"], "auto",
-                      {"step": 1, "rounds": 8, "replays": 12, "burst_idle_s": 1.0})]
-    payload = json.loads((tmp_path / "c.json").read_text())
-    assert payload["command"] == "python -m fastremover.bench.profile_step " + " ".join(argv)
-    assert payload["commit"] and payload["gpu"] and payload["torch"] == torch.__version__
-    assert [v["variant"] for v in payload["variants"]] == ["shipped", "torch-gemm"]
-    assert "w1 step 1 torch-gemm" in capsys.readouterr().out
-    profile_step.main(["--compare", "shipped"])  # without --burst: the hot rounds' defaults
-    assert calls[-1][4] == {"step": 1}

@@ -122,7 +122,14 @@ def test_gpu_scaled_mm_equals_torch_scaled_mm_at_real_shapes(mkn):
 def test_gpu_scaled_mm_on_row_slices_and_in_a_cuda_graph():
     """The fast transformer's calls: row slices of larger buffers (the last-wave chunk) written into `out`, and
     captured in a CUDA graph then replayed on new values (descriptors hold pointers, not values)."""
-    from fastremover.bench.profile_step import capture  # side-stream warm-up, then the capture
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "profile_step.py"  # the lab's capture helper
+    spec = importlib.util.spec_from_file_location("profile_step", tool)
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    capture = profile_step.capture  # side-stream warm-up, then the capture
 
     g, seed = _fresh()
     m, k, n, split = 7290, 1536, 1536, 7040

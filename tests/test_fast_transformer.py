@@ -523,7 +523,7 @@ def test_denoiser_description_fits_the_engine_config(fp8):
     key once crashed the GPU bench, bench/results/w2-fast-fusedffn1-crash-*-8dd3c19.txt)."""
     from dataclasses import fields
 
-    from fastremover.pipeline import EngineConfig
+    from fastremover.config import ResolvedEngine as EngineConfig  # the pipeline's record of what runs
 
     denoiser = FastDenoiser(FastTransformer(tiny_model(1), fp8=fp8, use_triton=False), DEFAULT_SCHEDULER_CONFIG,
                             cuda_graphs=False)

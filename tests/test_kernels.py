@@ -21,6 +21,7 @@ Bounds (see each kernel's docstring for the rounding points they rest on):
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -464,7 +465,8 @@ def test_sm90_codegen_has_no_fma_and_exact_conversions():
 
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "fastremover.fast.kernels.codegen_check"], env=env,
+    tool = Path(__file__).resolve().parents[1] / "tools" / "codegen_check.py"  # lab code, not shipped
+    r = subprocess.run([sys.executable, str(tool)], env=env,
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas available for an offline sm_90 compile")

@@ -26,6 +26,8 @@ Claims and bounds (see vae_norm.py for the rounding points and the two modes):
 import json
 import os
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -388,7 +390,9 @@ def test_sm90_codegen_of_the_norm_kernel():
     code = r'''
 import itertools
 import re
-from fastremover.fast.kernels.codegen_check import _compile, _opcodes
+import sys
+sys.path.insert(0, sys.argv[1])  # tools/: the code-generation check is lab code, not shipped
+from codegen_check import _compile, _opcodes
 from fastremover.fast.kernels import vae_norm as vn
 from fastremover.fast.kernels import residual
 for dt in ("fp16", "bf16"):
@@ -456,7 +460,8 @@ for dt in ("fp16", "bf16"):
 print("codegen OK")
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    r = subprocess.run([sys.executable, "-c", code, tools], env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
         pytest.skip("no ptxas in this Triton install")
     assert r.returncode == 0 and "codegen OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
@@ -694,8 +699,9 @@ def test_frames_per_step_auto_policy(tiny):
     for bad in ("all", 0, 1.5, True):
         with pytest.raises(ValueError, match="decode_frames"):
             FastWanVAE(vae, device="cpu", dtype=F32, decode_frames=bad)
-    assert vae_fast._frames_arg("all") is None and vae_fast._frames_arg("auto") == "auto"
-    assert vae_fast._frames_arg("2") == 2
+    frames_arg = _vae_bench().__globals__["_frames_arg"]  # the bench's --encode-frames / --decode-frames parser
+    assert frames_arg("all") is None and frames_arg("auto") == "auto"
+    assert frames_arg("2") == 2
 
 
 def test_frames_per_step_gets_full_resolution_sizes(tiny, monkeypatch):
@@ -949,15 +955,17 @@ def test_build_vae_and_pipeline_wiring():
     from fastremover.pipeline import RemovalPipeline
 
     vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1))
-    got, desc = build_vae(vae, "eager", torch.device("cpu"), F32)
-    assert got is vae and desc == "eager"
+    from fastremover.vae_api import EagerVideoVAE
+
+    got, desc = build_vae(vae, "eager", torch.device("cpu"), F32)  # the eager module behind the VideoVAE interface
+    assert isinstance(got, EagerVideoVAE) and got.module is vae and desc == "eager"
     with pytest.raises(FastRemoverError, match="fp8 needs the fast VAE"):
         build_vae(vae, "exact", torch.device("cpu"), F32, "fp8")
     with pytest.raises(FastRemoverError, match="--vae-precision"):
         build_vae(vae, "exact", torch.device("cpu"), F32, "fp4")
     pipe = RemovalPipeline(random_models("tiny", 0), device="cpu", precision="fp32")
     assert pipe.config.vae == "eager" and pipe.config.describe()["vae_precision"] == "auto"
-    assert pipe.vae is pipe.models.vae
+    assert isinstance(pipe.vae, EagerVideoVAE) and pipe.vae.module is pipe.models.vae
     with pytest.raises(FastRemoverError, match="fp8"):
         RemovalPipeline(random_models("tiny", 0), device="cpu", precision="fp32", vae_precision="fp8")
 
@@ -982,9 +990,21 @@ def test_peak_timer_on_cpu_records_nothing():
     assert s["stage_peak_gib"] is None and s["stage_peak_delta_gib"] is None and "peak_gib" in s
 
 
+def _vae_bench():
+    """tools/bench_vae.py's `bench` (the VAE bench moved out of the package; not importable as a module)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_vae.py"
+    spec = importlib.util.spec_from_file_location("_bench_vae_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.bench
+
+
 def test_bench_entry_point_smoke(tmp_path):
     pytest.importorskip("diffusers")
-    from fastremover.fast.vae_fast import bench
+    bench = _vae_bench()
 
     out = tmp_path / "vae.json"
     rc = bench(["--bench", "--device", "cpu", "--preset", "tiny", "--frames", "5", "--height", "16", "--width", "16",
@@ -1610,7 +1630,7 @@ def test_fuse_bias_skips_fp8_convs(monkeypatch):
 
 def test_bench_fuse_bias_flag(tmp_path, monkeypatch):
     pytest.importorskip("diffusers")
-    from fastremover.fast.vae_fast import bench
+    bench = _vae_bench()
 
     _cudnn_like_convs(monkeypatch)  # (on the CPU only this makes the fused run bit-exact, see _cudnn_like_convs)
     out = tmp_path / "vae.json"

@@ -250,9 +250,17 @@ def test_windows_continue_from_the_previous_output(tiny_pipe, monkeypatch):
     calls = []  # (frames in, mask in, frames out) of every window
     fill = tiny_pipe._fill_window
 
-    def spy(frames, window_mask, *args, **kwargs):
-        filled = fill(frames, window_mask, *args, **kwargs)
-        calls.append((frames.copy(), window_mask.copy(), filled.frames.copy()))
+    def spy(frames, window_mask, box, size, options, timer, progress, sink, **kwargs):
+        # the frames and mask the model sees (copied first: the window's output is written into `frames` as the
+        # filled chunks reach `sink`), and every filled chunk
+        frames_in, mask_in, parts = frames.copy(), window_mask.copy(), []
+
+        def recording_sink(start, part):
+            parts.append(part.copy())
+            sink(start, part)
+
+        filled = fill(frames, window_mask, box, size, options, timer, progress, recording_sink, **kwargs)
+        calls.append((frames_in, mask_in, np.concatenate(parts)))
         return filled
 
     monkeypatch.setattr(tiny_pipe, "_fill_window", spy)

@@ -11,17 +11,22 @@ import argparse
 import json
 import math
 
-import torch
-import torch.nn.attention
 
-from fastremover.bench.metrics import cosine as _cos
-from fastremover.ops import attention as registry
-from fastremover.ops.attention.quantize import quantize_qkv
-from fastremover.ops.attention.sdpa import sdpa
-from fastremover.timing import cuda_time_ms as _time_ms
 
-unavailable_reason = registry.unavailable_reason
 
+
+def _load() -> None:
+    """The heavy imports (torch, the package), after the arguments are parsed: --help stays fast."""
+    global torch, _cos, registry, quantize_qkv, sdpa, _time_ms
+    import torch
+    import torch.nn.attention
+    from fastremover.bench.metrics import cosine as _cos
+    from fastremover.ops import attention as registry
+    from fastremover.ops.attention.quantize import quantize_qkv
+    from fastremover.ops.attention.sdpa import sdpa
+    from fastremover.timing import cuda_time_ms as _time_ms
+    global unavailable_reason
+    unavailable_reason = registry.unavailable_reason
 
 def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: float = 1.0,
           v_bias: float = 0.0) -> list[dict]:
@@ -202,6 +207,7 @@ def main(argv=None) -> None:
     parser.add_argument("--v-bias", type=float, default=0.0, help="shared per-channel offset added to v (default 0)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    _load()
     if not args.bench:
         parser.error("nothing to do (use --bench)")
     if args.layouts and args.v_bias:
@@ -221,6 +227,9 @@ def main(argv=None) -> None:
                        "inputs": "layouts" if args.layouts else {"k_bias": 1.0, "v_bias": args.v_bias},
                        "rows": rows}, f, indent=1)
 
+
+if __name__ != "__main__":  # imported (experiments, tests): everything at once
+    _load()
 
 if __name__ == "__main__":
     main()

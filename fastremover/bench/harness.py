@@ -331,7 +331,7 @@ def environment() -> dict:
 
 
 def save_experiment(path: str | None, rows: list, **fields) -> None:
-    """An experiment script's JSON (bench/experiments): its rows with the provenance the results need (GPU, torch,
+    """An experiment script's JSON (experiments/): its rows with the provenance the results need (GPU, torch,
     commit, the command line as run)."""
     if not path:
         return
@@ -358,6 +358,7 @@ def compare(
     vae_precision: str = "auto",
     attention: str = "auto",
     on_result=None,
+    nvfp4_rows: bool | dict = False,
 ) -> list[dict]:
     """Run the reference and each engine mode on `inputs`; returns one result dict per mode.
 
@@ -366,6 +367,9 @@ def compare(
     metric is reported; with `crop` ("auto" | "on" | "off") it also runs crop off vs `crop` at the native size and
     reports both end-to-end times. `on_result(result)` is called as soon as each mode's result is complete (the CLI
     saves it right away, so a run cut short still leaves the finished modes' JSON), and progress goes to stderr.
+    `nvfp4_rows`: also the NVFP4 fidelity rows (`nvfp4_fidelity`: each NVFP4 option against the dense eager run at
+    `precision`), stored in every mode's result as "nvfp4_fidelity"; a dict: those rows with these keyword
+    arguments of nvfp4_fidelity (options, crop_inputs, vae_min_in_channels).
     """
     RunOptions(window=window, overlap=overlap, crop=crop or "off").validate()  # bad flags fail before the long runs
     from fastremover.bench.reference import ReferencePipeline
@@ -387,6 +391,12 @@ def compare(
         ref.to("cpu")
         del ref
         gc.collect()
+        nvfp4 = None
+        if nvfp4_rows:
+            extra = nvfp4_rows if isinstance(nvfp4_rows, dict) else {}
+            nvfp4 = nvfp4_fidelity(models, inputs, steps=steps, seed=seed, device=str(device), precision=precision,
+                                   **extra)
+            log("nvfp4 fidelity rows done")
         results = []
         for mode in modes:
             pipe = RemovalPipeline(models, device=str(device), precision=precision, mode=mode,
@@ -395,6 +405,8 @@ def compare(
             log(f"{mode}: {1 + repeats} timed runs + {hash_repeats} hash runs done")
             flops = vae_flops(pipe, inputs) if count_flops else {}
             result = _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops)
+            if nvfp4 is not None:
+                result["nvfp4_fidelity"] = nvfp4
             if inputs.frames.shape[0] > window:
                 result.update(_windowed_run(pipe, inputs, steps, seed, window, overlap, workdir))
             if crop is not None:
@@ -448,6 +460,138 @@ def _crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, 
         "crop_fidelity": "not measured: the cropped run differs from the reference by design (the model sees only the "
                          "crop); psnr/ssim/latent_cos are from the full-frame, one-window run",
     }
+
+
+NVFP4_OPTIONS = ("nvfp4", "nvfp4+vae", "nvfp4-w4a4@crop")  # the fidelity rows of nvfp4_fidelity
+
+
+def _eager_vae(pipe: RemovalPipeline):
+    """The nn.Module behind the pipeline's VAE (the eager WanVAE of an EagerVideoVAE, or the module itself)."""
+    return getattr(pipe.vae, "module", pipe.vae)
+
+
+def _pipeline_for(models: RemoverModels, weights: str, device, precision: str, vae_min_in_channels: int):
+    """An eager pipeline on a private copy of `models` with `weights` ("dense", "nvfp4", "nvfp4+vae", "nvfp4-w4a4"),
+    and what was packed: (pipe, {"transformer": Nvfp4Report dict or None, "vae": Nvfp4ConvReport dict or None})."""
+    import copy
+
+    from fastremover.fast.nvfp4_conv import Nvfp4CausalConv3d, quantize_vae_convs_nvfp4
+    from fastremover.models.vae import WanVAE
+
+    dit = {"nvfp4+vae": "nvfp4"}.get(weights, weights)
+    from fastremover.config import EngineConfig, LinearOptions, VAEOptions
+
+    config = EngineConfig(device=str(device), precision=precision, mode="eager",  # the VAE's convs: the +vae row only
+                          linears=LinearOptions(weights=dit, force_w4a4=True),  # W4A4 runs on a crop; the CLI refuses
+                          vae=VAEOptions(nvfp4_convs=False)).with_env()
+    pipe = RemovalPipeline(copy.deepcopy(models), config=config)
+    packed = {"transformer": pipe.config.nvfp4, "vae": None}
+    if weights == "nvfp4+vae":
+        vae = _eager_vae(pipe)
+        if not isinstance(vae, WanVAE):
+            raise RuntimeError(f"nvfp4+vae needs the eager VAE, the pipeline built {type(pipe.vae).__name__}")
+        if not any(isinstance(m, Nvfp4CausalConv3d) for m in vae.modules()):  # (the pipeline may do it itself)
+            packed["vae"] = quantize_vae_convs_nvfp4(vae, min_in_channels=vae_min_in_channels).describe()
+    return pipe, packed
+
+
+def nvfp4_fidelity(models: RemoverModels, inputs: BenchInputs, *, steps: int = 12, seed: int = 42,
+                   device: str | None = None, precision: str | None = None, options=NVFP4_OPTIONS,
+                   crop_inputs: BenchInputs | None = None, vae_min_in_channels: int | None = None) -> dict:
+    """Fidelity of each NVFP4 option against the dense run of the same eager pipeline at the same precision (fp16 on
+    a GPU: the fp16 reference; fp32 on the CPU), on the same inputs, seed and steps. Options:
+        nvfp4            the DiT's block linears in NVFP4 (W4A16)
+        nvfp4+vae        and the VAE's 3x3x3 convs with >= vae_min_in_channels (default 192) input channels
+        nvfp4-w4a4@crop  W4A4 emulation, on a crop (crop on; its dense baseline is the same crop run): the mode it
+                         is meant for
+    Full-frame rows: PSNR mean / worst frame / inside the mask of the decoded video before compositing, SSIM, latent
+    cosine, as `compare` reports them. Crop rows: PSNR inside the mask of the composited output (uint8; latent
+    cosine where the pipeline keeps the latents of a cropped run, else None). Each row records resident weight
+    bytes and what was packed. Every run is on a private copy of `models`. `crop_inputs`: the crop rows' clip (default `inputs`)."""
+    from fastremover.bench.metrics import cosine
+    from fastremover.fast.nvfp4_conv import MIN_IN_CHANNELS, Nvfp4CausalConv3d
+    from fastremover.fast.nvfp4_linear import Nvfp4Linear, resident_bytes
+    from fastremover.pipeline import default_device
+
+    unknown = [o for o in options if o not in NVFP4_OPTIONS]
+    if unknown:
+        raise ValueError(f"unknown NVFP4 options {unknown}: choose from {list(NVFP4_OPTIONS)}")
+    device = torch.device(device or default_device())
+    precision = precision or ("fp16" if device.type == "cuda" else "fp32")
+    vae_min = MIN_IN_CHANNELS if vae_min_in_channels is None else vae_min_in_channels
+    crop_inputs = crop_inputs or inputs
+    full = fidelity_options(inputs, steps, seed)
+    crop = RunOptions(steps=steps, seed=seed, dilate=6, size="native",
+                      window=max(MIN_WINDOW, crop_inputs.frames.shape[0]), overlap=0, crop="on")
+    mask = torch.from_numpy(dilate_masks(inputs.mask, 6))
+
+    def run(weights: str, clip: BenchInputs, opts: RunOptions):
+        pipe, packed = _pipeline_for(models, weights, device, precision, vae_min)
+        calls = []
+        for m in pipe.models.transformer.modules():  # proof that the NVFP4 layers ran
+            if isinstance(m, Nvfp4Linear):
+                m.register_forward_hook(lambda *_: calls.append(1))
+        started = time.perf_counter()
+        result = pipe.remove(clip.frames, clip.mask, opts, keep_pixels=True)
+        _sync(device)
+        info = {"total_s": round(time.perf_counter() - started, 4), "nvfp4_calls": len(calls),
+                "transformer_bytes": resident_bytes(pipe.models.transformer),
+                "vae_bytes": resident_bytes(_eager_vae(pipe)),
+                "vae_nvfp4_convs": sum(isinstance(m, Nvfp4CausalConv3d) for m in _eager_vae(pipe).modules()),
+                "packed": packed}
+        pipe.close()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return result, info
+
+    rows = []
+    base, base_info = run("dense", inputs, full)
+    rows.append({"weights": "dense", "pass": "full frame", **base_info})
+    crop_base = None
+    for option in options:
+        weights, _, where = option.partition("@")
+        if where == "crop":
+            if crop_base is None:
+                crop_base, info = run("dense", crop_inputs, crop)
+                rows.append({"weights": "dense", "pass": "crop", **info})
+            res, info = run(weights, crop_inputs, crop)
+            boxes = [list(w.box) if w.box else None for w in res.windows if w.ran]
+            d = (res.frames.astype(np.float64) - crop_base.frames.astype(np.float64))[res.mask] / 255.0
+            mse = float((d * d).mean()) if d.size else float("nan")
+            rows.append({"weights": weights, "pass": "crop", "crop_boxes": boxes,
+                         "psnr_mask_db": math.inf if mse == 0 else 10 * math.log10(1.0 / mse),
+                         "latent_cos": (cosine(res.latents, crop_base.latents)
+                                        if res.latents is not None and crop_base.latents is not None else None),
+                         **info})
+        else:
+            res, info = run(weights, inputs, full)
+            m = mask
+            pad = res.pixels.shape[2] - m.shape[0]
+            if pad > 0:
+                m = torch.cat([m, m[-1:].expand(pad, -1, -1)])
+            rows.append({"weights": option, "pass": "full frame",
+                         **fidelity(res.pixels, base.pixels, m, res.latents, base.latents), **info})
+    for r in rows:
+        for k, v in list(r.items()):
+            if isinstance(v, float) and math.isfinite(v):
+                r[k] = round(v, 6 if k == "latent_cos" else 4)
+    return {"baseline": f"dense, eager, {precision}", "precision": precision, "steps": steps, "seed": seed,
+            "vae_min_in_channels": vae_min, "rows": rows}
+
+
+def format_nvfp4_table(fid: dict) -> str:
+    """The NVFP4 fidelity rows as text."""
+    lines = [f"NVFP4 fidelity against {fid['baseline']} ({fid['steps']} steps)",
+             f"{'weights':<12}{'pass':<12}{'PSNR':>8}{'min':>8}{'mask':>8}{'lat cos':>11}{'DiT MiB':>9}"
+             f"{'VAE MiB':>9}{'total s':>9}"]
+    fmt = lambda v, w, p: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
+    for r in fid["rows"]:
+        lines.append(f"{r['weights']:<12}{r['pass']:<12}" + fmt(r.get("psnr_mean_db"), 8, 2)
+                     + fmt(r.get("psnr_min_db"), 8, 2) + fmt(r.get("psnr_mask_db"), 8, 2)
+                     + fmt(r.get("latent_cos"), 11, 6) + fmt(r["transformer_bytes"] / 2**20, 9, 1)
+                     + fmt(r["vae_bytes"] / 2**20, 9, 1) + fmt(r["total_s"], 9, 2))
+    return "\n".join(lines)
 
 
 def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops) -> dict:
@@ -572,6 +716,8 @@ def format_table(results: list[dict]) -> str:
                 f"crop [{r['mode']}]: off {r['crop_off_total_s']:.3f}s vs {r['crop_setting']} {r['crop_total_s']:.3f}s "
                 f"-> {r['crop_speedup']:.2f}x; run sizes {r['crop_run_sizes']} (fidelity above is the full-frame run)"
             )
+    if results[0].get("nvfp4_fidelity"):
+        lines.append(format_nvfp4_table(results[0]["nvfp4_fidelity"]))
     return "\n".join(lines)
 
 

@@ -1,31 +1,40 @@
-"""Engine modes: which denoiser runs, decided once when the pipeline is built.
+"""The engine: one `EngineConfig` (fastremover/config.py) resolved against a device, then built into modules, once,
+when the pipeline is built.
 
-    auto   exact where it can run, else eager (the default; no note when it picks eager)
-    eager  the reference-order module (every device)
-    exact  fused Triton kernels + torch SDPA + CUDA-graph loop, no quantization   (CUDA GPUs)
-    fast   exact + FP8 e4m3 W8A8 linears + 8-bit attention (cuDNN's FP8 SDPA with K and V centred; our Triton FP8
-           kernel with a note where it cannot build, fp16 SDPA with a note where neither runs)
-                                                                                  (GPUs with FP8 tensor cores, sm_89+)
-A mode the device cannot run falls back to the next safer one with a note (never silently): the pipeline's config
-records what is active, `fastremover info` and the bench JSON print it.
+    resolve(config, device) -> Plan       the mode that runs (after fallbacks), its attention backend, the FFN path,
+                                          and the notes that explain every fallback
+    build(models, config, device) -> Engine(denoiser, vae, resolved: ResolvedEngine)
 
-The fast mode runs its first FFN GEMM with the GELU and its quantization in the GEMM's epilogue where that kernel runs
-(fast/kernels/gemm_fp8.py: sm_90), else the two-pass path (`_scaled_mm`, then the GELU quantization) - the config's
-`ffn1` says which. FASTREMOVER_FUSED_FFN1=0 forces the two-pass path (A/B runs, or a suspected fused-kernel problem).
+Modes:
+
+    auto   exact where it can run, else eager (no note when it picks eager)
+    eager  the reference-order modules (every device)
+    exact  fused Triton kernels + a 16-bit attention backend + the CUDA-graph loop, no quantization   (CUDA + Triton)
+    fast   exact + FP8 e4m3 W8A8 linears + the 8-bit attention backend of highest priority that runs (16-bit
+           attention with a note where none does)                         (GPUs with FP8 tensor cores, sm_89+)
+
+A mode the device cannot run falls back to the next safer one with a note (never silently); an explicit attention
+backend that cannot run is an error with its validator's reasons (fastremover/ops/attention/registry.py). NVFP4
+weights (`linears.weights`) run in the eager mode only.
+
+The fast mode's first FFN GEMM carries the GELU and its quantization in its epilogue where that kernel runs
+(fast/kernels/gemm_fp8.py: sm_90), else the two-pass path (`_scaled_mm`, then the GELU quantization):
+`linears.fused_ffn1` auto / on (a note where it cannot run) / off (FASTREMOVER_FUSED_FFN1=1 / 0).
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, field
 
 import torch
 
-from fastremover.errors import FastRemoverError
-from fastremover.ops import attention as attention_backends
+from fastremover.config import MODES, EngineConfig, ResolvedEngine, kernel_tuning
 from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
 from fastremover.models.transformer import RemoverTransformer
+from fastremover.ops import attention as attention_backends
 
-MODES = ("eager", "exact", "fast")
+__all__ = ["MODES", "Engine", "Plan", "build", "build_denoiser", "fp8_supported", "resolve", "resolve_attention",
+           "resolve_mode", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -61,21 +70,116 @@ def resolve_attention(attention: str, mode: str, device: torch.device) -> tuple[
     return attention_backends.resolve(attention, mode, device)
 
 
-def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode: str, device: torch.device,
-                   attention: str = "auto"):
-    """(denoiser, notes) for a resolved mode."""
-    backend, notes = resolve_attention(attention, mode, device)
-    if mode == "eager":
-        return EagerDenoiser(transformer, scheduler_config), notes
-    flag = os.environ.get("FASTREMOVER_FUSED_FFN1", "")
-    if flag not in ("", "0", "1"):
-        raise FastRemoverError(f"FASTREMOVER_FUSED_FFN1={flag!r}: use 1 (the default: fused where it runs) or 0 "
-                               "(the two-pass FFN)")
-    fused_ffn1 = mode == "fast" and flag != "0"
+@dataclass(frozen=True)
+class Plan:
+    """What a config runs on one device, decided before any module is built."""
+
+    config: EngineConfig
+    device: torch.device
+    mode: str  # eager | exact | fast, after fallbacks
+    attention: str  # canonical backend name
+    fused_ffn1: bool  # asked for (fast mode and not switched off); whether it runs is the transformer's check
+    cuda_graphs: bool
+    mode_notes: tuple[str, ...] = ()
+    attention_notes: tuple[str, ...] = ()
+
+    @property
+    def notes(self) -> list[str]:
+        return [*self.mode_notes, *self.attention_notes]
+
+
+def resolve(config: EngineConfig, device: torch.device | str) -> Plan:
+    """The plan of `config` on `device`: mode fallbacks and the attention backend, each explained in a note."""
+    device = torch.device(device)
+    mode = config.mode
+    if config.linears.weights != "dense" and mode == "auto":
+        mode = "eager"  # NVFP4 weights: the eager transformer (explicit exact / fast are refused by the config)
+    active, notes = resolve_mode(mode, device)
+    return _plan(config, device, active, tuple(notes))
+
+
+def _plan(config: EngineConfig, device: torch.device, mode: str, mode_notes: tuple[str, ...] = ()) -> Plan:
+    """The plan for an already resolved mode."""
+    backend, attention_notes = resolve_attention(config.attention.backend, mode, device)
+    return Plan(config=config, device=device, mode=mode, attention=backend,
+                fused_ffn1=mode == "fast" and config.linears.fused_ffn1 != "off",
+                cuda_graphs=device.type == "cuda" and config.graphs.cuda_graphs != "off",
+                mode_notes=mode_notes, attention_notes=tuple(attention_notes))
+
+
+def _denoiser(plan: Plan, transformer: RemoverTransformer, scheduler_config: dict):
+    """(denoiser, extra notes) for a plan."""
+    if plan.mode == "eager":
+        return EagerDenoiser(transformer, scheduler_config), []
     from fastremover.fast.transformer_fast import FastTransformer  # needs Triton: only for the exact / fast modes
 
-    fast = FastTransformer(transformer, fp8=(mode == "fast"), attention=backend, fused_ffn1=fused_ffn1)
-    if flag == "1" and mode == "fast" and not fast.fused_ffn1:
-        notes.append("FASTREMOVER_FUSED_FFN1=1: the fused FFN GEMM needs an sm_90 GPU with Triton tensor descriptors; "
-                     "running the two-pass FFN")
-    return FastDenoiser(fast, scheduler_config, cuda_graphs=device.type == "cuda"), notes
+    fast = FastTransformer(transformer, fp8=plan.mode == "fast", attention=plan.attention, fused_ffn1=plan.fused_ffn1)
+    notes = []
+    if plan.config.linears.fused_ffn1 == "on" and plan.mode == "fast" and not fast.fused_ffn1:
+        notes.append("FASTREMOVER_FUSED_FFN1=1 (linears.fused_ffn1 on): the fused FFN GEMM needs an sm_90 GPU with "
+                     "Triton tensor descriptors; running the two-pass FFN")
+    denoiser = FastDenoiser(fast, scheduler_config, cuda_graphs=plan.cuda_graphs,
+                            max_graphs=plan.config.graphs.max_graphs)
+    return denoiser, notes
+
+
+def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode: str, device: torch.device,
+                   attention: str = "auto", config: EngineConfig | None = None):
+    """(denoiser, notes) for an already resolved `mode` (not checked against the device again: tests run the fast
+    transformer on the CPU). Without `config`, the environment's overrides apply to a default config; `attention`
+    replaces the config's backend."""
+    config = (config or EngineConfig.from_env()).with_(attention__backend=attention)
+    plan = _plan(config, torch.device(device), mode)
+    denoiser, notes = _denoiser(plan, transformer, scheduler_config)
+    return denoiser, plan.notes + notes
+
+
+@dataclass
+class Engine:
+    """The built modules of one resolved config."""
+
+    denoiser: object | None
+    vae: object | None
+    resolved: ResolvedEngine
+    plan: Plan | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def build(models, config: EngineConfig, device: torch.device | str, dtype: torch.dtype, precision: str) -> Engine:
+    """Resolve `config` on `device` and build its modules (models: a loaded `RemoverModels`, None for the weightless
+    classic remover). The transformer is moved to device/dtype; NVFP4 weights are packed in place."""
+    device = torch.device(device)
+    tuning = kernel_tuning().describe()
+    if models is None:
+        resolved = ResolvedEngine(model="classic", device=str(device), precision=precision, mode="eager",
+                                  requested_mode=config.mode, vae="none", vae_precision=config.vae.precision,
+                                  weights=config.linears.weights, tuning=tuning, config=config.describe())
+        return Engine(None, None, resolved)
+    from fastremover.fast.vae_fast import build_vae
+
+    plan = resolve(config, device)
+    notes = list(plan.mode_notes)
+    extra: dict = {}
+    models.transformer.to(device).to_inference_dtype(dtype)
+    if config.linears.weights != "dense":
+        from fastremover.fast.nvfp4_linear import quantize_linears_nvfp4
+
+        report = quantize_linears_nvfp4(models.transformer, w4a4=config.linears.weights == "nvfp4-w4a4")
+        notes.append(report.summary())
+        extra["nvfp4"] = report.describe()
+    vae, vae_path = build_vae(models.vae, plan.mode, device, dtype, config.vae.precision)
+    eager_vae = getattr(vae, "module", None)  # the WanVAE inside an EagerVideoVAE (None: the fast VAE)
+    if config.linears.weights != "dense" and config.vae.nvfp4_convs and eager_vae is not None:
+        from fastremover.fast.nvfp4_conv import Nvfp4CausalConv3d, quantize_vae_convs_nvfp4
+
+        if not any(isinstance(m, Nvfp4CausalConv3d) for m in eager_vae.modules()):
+            vae_report = quantize_vae_convs_nvfp4(eager_vae)
+            notes.append(vae_report.summary())
+            extra["nvfp4_vae"] = vae_report.describe()
+    denoiser, denoiser_notes = _denoiser(plan, models.transformer, models.scheduler_config)
+    notes += [*plan.attention_notes, *denoiser_notes]
+    resolved = ResolvedEngine(model=models.source, device=str(device), precision=precision, mode=plan.mode,
+                              requested_mode=config.mode, vae=vae_path, vae_precision=config.vae.precision,
+                              weights=config.linears.weights, parallel_world_size=config.parallel.world_size, tuning=tuning,
+                              config=config.describe(), notes=notes, **denoiser.describe(), **extra)
+    return Engine(denoiser, vae, resolved, plan, extra)

@@ -1,6 +1,6 @@
 """FlashAttention-3's own Hopper FP8 forward kernel (Dao-AILab flash-attention, `hopper/`), behind our backend API.
 
-Optional and built from source: FA3 has no wheel on the package index. `bench/build_flash3.sh` compiles the forward
+Optional and built from source: FA3 has no wheel on the package index. `tools/build_flash3.sh` compiles the forward
 kernels only (head dim 128, e4m3 and bf16 inputs, sm_90a) without a GPU against a given torch version and writes
 `flash_attn_interface.py` + `flash_attn_3/_C.abi3.so` to put on PYTHONPATH.
 
@@ -35,7 +35,7 @@ def unavailable_reason(device: torch.device) -> str | None:
         return "FlashAttention-3's kernels need a Hopper GPU (sm_90)"
     why = import_error()
     return None if why is None else (f"flash_attn_interface does not import ({why}); build it with "
-                                     "bench/build_flash3.sh and put its output on PYTHONPATH")
+                                     "tools/build_flash3.sh and put its output on PYTHONPATH")
 
 
 def _descale(scale: torch.Tensor, b: int, h: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from fastremover.fast import cublaslt
+from fastremover.fast.linear_methods import Fp8Activation, LinearLayer
 
 FP8 = torch.float8_e4m3fn
 
@@ -43,8 +44,9 @@ def scaled_mm_out_dtype(device_type: str, device_index: int | None, want: torch.
         return torch.bfloat16
 
 
-class Fp8Linear(nn.Module):
-    """A frozen nn.Linear in e4m3 with per-output-channel scales; takes pre-quantized activations."""
+class Fp8Linear(LinearLayer):
+    """A frozen nn.Linear in e4m3 with per-output-channel scales; takes pre-quantized activations (the
+    `fp8-rowwise` linear method of fast/linear_methods.py)."""
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype, gemm: str = "auto"):
         """gemm: "cublaslt" (cublaslt.scaled_mm; an error where it cannot run), "torch" (torch._scaled_mm) or "auto"
@@ -75,9 +77,20 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.codes.shape[0]
 
-    def forward(self, x_codes: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x_codes [M, K] e4m3, x_scale [M, 1] fp32 -> [M, N] in out_dtype. bias: [N], replaces the layer's own bias
-        for this call (the fast transformer passes bias + W m to fold a per-call constant into the GEMM epilogue)."""
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    def forward(self, x_codes, x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: an Fp8Activation, or x_codes [M, K] e4m3 with x_scale [M, 1] fp32 -> [M, N] in out_dtype. bias: [N],
+        replaces the layer's own bias for this call (the fast transformer passes bias + W m to fold a per-call
+        constant into the GEMM epilogue)."""
+        if isinstance(x_codes, Fp8Activation):
+            if x_scale is not None:
+                raise ValueError("Fp8Linear: an Fp8Activation carries its own row scales")
+            x_codes, x_scale = x_codes.codes, x_codes.row_scale
+        elif x_scale is None:
+            raise ValueError("Fp8Linear takes an Fp8Activation or (codes, row_scale)")
         if bias is None:
             bias = self.bias
         elif bias.shape != (self.out_features,):
@@ -92,3 +105,21 @@ class Fp8Linear(nn.Module):
                 use_fast_accum=x_codes.is_cuda,
             )
         return y if self.mm_dtype == self.out_dtype else y.to(self.out_dtype)
+
+    def weight_row_norms(self) -> torch.Tensor:
+        """[N] fp32 norms of the dequantized weight rows (codes * scale: what the GEMM multiplies by)."""
+        return (self.codes.float() * self.scale.t()).norm(dim=1)
+
+    def fused_gelu_quant_available(self, device: torch.device) -> bool:
+        """ff1 + GELU + static-bound quantization in one Triton GEMM (kernels/gemm_fp8.py: sm_90 or the interpreter)."""
+        from fastremover.fast.kernels.gemm_fp8 import fused_ffn1_available
+
+        return fused_ffn1_available(device, self.codes.shape[1], self.out_features)
+
+    def gelu_quant(self, x: Fp8Activation, bias: torch.Tensor, amax: torch.Tensor) -> Fp8Activation:
+        """e4m3 codes of gelu_tanh(x @ W^T + bias) with the static per-tensor bound amax [1], from the GEMM's
+        epilogue (the 16-bit hidden is never written)."""
+        from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant
+
+        x = Fp8Activation.of(x)
+        return Fp8Activation.of(gemm_fp8_gelu_quant(x.codes, x.row_scale, self.codes, self.scale, bias, amax))

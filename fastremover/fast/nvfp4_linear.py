@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from fastremover.errors import FastRemoverError
 from fastremover.fast import nvfp4 as ref
+from fastremover.fast.linear_methods import LinearLayer
 from fastremover.models.transformer import RemoverTransformerConfig
 
 MODES = ("w4a16", "w4a4")
@@ -49,9 +50,9 @@ def _on_triton_gpu(t: torch.Tensor) -> bool:
     return w4a16_available(t.device)
 
 
-class Nvfp4Linear(nn.Module):
+class Nvfp4Linear(LinearLayer):
     """A frozen nn.Linear stored as NVFP4 (see the module docstring). Input [..., in_features] -> [..., out_features]
-    in the input's dtype."""
+    in the input's dtype. The `nvfp4` / `nvfp4-w4a4` linear methods of fast/linear_methods.py."""
 
     def __init__(self, linear: nn.Linear, mode: str = "w4a16", gemm: str = "auto"):
         """gemm (sm_90, fp16/bf16 inputs): "dequant" = the exact unit weight dequantized into a transient buffer per
@@ -92,7 +93,16 @@ class Nvfp4Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weight_row_norms(self) -> torch.Tensor:
+        """[N] fp32 norms of the dequantized weight rows."""
+        return ref.dequantize_reference(self.weight_nvfp4()).norm(dim=1)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """bias: [N], replaces the layer's own bias for this call."""
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"Nvfp4Linear: bias override must have shape [{self.out_features}], "
+                             f"got {list(bias.shape)}")
+        own_bias = self.bias if bias is None else bias
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         gpu = _on_triton_gpu(x2) and x2.dtype in (torch.float16, torch.bfloat16)
@@ -107,7 +117,7 @@ class Nvfp4Linear(nn.Module):
         if gpu:
             from fastremover.fast.kernels.nvfp4 import unit_weight_nvfp4, w4a16_gemm
 
-            bias = None if self.bias is None else self.bias.to(x2.dtype)
+            bias = None if own_bias is None else own_bias.to(x2.dtype)
             if self.gemm == "triton":
                 y = w4a16_gemm(x2.contiguous(), t, bias, alpha=self.alpha)
             else:
@@ -118,7 +128,7 @@ class Nvfp4Linear(nn.Module):
                 w, mult = unit_weight_nvfp4(t, x2.dtype), self.multipliers[x2.dtype]
                 y = torch.mm(x2, w.t()).mul_(mult) if bias is None else torch.addmm(bias, x2, w.t(), alpha=mult)
         else:
-            y = ref.w4a16_linear_reference(x2, t, self.bias)
+            y = ref.w4a16_linear_reference(x2, t, own_bias)
         return y.reshape(*lead, self.out_features)
 
 

@@ -62,10 +62,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastremover.fast.fp8 import Fp8Linear
+from fastremover.fast import linear_methods
+from fastremover.fast.linear_methods import Fp8Activation, concat_linears, gelu_linear  # noqa: F401 (re-exported)
 from fastremover.fast.lru import LRUCache
 from fastremover.fast.kernels.qk_norm_rope import rope_amax_bound
 from fastremover.models.transformer import RemoverTransformer
+from fastremover.parallel.context import SINGLE
 from fastremover.ops import attention as attention_backends
 
 
@@ -138,26 +140,9 @@ def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def gelu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(x @ weight.T + bias). On CUDA one cuBLASLt GEMM with the GELU_BIAS epilogue (torch's
-    `_addmm_activation`): the tanh-GELU is applied to the fp32 accumulator before the single rounding to x.dtype,
-    where eager rounds the GEMM output first and then runs a separate GELU pass (so results differ by an ulp-level
-    rounding, not by formula). Elsewhere: the eager composition."""
-    if x.is_cuda and x.dim() == 2:
-        return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
-    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
-
-
 def _fused_linear(*linears: nn.Linear) -> nn.Linear:
     """One Linear whose output is the given Linears' outputs side by side (weights and biases concatenated)."""
-    first = linears[0]
-    fused = nn.Linear(first.in_features, sum(l.out_features for l in linears), bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([l.weight for l in linears]))
-        if first.bias is not None:
-            fused.bias.copy_(torch.cat([l.bias for l in linears]))
-    return fused
+    return concat_linears(linears)
 
 
 @dataclass
@@ -170,25 +155,46 @@ class Conditioning:
 
 
 class FastTransformer(nn.Module):
+    # the sequence-parallel hook (fastremover.parallel.context): this rank's tokens, the attention wrapped in the
+    # all-to-all, K's centre and V's statistics all-reduced; size 1 (one process) leaves every path as it is
+    parallel = SINGLE
+
     def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
                  use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
                  tail_overlap: bool = True, stream_priority: bool = True, fused_v_stats: bool = True,
-                 gemm: str = "auto"):
+                 gemm: str = "auto", linear_method: "str | linear_methods.LinearMethod | None" = None):
+        """linear_method: how the block linears are stored and run (fast/linear_methods.py: dense, fp8-rowwise,
+        nvfp4, nvfp4-w4a4 or a registered one); None = fp8-rowwise with fp8, else dense. A method with FP8
+        activations makes the norms write e4m3 codes + row scales and enables the 8-bit attention path; fp8=True
+        with a 16-bit method is an error. gemm: the fp8-rowwise GEMM choice (Fp8Linear)."""
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
         device = model.proj_out.weight.device
         self.dtype = model.proj_out.weight.dtype
-        self.fp8 = fp8
+        self.linear_method = linear_methods.get(linear_method or ("fp8-rowwise" if fp8 else "dense"))
+        if fp8 and not self.linear_method.fp8_activations:
+            raise ValueError(f"FastTransformer(fp8=True) needs a linear method with FP8 activations, got "
+                             f"{self.linear_method.name!r} ({self.linear_method.activation} activations)")
+        fp8 = self.fp8 = self.linear_method.fp8_activations  # norms write e4m3 codes + row scales
         self.fused_ffn1 = False  # set below in fp8 mode
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton
         self.ops = kernel_ops(self.use_triton)
         self.backend = attention_backends.runnable(attention, device)  # FastRemoverError with the reasons
         self.attention_name = self.backend.name
         self.attention = self.backend.call
-        if not fp8:
-            # exact mode: q/k/v as one GEMM on the concatenated weights (one 4608-wide GEMM instead of three)
-            self.qkv = nn.ModuleList(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v) for b in model.blocks)
+        # Every block linear built once by the method: q/k/v as one layer (one 4608-wide GEMM instead of three where
+        # the method concatenates exactly: dense, fp8-rowwise's per-output-channel scales), out/ffn their own
+        method = self.linear_method
+        self.linears = nn.ModuleList(
+            nn.ModuleDict({
+                "qkv": method.fused([b.attn1.to_q, b.attn1.to_k, b.attn1.to_v], self.dtype, gemm),
+                "o": method.build(b.attn1.to_out[0], self.dtype, gemm),
+                "ff1": method.build(b.ffn.net[0].proj, self.dtype, gemm),
+                "ff2": method.build(b.ffn.net[2], self.dtype, gemm),
+            })
+            for b in model.blocks
+        )
         # The backend's capabilities (registry record), not its name, decide the path. fp8-codes output (cuDNN): the
         # codes go straight into the FP8 O projection (no dequantize / requantize pass). centred-16bit output
         # (FlashInfer's FA3 FP8 kernel, FlashAttention-3's): 16-bit (o - c), quantized again (static scale) for the O
@@ -219,33 +225,25 @@ class FastTransformer(nn.Module):
             self.q_amax = [rope_amax_bound(b.attn1.norm_q.weight) for b in model.blocks]
             self.q_scale = [a / a.new_full((), 448.0) for a in self.q_amax]
             self.k_bound = torch.cat([rope_amax_bound(b.attn1.norm_k.weight) for b in model.blocks])
-            # Quantize every block linear once: q/k/v as one fused GEMM (per-output-channel scales, so the fused
-            # weight's codes and scales are exactly the three separate ones), out/ffn their own.
-            self.fp8_blocks = nn.ModuleList(
-                nn.ModuleDict({
-                    "qkv": Fp8Linear(_fused_linear(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v), self.dtype, gemm),
-                    "o": Fp8Linear(b.attn1.to_out[0], self.dtype, gemm),
-                    "ff1": Fp8Linear(b.ffn.net[0].proj, self.dtype, gemm),
-                    "ff2": Fp8Linear(b.ffn.net[2], self.dtype, gemm),
-                })
-                for b in model.blocks
-            )
-            # the GELU output's static bound (module docstring): ||w_j|| of the dequantized FP8 ff1 weight rows (what
+            # the GELU output's static bound (module docstring): ||w_j|| of the dequantized ff1 weight rows (what
             # the GEMM multiplies by) and |b_j|, [L, F] fp32
-            self.ff1_row_norm = torch.stack([(blk["ff1"].codes.float() * blk["ff1"].scale.t()).norm(dim=1)
-                                             for blk in self.fp8_blocks])
+            self.ff1_row_norm = torch.stack([blk["ff1"].weight_row_norms() for blk in self.linears])
             # fused_ffn1 (the default): ff1 + GELU + the static-bound quantization in one Triton GEMM where it runs
             # (kernels/gemm_fp8.py: sm_90 or the interpreter), else _scaled_mm then quant_fp8_static. The fused
             # epilogue needs a bias vector (zeros for a bias-free ff1).
-            from fastremover.fast.kernels.gemm_fp8 import fused_ffn1_available
-
-            ff1 = self.fp8_blocks[0]["ff1"]
-            self.fused_ffn1 = (fused_ffn1 and self.use_triton
-                               and fused_ffn1_available(device, ff1.codes.shape[1], ff1.out_features))
+            ff1 = self.linears[0]["ff1"]
+            self.fused_ffn1 = fused_ffn1 and self.use_triton and ff1.fused_gelu_quant_available(device)
             self.ff1_bias = [blk["ff1"].bias if blk["ff1"].bias is not None
                              else torch.zeros(blk["ff1"].out_features, device=device, dtype=torch.float32)
-                             for blk in self.fp8_blocks]
+                             for blk in self.linears]
             self.ff1_bias_abs = torch.stack([b.float().abs() for b in self.ff1_bias])
+
+    @property
+    def fp8_blocks(self) -> nn.ModuleList:
+        """The block linears of an FP8 method (the name the fp8 tests and tools use; `linears` for any method)."""
+        if not self.fp8:
+            raise AttributeError("fp8_blocks: this transformer's linear method has 16-bit activations; use .linears")
+        return self.linears
 
     @property
     def fp8_attention(self) -> bool:
@@ -257,15 +255,17 @@ class FastTransformer(nn.Module):
                "attention": self.attention_name}
         if self.fp8:
             out["ffn1"] = "fused GEMM+GELU+quant (Triton)" if self.fused_ffn1 else "_scaled_mm + GELU quant"
-            out["fp8_gemm"] = ("cuBLASLt, workspace-free algorithm" if self.fp8_blocks[0]["qkv"].gemm == "cublaslt"
-                               else "torch._scaled_mm")
+            gemm = getattr(self.linears[0]["qkv"], "gemm", None)
+            out["fp8_gemm"] = ("cuBLASLt, workspace-free algorithm" if gemm == "cublaslt" else
+                               "torch._scaled_mm" if gemm == "torch" else self.linear_method.name)
             out["concurrent_branches"] = self.concurrent and self.fp8_attention
         return out
 
     def split_rows(self, b: int, s: int, heads: int) -> int | None:
         """The first attention call's query rows when the last wave is split off (attention_row_split), else None."""
         block_m = self.backend.row_split_block_m
-        if not (self.tail_overlap and block_m is not None and self.fp8_attention_requant and b == 1 and self.sm_count):
+        if not (self.tail_overlap and block_m is not None and self.fp8_attention_requant and b == 1 and self.sm_count
+                and not self.parallel.is_parallel):  # sequence parallel: the attention is wrapped in the all-to-all
             return None
         return attention_row_split(s, b * heads, self.sm_count, block_m)
 
@@ -377,12 +377,15 @@ class FastTransformer(nn.Module):
             # let the FP8 P @ V accumulation lose the low bits again (W2 33.8 dB with a frozen one,
             # bench/results/w2-fast-frozenv-*.json)
             # (one statistics pass finds the mean and the amax of v - mean together: quant.quant_fp8_centred)
-            v8, sv, v_centre = ops.quant_centred(v, s, **self._v_stats_options(index, v, b, s))
+            if self.parallel.is_parallel:  # sequence parallel: mean and amax over every rank's tokens
+                v8, sv, v_centre = self.parallel.quant_centred(v, s)
+            else:
+                v8, sv, v_centre = ops.quant_centred(v, s, **self._v_stats_options(index, v, b, s))
         with _on(side_k):
             if calibrate:  # the run's first step: K's centre from this step's K, then frozen (on k's own chain:
                 # only k's codes and the attention read it; written straight into the calibration's rows)
                 k_half = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-                torch.mean(k_half.unflatten(0, (b, s)), dim=1, dtype=torch.float32, out=cal.k_centre[index])
+                self.parallel.sequence_mean(k_half.unflatten(0, (b, s)), out=cal.k_centre[index])  # size 1: torch.mean
                 torch.add(self.k_bound[index], cal.k_centre[index].abs().amax(), out=cal.k_amax[index, 0])
                 torch.div(cal.k_amax[index, 0], cal.fp8_max, out=cal.k_scale[index, 0])  # quant.py's rule (a true
                 # division: a CPU-scalar divisor would be a multiplication by its reciprocal on the GPU)
@@ -402,21 +405,25 @@ class FastTransformer(nn.Module):
         if rows_a is not None:
             return self._attention_tail_overlap(index, rows_a, q8, k8, v8, sq, sk, sv, o_bias[0], x, mods, next_mods,
                                                 ffn_amax, main, side_tail, side_k)
-        o_proj = self.fp8_blocks[index]["o"]
+        o_proj = self.linears[index]["o"]
+
+        def codes_call(q8, k8, v8):  # per-tensor scales: the same on every rank (static bounds, all-reduced V stats)
+            return self.backend.codes_call(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
+
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
             # bounds it and the quantization needs no amax pass
-            o_c = self.backend.codes_call(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)  # 16-bit (o - c)
-            o_in = ops.quant_static(o_c.view(b * s, -1), sv, O_AMAX_PER_V_SCALE)
+            o_c = self.parallel.attention(codes_call, q8, k8, v8)  # 16-bit (o - c)
+            o_in = Fp8Activation.of(ops.quant_static(o_c.view(b * s, -1), sv, O_AMAX_PER_V_SCALE))
         else:  # codes of (o - c) / sv
-            o_codes = self.backend.codes_call(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
-            o_in = (o_codes.view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
+            o_codes = self.parallel.attention(codes_call, q8, k8, v8)
+            o_in = Fp8Activation(o_codes.view(b * s, -1), sv.view(1, 1).expand(b * s, 1).contiguous())
         if main is not None:
             main.wait_stream(side_k)
         if b == 1:  # one batch: b_o + W_o c is the GEMM's bias (added in its fp32 epilogue, no extra pass)
-            o = o_proj(*o_in, bias=o_bias[0])
+            o = o_proj(o_in, bias=o_bias[0])
         else:  # the GEMM's bias is one row for all batches: b_o + W_o c per batch after it
-            o = o_proj(*o_in, bias=torch.zeros_like(o_bias[0]))
+            o = o_proj(o_in, bias=torch.zeros_like(o_bias[0]))
             o.view(b, s, -1).add_(o_bias.unsqueeze(1))
         return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
@@ -432,8 +439,8 @@ class FastTransformer(nn.Module):
         m, d = x.shape
         next_fp8 = next_mods[2]
         if next_fp8:
-            out = (torch.empty((m, d), dtype=torch.float8_e4m3fn, device=x.device),
-                   torch.empty((m, 1), dtype=torch.float32, device=x.device))
+            out = Fp8Activation(torch.empty((m, d), dtype=torch.float8_e4m3fn, device=x.device),
+                                torch.empty((m, 1), dtype=torch.float32, device=x.device))
         else:
             out = torch.empty((m, d), dtype=self.dtype, device=x.device)
         side = side_tail  # the first rows' chain stays on the current stream (see _streams)
@@ -445,14 +452,15 @@ class FastTransformer(nn.Module):
         for rows, stream in chunks:
             with _on(stream):
                 attn_out.append(self.backend.codes_call(q8[:, rows], k8, v8, sq, sk, sv, out_dtype=self.dtype))
-        o_proj = self.fp8_blocks[index]["o"]
+        o_proj = self.linears[index]["o"]
         for (rows, stream), o_c in zip(chunks, attn_out):
             with _on(stream):
                 if main is not None:
                     (stream or main).wait_stream(side_k)  # b_o + W_o c
                 n = rows.stop - rows.start
-                o = o_proj(*self.ops.quant_static(o_c.view(n, d), sv, O_AMAX_PER_V_SCALE), bias=o_bias)
-                rows_out = (out[0][rows], out[1][rows]) if next_fp8 else out[rows]
+                o_in = Fp8Activation.of(self.ops.quant_static(o_c.view(n, d), sv, O_AMAX_PER_V_SCALE))
+                o = o_proj(o_in, bias=o_bias)
+                rows_out = out.rows(rows) if next_fp8 else out[rows]
                 self._rowwise_rest(index, x[rows], o, mods, next_mods, ffn_amax, n, out=rows_out)
         if main is not None:
             main.wait_stream(side)
@@ -464,24 +472,20 @@ class FastTransformer(nn.Module):
         fused with the FFN's adaLN, the FFN, x += c_gate * f fused with the next norm -> that norm's output (fp8:
         codes and row scales; into `out` when given). Every step is row-wise (s = tokens per batch of these rows)."""
         ops, eps = self.ops, self.config.eps
-        n2 = ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, eps, fp8=self.fp8)
+        n2 = self.linear_method.wrap(ops.gate_residual_adaln(x, o, mods[2], mods[3], mods[4], s, eps, fp8=self.fp8))
+        lin = self.linears[index]
         if self.fp8:
-            lin = self.fp8_blocks[index]
             if self.fused_ffn1:  # the GELU codes straight from ff1's epilogue (the 16-bit hidden is never written)
-                from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant
-
-                ff1 = lin["ff1"]
-                h8 = gemm_fp8_gelu_quant(*n2, ff1.codes, ff1.scale, self.ff1_bias[index], ffn_amax)
+                h8 = lin["ff1"].gelu_quant(n2, self.ff1_bias[index], ffn_amax)
             else:
-                h8 = ops.quant_static(lin["ff1"](*n2), ffn_amax, gelu=True)
-            f = lin["ff2"](*h8)
+                h8 = Fp8Activation.of(ops.quant_static(lin["ff1"](n2), ffn_amax, gelu=True))
+            f = lin["ff2"](h8)
         else:
-            ff = self.model.blocks[index].ffn
-            h = gelu_linear(n2, ff.net[0].proj.weight, ff.net[0].proj.bias)
-            f = F.linear(h, ff.net[2].weight, ff.net[2].bias)
+            f = lin["ff2"](lin["ff1"].gelu(n2))
         next_shift, next_scale, next_fp8 = next_mods
-        kw = {} if out is None else ({"out": out[0], "out_scale": out[1]} if next_fp8 else {"out": out})
-        return ops.gate_residual_adaln(x, f, mods[5], next_shift, next_scale, s, eps, fp8=next_fp8, **kw)
+        kw = {} if out is None else ({"out": out.codes, "out_scale": out.row_scale} if next_fp8 else {"out": out})
+        n = ops.gate_residual_adaln(x, f, mods[5], next_shift, next_scale, s, eps, fp8=next_fp8, **kw)
+        return Fp8Activation.of(n) if next_fp8 else n
 
     def _block(self, index: int, x: torch.Tensor, n_in, mods: torch.Tensor, next_mods: tuple, rope, shape,
                calibrate: bool, ffn_amax: torch.Tensor | None):
@@ -494,21 +498,14 @@ class FastTransformer(nn.Module):
         b, s, heads = shape
         eps = self.config.eps
         attn = blk.attn1
-        if self.fp8:
-            q, k, v = self.fp8_blocks[index]["qkv"](*n_in).chunk(3, dim=1)  # column slices: row stride 3D, read in place
-        else:
-            q, k, v = self.qkv[index](n_in).chunk(3, dim=1)
+        q, k, v = self.linears[index]["qkv"](n_in).chunk(3, dim=1)  # column slices: row stride 3D, read in place
         if self.fp8_attention:
             return self._attention_fp8(index, q, k, v, rope, shape, calibrate, x, mods, next_mods, ffn_amax)
         q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
         k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-        o = self.attention(q.view(b, s, heads, -1), k.view(b, s, heads, -1),
+        o = self.parallel.attention(self.attention, q.view(b, s, heads, -1), k.view(b, s, heads, -1),
                            v.unflatten(1, (heads, -1)).view(b, s, heads, -1))
-        o = o.reshape(b * s, -1)
-        if self.fp8:
-            o = self.fp8_blocks[index]["o"](*ops.quant_rowwise(o))
-        else:
-            o = F.linear(o, attn.to_out[0].weight, attn.to_out[0].bias)
+        o = self.linears[index]["o"](self.linear_method.prepare(o.reshape(b * s, -1), ops))
         return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
     @torch.no_grad()
@@ -518,18 +515,21 @@ class FastTransformer(nn.Module):
         grid = model.post_patch_grid(hidden_states.shape)
         rope = model.rope(grid, hidden_states.device)
         b = hidden_states.shape[0]
-        s = grid[0] * grid[1] * grid[2]
-        x = model.patch_embedding(hidden_states).flatten(2).transpose(1, 2).reshape(b * s, -1).contiguous()
+        s_all = grid[0] * grid[1] * grid[2]
+        # sequence parallel: this rank's tokens and their RoPE rows from here to proj_out (size 1: all of them)
+        x = self.parallel.shard_tokens(model.patch_embedding(hidden_states).flatten(2).transpose(1, 2))
+        rope, s = self.parallel.shard_rope(rope), x.shape[1]
+        x = x.reshape(b * s, -1).contiguous()
         shape = (b, s, self.config.num_attention_heads)
         if self.fp8 and cond.ffn_amax is None:
             raise ValueError("FastTransformer(fp8=True).forward_step needs a Conditioning from an fp8 transformer's "
                              "conditioning() (it carries the FFN's static quantization bounds)")
         mods, final = cond.block_mods[step], cond.final_mods[step]
         eps, n_blocks = self.config.eps, len(model.blocks)
-        n = self.ops.adaln_modulate(x, mods[0][0], mods[0][1], s, eps, fp8=self.fp8)
+        n = self.linear_method.wrap(self.ops.adaln_modulate(x, mods[0][0], mods[0][1], s, eps, fp8=self.fp8))
         for i in range(n_blocks):
             # the norm after this block: the next block's (fp8 codes in the fast mode), or norm_out's (model dtype)
             next_mods = (mods[i + 1][0], mods[i + 1][1], self.fp8) if i + 1 < n_blocks else (final[0], final[1], False)
             n = self._block(i, x, n, mods[i], next_mods, rope, shape, calibrate=step == 0,
                             ffn_amax=None if cond.ffn_amax is None else cond.ffn_amax[step, i])
-        return model.unpatchify(model.proj_out(n).view(b, s, -1), grid)
+        return model.unpatchify(self.parallel.gather_tokens(model.proj_out(n).view(b, s, -1), s_all), grid)

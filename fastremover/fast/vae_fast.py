@@ -2,7 +2,9 @@
 
 `FastWanVAE(vae)` runs the same math as `fastremover.models.vae.WanVAE` (whose weights it takes, converted once to
 channels-last on the target device/dtype), chunk by chunk exactly as the eager model does (encode: frame 0, then 4
-frames; decode: one latent frame), with these changes:
+frames; decode: one latent frame, also as an iterator, `decode_iter`), behind the pipeline's
+`fastremover.vae_api.VideoVAE` interface with its own memory model (`memory_bytes`, which the tiling plan uses), with
+these changes:
 
 * Layout: every activation is channels-last ([B, C, T, H, W] with NDHWC memory; per-frame 2-D work on [B*T, C, H, W]
   channels-last views of it), and so is every weight, so cuDNN never converts layouts around a conv. The 3-channel
@@ -99,8 +101,8 @@ Upsampling (`upsample_conv`): on sm_90+ in fp16/bf16 the decoder's nearest 2x + 
 interleaved by TMA stores; 2.25x fewer FLOPs, no upsampled tensor). Not bit-identical to the eager pair (the summed
 weights are rounded once to the dtype); within the bound its tests assert.
 
-`python -m fastremover.fast.vae_fast --bench` compares this VAE with diffusers' AutoencoderKLWan (the reference) at
-the W2 size on a CUDA GPU: per-stage time and peak memory, PSNR of the decoded video, cosine of the latents.
+`python tools/bench_vae.py` (not shipped) compares this VAE with diffusers' AutoencoderKLWan (the reference) at the W2
+size on a CUDA GPU: per-stage time and peak memory, PSNR of the decoded video, cosine of the latents.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ import contextlib
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -127,6 +129,7 @@ from fastremover.models.vae import (
     UpBlock,
     WanVAE,
 )
+from fastremover.vae_api import VideoVAE
 
 CL3 = torch.channels_last_3d
 CL2 = torch.channels_last
@@ -143,7 +146,7 @@ PAD_CHANNELS = 64  # default pad_channels on CUDA: activations of 96 channels ar
 # decode_frames "auto" (the default): on CUDA, frames of at most SMALL_FRAME_PIXELS run the decoder's
 # full-resolution levels in whole chunks, larger ones AUTO_DECODE_FRAMES at a time (memory: the W2 peak bar). At small
 # frames the many short kernels of the 1-frame decode loop leave the GPU waiting on the CPU's launches (H200, W1
-# 432x240: 0.255 s of CPU time for a 0.255 s decode, whole chunks 0.195 s, bench/experiments/w1_decode_gap.py; in
+# 432x240: 0.255 s of CPU time for a 0.255 s decode, whole chunks 0.195 s, experiments/w1_decode_gap.py; in
 # the W1 pipeline the decode stage went from 0.41-0.55 s to 0.20-0.21 s), and whole chunks cost little memory in
 # absolute terms there. encode_frames "auto" is AUTO_ENCODE_FRAMES at every size: whole-chunk encodes at W1 gained
 # nothing with the batch-2 encode (0.241 -> 0.236 s) and lost without it (0.257 -> 0.333 s; vae-w1-auto-*.json). On
@@ -153,6 +156,12 @@ PAD_CHANNELS = 64  # default pad_channels on CUDA: activations of 96 channels ar
 SMALL_FRAME_PIXELS = 160 * 1024  # W1's 432x240 = 103,680 px; W2's 832x480 = 399,360 px
 AUTO_ENCODE_FRAMES = 2
 AUTO_DECODE_FRAMES = 1
+# memory_bytes: the transient tensors of the full-resolution level at the peak, in elements of C x H x W (C: that
+# level's padded width) = a * frames per step + b, per (op, 16-bit dtype). Fitted as upper bounds to live tensor
+# bytes of this module's torch-reference path on the meta device (which allocates what the CUDA path allocates,
+# plus the reference norm's fp32 temporaries in 16-bit dtypes) at steps 1, 2 and 4; tests/test_video_vae.py.
+_WORKING_UNITS = {("encode", True): (7.5, 13.0), ("encode", False): (5.25, 10.0),
+                  ("decode", True): (10.0, 3.5), ("decode", False): (7.0, 3.5)}
 
 Progress = Callable[[int, int], None]
 # write(start, stop, out): put input frames [start, stop) of the encoder's input stream(s) into out [B, 3, n, H, W]
@@ -288,11 +297,11 @@ def _cudnn_benchmark(on: bool | None):
 
 
 def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, precision: str = "auto", **kw):
-    """The VAE the pipeline runs for an (already resolved) engine mode: (vae, description).
+    """The VideoVAE the pipeline runs for an (already resolved) engine mode: (vae, description).
 
-    eager mode, or no CUDA GPU: the eager `WanVAE` itself, moved to device/dtype ("eager"); exact/fast on CUDA: a
-    `FastWanVAE` (its description, e.g. "fast-fp16"; the eager module stays where it is, so its weights are not held
-    twice on the GPU). precision "fp8" needs the fast VAE: a clear error otherwise."""
+    eager mode, or no CUDA GPU: the eager `WanVAE` moved to device/dtype, as a `vae_api.EagerVideoVAE` ("eager");
+    exact/fast on CUDA: a `FastWanVAE` (its description, e.g. "fast-fp16"; the eager module stays where it is, so its
+    weights are not held twice on the GPU). precision "fp8" needs the fast VAE: a clear error otherwise."""
     if precision not in PRECISIONS:
         raise FastRemoverError(f"--vae-precision {precision!r}: choose one of {list(PRECISIONS)}")
     device = torch.device(device)
@@ -301,13 +310,15 @@ def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, 
             why = "the eager mode" if mode == "eager" else "no CUDA GPU"
             raise FastRemoverError(f"--vae-precision fp8 needs the fast VAE (a CUDA GPU and --mode exact or fast; "
                                    f"here: {why})")
-        vae.to(device, dtype)
-        return vae, "eager"
+        from fastremover.vae_api import EagerVideoVAE
+
+        eager = EagerVideoVAE(vae, device, dtype)
+        return eager, eager.describe()
     fast = FastWanVAE(vae, device=device, dtype=dtype, precision=precision, **kw)
     return fast, fast.describe()
 
 
-class FastWanVAE:
+class FastWanVAE(VideoVAE):
     """Channels-last Wan VAE with fused norms and copy-free causal caches (see the module docstring).
 
     vae: a loaded `WanVAE` (any device/dtype; its weights are copied once to `device`/`dtype`, channels-last; the
@@ -326,8 +337,7 @@ class FastWanVAE:
     torch.backends.cudnn.benchmark during the calls (None: leave it as it is). fuse_bias: run residual blocks' conv1 /
     conv2 and the attention proj without bias and add it inside the norm / residual-add kernel that reads their output
     (see the module docstring); bit-identical to False (CPU tests, and on the H200
-    tests/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and `python -m fastremover.fast.vae_fast --bench
-    --fuse-bias`), and 7 % faster there at W2, so on by default. precise_norm: run the norm kernel with precise=True
+    tests/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and `python tools/bench_vae.py --fuse-bias`), and 7 % faster there at W2, so on by default. precise_norm: run the norm kernel with precise=True
     (per-element IEEE divisions, bit-exact to the eager ops given its denominators; H200: 0.47 vs 0.125 ms per
     full-resolution call) instead of its fast-math default (within a few ulps of eager on ~1e-4 of the elements, see
     fastremover/fast/kernels/vae_norm.py); no effect with kernels="torch" (the eager reference either way).
@@ -747,13 +757,73 @@ class FastWanVAE:
     @torch.no_grad()
     def decode(self, z: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
         """Latents [B, z_dim, T, h, w] -> video [B, out_channels, 1 + 4(T-1), 8h, 8w] in [-1, 1] (as WanVAE)."""
+        z = self._decode_input(z)
+        b, _, t_lat, h, w = z.shape
+        sc = self.config.spatial_compression
+        out = z.new_empty(b, self.config.out_channels, 1 + (t_lat - 1) * self.config.temporal_compression,
+                          h * sc, w * sc)  # NCDHW contiguous, like WanVAE
+        with _cudnn_benchmark(self.cudnn_benchmark):
+            for _ in self._decode(z, progress, out):
+                pass
+        return out
+
+    @torch.no_grad()
+    def decode_iter(self, z: torch.Tensor, progress: Progress | None = None) -> Iterator[torch.Tensor]:
+        """`decode` one latent frame at a time: yields each latent frame's pixels ([B, C, 1, H, W], then 4 frames
+        each) as soon as they are decoded, in new tensors; the same computation as `decode` (only the destination
+        of the head's writes differs), so the chunks concatenated are `decode(z)` bit for bit."""
+        z = self._decode_input(z)
+        with _cudnn_benchmark(self.cudnn_benchmark):
+            yield from self._decode(z, progress, None)
+
+    def _decode_input(self, z: torch.Tensor) -> torch.Tensor:
         if z.ndim != 5 or z.shape[1] != self.config.z_dim:
             raise ValueError(f"decode expects [B, {self.config.z_dim}, T, h, w], got {list(z.shape)}")
         if z.shape[2] < 1:
             raise ValueError("decode needs at least one latent frame")
-        z = z.to(self.device, self.dtype)
-        with _cudnn_benchmark(self.cudnn_benchmark):
-            return self._decode(z, progress)
+        return z.to(self.device, self.dtype)
+
+    def memory_bytes(self, op: str, frames: int, height: int, width: int, batch: int = 1) -> int:
+        """Modelled peak tensor bytes of one untiled `encode` / `decode` of this VAE (its settings: padding, frames
+        per step, tap head), from its code:
+            caches   every causal conv's 2 cached input frames at the real width (1 per downsample3d), the tap
+                     head's two fp32 partial sums instead of conv_out's cache
+            working  the full-resolution level's transients: (a * frames per step + b) tensors of C x H x W, C the
+                     level's padded width (`_WORKING_UNITS`, fitted upper bounds)
+            outputs  encode: the latents (+ one chunk's); decode: the output video, the post-quant latents and
+                     one latent frame's chunk
+        An upper bound checked against live tensor bytes of the torch-reference path (tests/test_video_vae.py); not
+        seen: cuDNN workspaces and the allocator's rounding, which `choose_tiling`'s margin is for."""
+        from fastremover.fast.vae_tiling import _cache_elements
+
+        if op not in ("encode", "decode"):
+            raise ValueError(f"op must be 'encode' or 'decode', got {op!r}")
+        cfg = self.config
+        es = torch.finfo(self.dtype).bits // 8
+        sc, tc = cfg.spatial_compression, cfg.temporal_compression
+        lat_frames = (frames - 1) // tc + 1
+        out_frames = 1 + (lat_frames - 1) * tc
+        c_full = self._width(cfg.base_dim * cfg.dim_mult[0],
+                             self.vae.encoder.conv_in if op == "encode" else self.vae.decoder.conv_out)
+        a, b = _WORKING_UNITS[(op, self.dtype in (torch.float16, torch.bfloat16))]
+        step = self.frames_per_step(op, height, width)
+        if op == "encode":
+            step = min(step or ENCODE_CHUNK_FRAMES, ENCODE_CHUNK_FRAMES)
+            area, lat_area = height * width, (height // sc) * (width // sc)
+            c_in = RGB_PAD if self.pad_rgb else cfg.in_channels
+            caches = _cache_elements(cfg, "encode", height, width) + 2 * (c_in - cfg.in_channels) * area
+            working = (a * step + b) * c_full * area
+            outputs = cfg.z_dim * (lat_frames + 2) * lat_area  # the latents + one chunk's [mu | log_var]
+            return int(batch * es * (caches + working + outputs))
+        lh, lw = height // sc, width // sc
+        area = lh * sc * lw * sc
+        step = min(step or tc, tc)
+        caches = _cache_elements(cfg, "decode", lh, lw)
+        if self.tap_head:  # two fp32 partial sums of out_channels instead of 2 cached frames of conv_out's input
+            caches += (2 * cfg.out_channels * 4 / es - 2 * cfg.base_dim * cfg.dim_mult[0]) * area
+        working = (a * step + b) * c_full * area
+        outputs = cfg.out_channels * (out_frames + tc) * area + cfg.z_dim * lat_frames * lh * lw
+        return int(batch * es * (caches + working + outputs))
 
     # ------------------------------------------------------------------------------------------------------------------
     # Encode
@@ -850,7 +920,9 @@ class FastWanVAE:
     # ------------------------------------------------------------------------------------------------------------------
     # Decode
 
-    def _decode(self, z: torch.Tensor, progress: Progress | None) -> torch.Tensor:
+    def _decode(self, z: torch.Tensor, progress: Progress | None, out: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """Decode z (on device, in dtype) one latent frame at a time, yielding each latent frame's pixels: views of
+        `out` (the whole video, written in place) or, with out=None, new tensors."""
         dec = self.vae.decoder
         z = self._pointwise(self.vae.post_quant_conv, z.contiguous(memory_format=CL3))
         st = _Stream()
@@ -858,7 +930,6 @@ class FastWanVAE:
         c_out = self.config.out_channels
         total = 1 + (t_lat - 1) * self.config.temporal_compression
         sc = self.config.spatial_compression
-        out = z.new_empty(b, c_out, total, h * sc, w * sc)  # NCDHW contiguous, like WanVAE
         blocks = list(dec.up_blocks)
         # The last two levels and the head run decode_frames at a time. The split is made inside the last upsampler
         # before them, between its temporal and its spatial part, so the frames waiting are the small ones.
@@ -883,6 +954,8 @@ class FastWanVAE:
             step = min(frames_per_step or n, n)
             pieces = [x[:, :, s0 : s0 + step] for s0 in range(0, n, step)] if step < n else [x]
             del x
+            first = frame
+            parts = []
             while pieces:
                 y = pieces.pop(0)
                 if pending is not None:
@@ -890,13 +963,19 @@ class FastWanVAE:
                 for block in blocks[split_at:]:
                     y = self._up_block(block, y, st)
                 k = y.shape[2]
-                self._decoder_head(y, st, out[:, :, frame : frame + k])
+                dst = out[:, :, frame : frame + k] if out is not None else y.new_empty(b, c_out, k, *y.shape[3:])
+                self._decoder_head(y, st, dst)
+                parts.append(dst)
                 frame += k
-                del y
+                del y, dst
+            if out is not None:
+                yield out[:, :, first:frame]
+            else:
+                yield parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            del parts
             if progress:
                 progress(i + 1, t_lat)
         assert frame == total, (frame, total)
-        return out
 
     # ------------------------------------------------------------------------------------------------------------------
     # Blocks
@@ -1281,290 +1360,3 @@ class FastWanVAE:
     def _head(self, norm: nn.Module, conv: CausalConv3d, x: torch.Tensor, st: _Stream) -> torch.Tensor:
         b, c, t, h, w = x.shape
         return self._causal(conv, st, t, (b, c, h, w), self._norm_fill(x, norm))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# GPU benchmark: python -m fastremover.fast.vae_fast --bench [--out PATH]
-
-
-def _stage(fn, device: torch.device) -> tuple[object, float, float, float]:
-    """Run fn() as one timed stage: (result, seconds by CUDA events, peak GiB, peak above the start GiB).
-    On the CPU (smoke runs): wall-clock seconds, peaks 0."""
-    if device.type != "cuda":
-        import time
-
-        t = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - t, 0.0, 0.0
-    torch.cuda.synchronize(device)
-    start_bytes = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    out = fn()
-    t1.record()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    return out, t0.elapsed_time(t1) / 1e3, peak / 2**30, (peak - start_bytes) / 2**30
-
-
-def _measure(name: str, encode_fn, decode_fn, z_dec, device, repeats: int) -> dict:
-    """Warm-up, then `repeats` runs of encode (both inputs) + decode; medians of time, max of peaks."""
-    import statistics
-
-    runs = []
-    for i in range(1 + repeats):
-        (za, zb), t_enc, pk_enc, dpk_enc = _stage(encode_fn, device)
-        video, t_dec, pk_dec, dpk_dec = _stage(lambda: decode_fn(z_dec), device)
-        if i:
-            runs.append((t_enc, t_dec, pk_enc, pk_dec, dpk_enc, dpk_dec))
-        if i < repeats:
-            del za, zb, video
-    col = list(zip(*runs))
-    r = {
-        "name": name,
-        "vae_encode_s": round(statistics.median(col[0]), 4),
-        "vae_decode_s": round(statistics.median(col[1]), 4),
-        "stage_peak_gib": {"vae_encode": round(max(col[2]), 3), "vae_decode": round(max(col[3]), 3)},
-        "stage_peak_delta_gib": {"vae_encode": round(max(col[4]), 3), "vae_decode": round(max(col[5]), 3)},
-    }
-    r["vae_total_s"] = round(r["vae_encode_s"] + r["vae_decode_s"], 4)
-    return r, (za, zb, video)
-
-
-def _ratio(a: dict, b: dict) -> dict | None:
-    return {k: round(a[k] / b[k], 4) for k in a if b.get(k)} or None
-
-
-def _frames_arg(text: str) -> int | None | str:
-    """--encode-frames / --decode-frames: "auto", "all" (whole chunks: None) or a positive int."""
-    if text in ("auto", "all"):
-        return None if text == "all" else text
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
-def bench(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    import math
-    import time
-
-    p = argparse.ArgumentParser(prog="python -m fastremover.fast.vae_fast --bench",
-                                description="FastWanVAE vs diffusers' AutoencoderKLWan on one GPU (random weights)")
-    p.add_argument("--bench", action="store_true")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--frames", type=int, default=81)
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--width", type=int, default=832)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--precision", choices=["fp16", "bf16"], default="fp16")
-    p.add_argument("--vae-precision", choices=list(PRECISIONS), default="auto")
-    p.add_argument("--encode-frames", type=_frames_arg, default="auto", help="'auto' (default), 'all' or N")
-    p.add_argument("--decode-frames", type=_frames_arg, default="auto", help="'auto' (default), 'all' or N")
-    p.add_argument("--pair", choices=["auto", "on", "off", "both"], default="both",
-                   help="batch-2 encode of the two inputs: measure auto/on/off, or both on and off (default)")
-    p.add_argument("--cudnn-benchmark", action="store_true", help="also measure with torch.backends.cudnn.benchmark")
-    p.add_argument("--no-tap-head", action="store_true")
-    p.add_argument("--stripe-mib", type=float, default=None,
-                   help="also measure a variant with 1-frame convs/upsamplings in row stripes of about this size")
-    p.add_argument("--no-pad-rgb", action="store_true")
-    p.add_argument("--pad-encoder", action="store_true", help="pad the encoder's channels too (pad_encoder=True)")
-    p.add_argument("--fp8-precise-acc", action="store_true",
-                   help="with --vae-precision fp8: also measure every variant with fp8_precise_acc=True")
-    p.add_argument("--fp8-max-channels", type=int, nargs="+", default=None,
-                   help="with --vae-precision fp8: measure every variant with each of these fp8_max_channels values")
-    p.add_argument("--fp8-encoder-max-channels", type=int, nargs="+", default=None,
-                   help="with --vae-precision fp8: measure every variant with each of these fp8_encoder_max_channels")
-    p.add_argument("--upsample-conv", nargs="+", choices=list(UPSAMPLE_CONVS), default=None,
-                   help="measure every variant with each of these upsample_conv values")
-    p.add_argument("--fp8-scales", nargs="+", choices=list(FP8_SCALES), default=None,
-                   help="with --vae-precision fp8: measure every variant with each of these fp8_scales values")
-    p.add_argument("--pad-channels", type=int, nargs="+", default=None,
-                   help="measure every variant at each of these pad_channels values (default: the VAE's default "
-                        "only; 0 = no channel padding)")
-    p.add_argument("--fuse-bias", action="store_true",
-                   help="also measure every variant with fuse_bias=True (deferred conv biases) and check that its "
-                        "latents and video are bit-identical (torch.equal) to the variant without")
-    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run: use --preset tiny)")
-    p.add_argument("--preset", default="minimax-remover", help="VAE config: minimax-remover (real) or tiny")
-    args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
-    if args.fp8_precise_acc and args.vae_precision != "fp8":
-        p.error("--fp8-precise-acc needs --vae-precision fp8")
-    if (args.fp8_max_channels or args.fp8_encoder_max_channels or args.fp8_scales) and args.vae_precision != "fp8":
-        p.error("--fp8-max-channels / --fp8-scales need --vae-precision fp8")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("the VAE bench needs a CUDA GPU (or --device cpu --preset tiny for a smoke run)", flush=True)
-        return 2
-    from fastremover import media
-    from fastremover.bench.metrics import cosine, psnr_per_frame
-    from fastremover.models.loading import PRESETS, random_init_
-    from fastremover.models.vae import WanVAEConfig
-
-    t_start = time.time()
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.precision]
-    if device.type == "cpu":
-        dtype = torch.float32  # smoke runs: CPU half-precision conv3d is impractically slow
-    cfg = WanVAEConfig.from_dict(PRESETS[args.preset]["vae"])
-    vae = random_init_(WanVAE(cfg), 1).eval()
-
-    video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0)
-    x = torch.from_numpy(video.frames).to(device).permute(3, 0, 1, 2)[None].float().div_(127.5).sub_(1.0).to(dtype)
-    m = torch.from_numpy(mask).to(device)[None, None].expand(1, 3, -1, -1, -1).to(dtype).contiguous()
-    del video, mask
-    results = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__,
-               "shape": [1, 3, args.frames, args.height, args.width], "precision": str(dtype).replace("torch.", ""),
-               "vae_precision": args.vae_precision, "repeats": args.repeats, "runs": []}
-
-    # reference: diffusers, as the upstream pipeline calls it
-    from diffusers import AutoencoderKLWan
-    from diffusers.utils import logging as diffusers_logging
-
-    diffusers_logging.set_verbosity_error()
-    ref = AutoencoderKLWan(**{k: v for k, v in cfg.to_dict().items() if not k.startswith("_")})
-    ref.load_state_dict(vae.state_dict(), strict=True)
-    ref = ref.eval().to(device, dtype)
-
-    masked = x * (1 - m)  # the upstream pipeline forms this before its encode stage (2*mask-1 inside it)
-
-    def ref_encode():
-        with torch.no_grad():
-            za = ref.encode(masked).latent_dist.mode()
-            zb = ref.encode(2 * m - 1.0).latent_dist.mode()
-        return za, zb
-
-    def ref_decode(z):
-        with torch.no_grad():
-            return ref.decode(z).sample
-
-    z_dec = ref_encode()[0]  # the decode input of both VAEs: the latents of the masked video (warms up encode)
-    r_ref, (za_ref, zb_ref, video_ref) = _measure("reference (diffusers AutoencoderKLWan)", ref_encode, ref_decode,
-                                                  z_dec, device, args.repeats)
-    video_ref = video_ref.float().cpu()
-    za_ref, zb_ref, z_dec = za_ref.float().cpu(), zb_ref.float().cpu(), z_dec.cpu()
-    results["runs"].append(r_ref)
-    ref.to("cpu")
-    ref = masked = None  # (not del: the closures above name them)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    variants = []
-    pairs = {"auto": ["auto"], "on": [True], "off": [False], "both": [True, False]}[args.pair]
-    for pair in pairs:
-        variants.append(dict(pair=pair, cudnn_benchmark=None))
-    if args.cudnn_benchmark:
-        variants.append(dict(pair=pairs[0], cudnn_benchmark=True))
-    if args.stripe_mib:
-        variants.append(dict(pair=pairs[-1], cudnn_benchmark=None, stripe_mib=args.stripe_mib))
-    if args.fuse_bias:  # each variant, then its fuse_bias twin (compared with it bit for bit)
-        variants = [w for v in variants for w in ({**v, "fuse_bias": False}, {**v, "fuse_bias": True})]
-    if args.pad_channels:
-        variants = [{**v, "pad_channels": pc} for pc in args.pad_channels for v in variants]  # fuse_bias twins adjacent
-    if args.fp8_precise_acc:
-        variants = [w for v in variants for w in (v, {**v, "fp8_precise_acc": True})]
-    if args.fp8_max_channels:
-        variants = [{**v, "fp8_max_channels": mc} for mc in args.fp8_max_channels for v in variants]
-    if args.fp8_encoder_max_channels:
-        variants = [{**v, "fp8_encoder_max_channels": mc} for mc in args.fp8_encoder_max_channels for v in variants]
-    if args.fp8_scales:
-        variants = [{**v, "fp8_scales": fs} for fs in args.fp8_scales for v in variants]
-    if args.upsample_conv:
-        variants = [{**v, "upsample_conv": uc} for uc in args.upsample_conv for v in variants]
-    z_gpu = z_dec.to(device)
-    unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
-    for v in variants:
-        fast = FastWanVAE(vae, device=device, dtype=dtype, precision=args.vae_precision,
-                          encode_frames=args.encode_frames, decode_frames=args.decode_frames,
-                          pad_rgb=not args.no_pad_rgb, tap_head=not args.no_tap_head, pad_encoder=args.pad_encoder, **v)
-        name = (f"fast ({fast.describe()}, pair={v['pair']}, cudnn.benchmark={v['cudnn_benchmark']}, "
-                f"pad {fast.pad_channels}"
-                + (f", stripes {v['stripe_mib']} MiB)" if v.get("stripe_mib") else ")"))
-        r, (za, zb, vid) = _measure(name, lambda: fast.encode_removal_inputs(x, m), fast.decode, z_gpu, device,
-                                    args.repeats)
-        psnr = psnr_per_frame(vid.float().cpu(), video_ref)
-        mse = ((vid.float().cpu() - video_ref) / 2).pow(2).mean().item()
-        # round trip: this VAE's decode of its own latents of the masked video vs the reference's decode of its own
-        # (the decode-only PSNR above feeds both decoders the reference latents, so it does not see encoder error)
-        with torch.no_grad():
-            vid_rt = fast.decode(za).float().cpu()
-        mse_rt = ((vid_rt - video_ref) / 2).pow(2).mean().item()
-        psnr_rt = psnr_per_frame(vid_rt, video_ref)
-        vid_rt = None
-        r.update({
-            "roundtrip_psnr_db": round(10 * math.log10(1 / mse_rt), 3) if mse_rt > 0 else math.inf,
-            "roundtrip_psnr_min_frame_db": round(float(psnr_rt.min()), 3),
-            "pair_batch": fast.pair_fits(1, args.frames, args.height, args.width),
-            "encode_frames": fast.frames_per_step("encode", args.height, args.width),  # None: whole chunks
-            "decode_frames": fast.frames_per_step("decode", args.height, args.width),
-            "frames_setting": [args.encode_frames, args.decode_frames],
-            "fp8_convs": fast.fp8_convs,
-            "psnr_db": round(10 * math.log10(1 / mse), 3) if mse > 0 else math.inf,
-            "psnr_min_frame_db": round(float(psnr.min()), 3),
-            "latent_cos_masked": round(cosine(za.float().cpu(), za_ref), 7),
-            "latent_cos_mask": round(cosine(zb.float().cpu(), zb_ref), 7),
-            "latent_max_abs_diff": round(max((za.float().cpu() - za_ref).abs().max().item(),
-                                             (zb.float().cpu() - zb_ref).abs().max().item()), 5),
-            "speedup_vs_reference": round(r_ref["vae_total_s"] / r["vae_total_s"], 3),
-            "peak_ratio_vs_reference": _ratio(r["stage_peak_gib"], r_ref["stage_peak_gib"]),
-            "working_memory_ratio_vs_reference": _ratio(r["stage_peak_delta_gib"], r_ref["stage_peak_delta_gib"]),
-            "fuse_bias": fast.fuse_bias,
-            "pad_channels": fast.pad_channels,
-            "pad_encoder": fast.pad_encoder,
-            "fp8_precise_acc": fast.fp8_precise_acc,
-            "fp8_max_channels": fast.fp8_max_channels,
-            "fp8_encoder_max_channels": fast.fp8_encoder_max_channels,
-            "fp8_scales": fast.fp8_scales,
-            "upsample_conv": fast.upsample_conv,
-        })
-        if args.fuse_bias:
-            outs = tuple(t.cpu() for t in (za, zb, vid))
-            if v.get("fuse_bias"):
-                r["bit_exact_vs_unfused"] = all(torch.equal(a, b) for a, b in zip(outs, unfused))
-                r["speedup_vs_unfused"] = round(runs_unfused["vae_total_s"] / r["vae_total_s"], 4)
-            else:
-                unfused, runs_unfused = outs, r
-            outs = None
-        results["runs"].append(r)
-        fast = za = zb = vid = None
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    results["wall_s"] = round(time.time() - t_start, 1)
-
-    print(f"{results['gpu']}, {results['shape']}, {args.precision}, repeats {args.repeats}, wall {results['wall_s']} s")
-    print(f"{'run':<72}{'encode s':>9}{'decode s':>9}{'total s':>9}{'enc GiB':>9}{'dec GiB':>9}{'PSNR':>8}{'cos':>11}")
-    for r in results["runs"]:
-        pk = r["stage_peak_gib"]
-        extra = (f"{r['psnr_db']:>8.2f}{min(r['latent_cos_masked'], r['latent_cos_mask']):>11.7f}"
-                 if "psnr_db" in r else "")
-        print(f"{r['name']:<72}{r['vae_encode_s']:>9.3f}{r['vae_decode_s']:>9.3f}{r['vae_total_s']:>9.3f}"
-              f"{pk['vae_encode']:>9.2f}{pk['vae_decode']:>9.2f}{extra}")
-        if "bit_exact_vs_unfused" in r:
-            print(f"{'':<6}fuse_bias: bit-exact vs the run above: {r['bit_exact_vs_unfused']}, speedup "
-                  f"{r['speedup_vs_unfused']}x")
-        if "peak_ratio_vs_reference" in r:
-            print(f"{'':<6}peak ratio {r['peak_ratio_vs_reference']}, working-memory ratio "
-                  f"{r['working_memory_ratio_vs_reference']}, speedup {r['speedup_vs_reference']}x, batch-2 encode "
-                  f"{r['pair_batch']}, min-frame PSNR {r['psnr_min_frame_db']} dB, round-trip PSNR "
-                  f"{r['roundtrip_psnr_db']} dB (min frame {r['roundtrip_psnr_min_frame_db']})")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    if "--bench" not in sys.argv[1:]:
-        print("usage: python -m fastremover.fast.vae_fast --bench [--out PATH] [options; --help]")
-        sys.exit(2)
-    sys.exit(bench(sys.argv[1:]))

@@ -46,7 +46,8 @@ What it does not see: cuDNN workspaces, caching-allocator rounding and fragmenta
 mid-block attention runs at 1/64 of the pixels, between the full-resolution peaks); `choose_tiling` multiplies by
 `margin` (1.15) for those, and `gpu_check` reports the allocator's measured / modelled ratio. On the CPU, `WanVAE`'s
 conv3d adds layout copies (channels-last / per-tap): measured 1.24x (encode) and 1.16x (decode) the model at the tiny
-preset in fp32. A different implementation (fastremover.fast.vae_fast) has its own peak; this model is the eager one.
+preset in fp32. This model is the eager one; another implementation passes its own to `choose_tiling` /
+`estimate_tiled_bytes` (`call_bytes`: the fast VAE's `FastWanVAE.memory_bytes`; see fastremover.vae_api).
 Real config (base_dim 96), per full-resolution pixel, fp16: encode 9009 B (1404 cached + 8 * 384 working elements),
 decode 11720 B at 9 frames (2364.5 cached + 9 * 384 working + outputs). Untiled 81 x 1088 x 1920 therefore needs
 17.5 GiB to encode and 23.7 GiB to decode (1.0 GiB of it the output video), plus inputs and weights: 1080p needs tiles
@@ -365,12 +366,21 @@ class TilePlan:
         return self.grid[0] * self.grid[1]
 
 
+CallBytes = Callable[[str, int, int, int], int]  # (op, frames, height, width) -> peak bytes of one untiled call
+
+
 def estimate_tiled_bytes(
     op: str, frames: int, height: int, width: int, dtype: torch.dtype, config: WanVAEConfig | None,
-    tile: tuple[int, int], overlap: tuple[int, int],
+    tile: tuple[int, int], overlap: tuple[int, int], call_bytes: CallBytes | None = None,
 ) -> int:
-    """Modelled peak bytes of encode_tiled / decode_tiled: one tile's call + the full output + blend temporaries."""
+    """Modelled peak bytes of encode_tiled / decode_tiled: one tile's call + the full output + blend temporaries.
+
+    call_bytes: the memory model of one untiled call of the VAE that runs (`VideoVAE.memory_bytes`); default: the
+    eager WanVAE's (`estimate_call_bytes`)."""
     cfg = config or WanVAEConfig()
+    if call_bytes is None:
+        def call_bytes(o, f, h, w):
+            return estimate_call_bytes(o, f, h, w, dtype, cfg).total
     sc, tc = cfg.spatial_compression, cfg.temporal_compression
     lh, lw = height // sc, width // sc
     ty = axis_tiles(lh, tile[0] // sc, overlap[0] // sc)
@@ -378,9 +388,9 @@ def estimate_tiled_bytes(
     # the largest tile in pixels (the border tile of an encode also takes the leftover pixels)
     th = ty[0][1] * sc + (height - lh * sc if op == "encode" else 0)
     tw = tx[0][1] * sc + (width - lw * sc if op == "encode" else 0)
-    one = estimate_call_bytes(op, frames, th, tw, dtype, cfg).total
+    one = call_bytes(op, frames, th, tw)
     if len(ty) * len(tx) == 1:
-        return estimate_call_bytes(op, frames, height, width, dtype, cfg).total
+        return call_bytes(op, frames, height, width)
     es = torch.empty((), dtype=dtype).element_size()
     lat_frames = (frames - 1) // tc + 1
     if op == "encode":
@@ -439,6 +449,7 @@ def choose_tiling(
     margin: float = 1.15,
     max_tiles_per_axis: int = 32,
     batch: int = 1,
+    call_bytes: CallBytes | None = None,
 ) -> TilePlan | None:
     """None if the untiled call fits the budget, else the tiling with the least total tile area that fits.
 
@@ -446,7 +457,8 @@ def choose_tiling(
     budget_bytes: what the call may allocate beyond what is already allocated (inputs, weights); default
     `default_budget_bytes()`. A plan fits when margin * modelled peak <= budget. Tiles are multiples of `align` pixels
     (and of 8), overlaps max(min_overlap, overlap_fraction * tile) rounded up to 8 pixels. All bytes scale with
-    `batch` (the model is per video).
+    `batch` (the model is per video). call_bytes: the memory model of one untiled batch-1 call of the VAE that
+    runs (`VideoVAE.memory_bytes`; default: the eager WanVAE's, `estimate_call_bytes`).
     Raises FastRemoverError when even the smallest tiles do not fit.
     """
     cfg = config or WanVAEConfig()
@@ -458,10 +470,15 @@ def choose_tiling(
         if o not in ("encode", "decode"):
             raise ValueError(f"op must be 'encode', 'decode' or 'both', got {op!r}")
 
-    def cost(tile, overlap):
-        return batch * max(estimate_tiled_bytes(o, frames, height, width, dtype, cfg, tile, overlap) for o in ops)
+    if call_bytes is None:
+        def call_bytes(o, f, h, w):
+            return estimate_call_bytes(o, f, h, w, dtype, cfg).total
 
-    untiled = batch * max(estimate_call_bytes(o, frames, height, width, dtype, cfg).total for o in ops)
+    def cost(tile, overlap):
+        return batch * max(estimate_tiled_bytes(o, frames, height, width, dtype, cfg, tile, overlap, call_bytes)
+                           for o in ops)
+
+    untiled = batch * max(call_bytes(o, frames, height, width) for o in ops)
     if margin * untiled <= budget_bytes:
         return None
     lat = (height // sc, width // sc)
@@ -667,6 +684,14 @@ def gpu_check(
         previous = get_fraction(dev) if get_fraction is not None else 1.0
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
     try:
+        # fast=True: through the pipeline's fast VAE (exact/fast modes), tiles planned with its own memory model
+        runner, call_bytes = vae, None
+        if fast:
+            from fastremover.fast.vae_fast import FastWanVAE
+
+            runner = FastWanVAE(vae, device=dev, dtype=dtype)
+            call_bytes = runner.memory_bytes
+            result["vae"] = runner.describe()
         x = torch.rand(1, 3, frames, height, width, generator=g, device=dev, dtype=dtype).mul_(2).sub_(1)
         sync()
         reset_peak()
@@ -674,16 +699,8 @@ def gpu_check(
         budget = int(0.9 * (cap - allocated()))
         if cuda:
             budget = min(budget, default_budget_bytes(dev))
-        plan = choose_tiling(frames, height, width, dtype, budget, cfg, op="both")
+        plan = choose_tiling(frames, height, width, dtype, budget, cfg, op="both", call_bytes=call_bytes)
         t0 = time.perf_counter()
-        # fast=True: the same tiles through the pipeline's fast VAE (exact/fast modes); the plan stays the eager
-        # model's, which over-estimates the fast VAE's working set
-        runner = vae
-        if fast:
-            from fastremover.fast.vae_fast import FastWanVAE
-
-            runner = FastWanVAE(vae, device=dev, dtype=dtype)
-            result["vae"] = runner.describe()
         z = encode_auto(runner.encode, x, cfg, plan=plan) if plan else runner.encode(x)
         sync()
         t1 = time.perf_counter()

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from fastremover.errors import FastRemoverError
 from fastremover.models.config_types import check_config_types
+from fastremover.parallel.context import SINGLE
 
 
 ROPE_CACHE_SIZE = 16  # RoPE tables kept per model (one per latent grid the model has seen lately)
@@ -171,8 +172,18 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(variance + self.eps)).to(self.weight.dtype) * self.weight
 
 
+def sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch SDPA on [B, S, H, D] tensors -> [B, S, H, D] (a transposed view of SDPA's [B, H, S, D] output)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
 class SelfAttention(nn.Module):
-    """`attn1`: q/k/v projections with bias, RMSNorm of q and k across all heads, RoPE, SDPA, output projection."""
+    """`attn1`: q/k/v projections with bias, RMSNorm of q and k across all heads, RoPE, SDPA, output projection.
+
+    The attention runs through `parallel.attention` (fastremover.parallel.context: size 1 calls SDPA directly; under
+    sequence parallelism q/k/v hold this rank's tokens and it exchanges heads for tokens around the call)."""
+
+    parallel = SINGLE
 
     def __init__(self, dim: int, heads: int, eps: float):
         super().__init__()
@@ -189,8 +200,8 @@ class SelfAttention(nn.Module):
         k = self.norm_k(self.to_k(x)).unflatten(2, (self.heads, -1))
         v = self.to_v(x).unflatten(2, (self.heads, -1))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.to_out[0](out.transpose(1, 2).flatten(2))
+        out = self.parallel.attention(sdpa_bshd, q, k, v)  # [B, S, H, D]
+        return self.to_out[0](out.flatten(2))
 
 
 class GeluProj(nn.Module):
@@ -271,6 +282,8 @@ class ConditionEmbedder(nn.Module):
 class RemoverTransformer(nn.Module):
     # Parameters upstream keeps in fp32 when the model is loaded in fp16 (diffusers `_keep_in_fp32_modules`).
     keep_fp32 = ("time_embedder", "scale_shift_table")
+    # the sequence-parallel context (fastremover.parallel.context.set_parallel); size 1: one process, no collectives
+    parallel = SINGLE
 
     def __init__(self, config: RemoverTransformerConfig):
         super().__init__()
@@ -326,9 +339,12 @@ class RemoverTransformer(nn.Module):
         grid = self.post_patch_grid(hidden_states.shape)
         rope = self.rope(grid, hidden_states.device)
         x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2)
+        # sequence parallel: this rank's tokens (and their RoPE rows) from here to proj_out; size 1: unchanged
+        x, rope = self.parallel.shard_tokens(x), self.parallel.shard_rope(rope)
         temb, timestep_proj = self.condition_embedder(timestep)
         for block in self.blocks:
             x = block(x, timestep_proj, rope)
         shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = (layer_norm_fp32(x, self.config.eps) * (1 + scale) + shift).to(x.dtype)
-        return self.unpatchify(self.proj_out(x), grid)
+        out = self.parallel.gather_tokens(self.proj_out(x), math.prod(grid))  # every rank: all tokens' predictions
+        return self.unpatchify(out, grid)

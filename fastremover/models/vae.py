@@ -29,7 +29,7 @@ temporal tap on channels-last frames instead (10-15x faster per conv at 8-16 cha
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -590,8 +590,28 @@ class WanVAE(nn.Module):
     def decode(self, z: torch.Tensor, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         """Latents [B, z_dim, T, h, w] -> video [B, out_channels, 1 + 4(T-1), 8h, 8w], clamped to [-1, 1].
 
-        One latent frame at a time, as diffusers. The output is allocated once, after the first frame shows its
-        shape, and each chunk is written into it (no list of chunks to concatenate). progress(done, total) per frame.
+        One latent frame at a time, as diffusers (`decode_iter`'s chunks). The output is allocated once, after the
+        first frame shows its shape, and each chunk is written into it (no list of chunks to concatenate).
+        progress(done, total) per latent frame.
+        """
+        out = None
+        frame = 0
+        for chunk in self.decode_iter(z, progress):
+            if out is None:
+                total = 1 + (z.shape[2] - 1) * self.config.temporal_compression
+                out = chunk.new_empty(chunk.shape[0], chunk.shape[1], total, *chunk.shape[3:]).contiguous()
+            out[:, :, frame : frame + chunk.shape[2]] = chunk
+            frame += chunk.shape[2]
+        assert frame == out.shape[2], (frame, out.shape)
+        return out
+
+    @torch.no_grad()
+    def decode_iter(
+        self, z: torch.Tensor, progress: Callable[[int, int], None] | None = None
+    ) -> Iterator[torch.Tensor]:
+        """`decode` chunk by chunk: yields the clamped pixels of each latent frame as soon as it is decoded
+        ([B, out_channels, 1, 8h, 8w] for latent frame 0, then 4 frames each), the causal cache carried between
+        them. The chunks concatenated are `decode(z)` bit for bit. progress(done, total) after each latent frame.
         """
         if z.ndim != 5 or z.shape[1] != self.config.z_dim:
             raise ValueError(f"decode expects [B, {self.config.z_dim}, T, h, w], got {list(z.shape)}")
@@ -599,16 +619,7 @@ class WanVAE(nn.Module):
             raise ValueError("decode needs at least one latent frame")
         z = self.post_quant_conv(z)
         cache = CausalCache()
-        out = None
-        frame = 0
         for i in range(z.shape[2]):
-            chunk = self.decoder(z[:, :, i : i + 1], cache).clamp_(-1.0, 1.0)
-            if out is None:
-                total = 1 + (z.shape[2] - 1) * self.config.temporal_compression
-                out = chunk.new_empty(chunk.shape[0], chunk.shape[1], total, *chunk.shape[3:]).contiguous()
-            out[:, :, frame : frame + chunk.shape[2]] = chunk
-            frame += chunk.shape[2]
+            yield self.decoder(z[:, :, i : i + 1], cache).clamp_(-1.0, 1.0)
             if progress:
                 progress(i + 1, z.shape[2])
-        assert frame == out.shape[2], (frame, out.shape)
-        return out

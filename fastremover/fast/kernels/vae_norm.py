@@ -17,7 +17,7 @@ precise=False (the default, and the fast VAE's) replaces the two per-element IEE
 ALU-bound, not memory-bound - by a reciprocal per pixel row and Triton's fast sigmoid (H200, [1, 96, 2, 480, 832] fp16:
 0.113 ms per call in the experiment's copy of the kernel, 0.125 ms through this wrapper, vs 0.565 ms for the 4-warp
 precise kernel shipped before and 0.42-0.47 ms for precise=True at 8 warps; a copy takes 0.079 ms:
-bench/experiments/vae_norm_variants.py, bench/results/vae-norm-variants-*.json. The wrapper's timings at the smaller
+experiments/vae_norm_variants.py, bench/results/vae-norm-variants-*.json. The wrapper's timings at the smaller
 deep-level shapes include its Python launch overhead, which the back-to-back timing loop does not hide).
 
 Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-ftz libdevice, see _common.py):

@@ -1,5 +1,5 @@
 """`flashattn3-fp8` (alias `fp8-flash3`): FlashAttention-3's own Hopper FP8 forward kernel
-(fastremover/fast/flash3_attention.py; built from source by bench/build_flash3.sh). K and V centred; bf16 (o - c) out;
+(fastremover/fast/flash3_attention.py; built from source by tools/build_flash3.sh). K and V centred; bf16 (o - c) out;
 the transformer may split the partial last wave of its 128-row query tiles into a second call."""
 
 from __future__ import annotations

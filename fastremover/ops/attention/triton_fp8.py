@@ -3,8 +3,7 @@ quantizing q/k/v itself (K centred); the fast mode's fallback where cuDNN's FP8 
 
 from __future__ import annotations
 
-import os
-
+from fastremover.config import kernel_tuning
 from fastremover.ops.attention.quantize import add_v_mean, needs_cuda, quantize_qkv
 from fastremover.ops.attention.registry import AttentionBackend, register
 
@@ -15,7 +14,7 @@ def fp8_triton(q, k, v, *, smooth_k: bool = True, smooth_v: bool = False):
     q8, k8, v8, sq, sk, sv, *v_mean = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
     # One pinned kernel config, not the autotuner's pick: configs differ in key-block size, which changes where P is
     # quantized, so a timing-based choice could change output bits from one process to the next.
-    config = os.environ.get("FASTREMOVER_FP8_ATTN_CONFIG", "").strip() or AUTOTUNE_CONFIGS[0]
+    config = kernel_tuning().fp8_attention_config or AUTOTUNE_CONFIGS[0]  # FASTREMOVER_FP8_ATTN_CONFIG
     o = attention_fp8(q8, k8, v8, sq, sk, sv, out_dtype=q.dtype, config=config)
     return add_v_mean(o, v_mean[0] if v_mean else None)
 

@@ -1,0 +1,3 @@
+from fastremover.cli import main
+
+raise SystemExit(main())

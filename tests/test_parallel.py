@@ -1,0 +1,394 @@
+"""Sequence-parallel denoise (Ulysses), the parallel VAE and the parallel run's error rules, on gloo with 2 and 3 CPU
+processes (fastremover.parallel). Every multi-process check runs inside one launch per world size (`_rank_checks`,
+forked from a forkserver: starting processes is the slow part on a small machine); each launch has a deadline, and
+every collective a timeout, so a bug fails the test instead of hanging it.
+
+The transformer checks use a test-only config with 6 heads (the tiny preset has 2, which 3 does not divide)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastremover.errors import FastRemoverError
+from fastremover.parallel import transport
+from fastremover.parallel.context import SINGLE, ParallelContext, ParallelError, check_heads, set_parallel, split_sizes
+from fastremover.parallel.launch import remove_rank, run_remove, spawn
+
+import attention_fakes
+
+SPAWN_TIMEOUT_S = 150  # a whole launch (start, model builds, every check)
+COLLECTIVE_TIMEOUT_S = 30  # one collective
+# the failure runs: a rank stopping through a collective's timeout would take longer than this after its start-up,
+# a prompt stop takes its start-up plus well under a second
+FAILURE_TIMEOUT_S = 60
+
+
+def _cfg():
+    from fastremover.models.transformer import RemoverTransformerConfig
+
+    return RemoverTransformerConfig(num_attention_heads=6, attention_head_dim=8, ffn_dim=32, num_layers=2, freq_dim=32)
+
+
+def _model(seed=3):
+    from fastremover.models.loading import random_init_
+    from fastremover.models.transformer import RemoverTransformer
+
+    return random_init_(RemoverTransformer(_cfg()), seed).eval().to_inference_dtype(torch.float32)
+
+
+def _latents(shape, seed=1, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) + offset for _ in range(3)]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What each rank runs (module-level: the launched processes import it by name)
+
+# token counts 15 and 16: uneven over 2 ranks (8 + 7) and over 3 ranks (6 + 5 + 5) respectively
+SHAPES = ((1, 16, 1, 6, 10), (1, 16, 1, 8, 8))
+STEPS = 2
+
+
+def _denoise_pair(ctx, denoiser, target, inputs, **ctx_fields):
+    """(single-process latents, parallel latents) of one denoiser on the same inputs, in this process."""
+    set_parallel(target, SINGLE)
+    ref = denoiser(*inputs, STEPS)
+    par_ctx = ParallelContext(**{**ctx.__dict__, **ctx_fields})
+    set_parallel(target, par_ctx)
+    try:
+        got = denoiser(*inputs, STEPS)
+    finally:
+        set_parallel(target, SINGLE)
+    return ref, got
+
+
+def _rank_checks(ctx):
+    from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
+    from fastremover.fast.transformer_fast import FastTransformer
+    from fastremover.models.loading import random_init_
+    from fastremover.models.vae import WanVAE, WanVAEConfig
+    from fastremover.parallel.vae import RowParallelDecoder, encode_pair
+    from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG as SCHED
+
+    out = {}
+    model = _model()
+    eager = EagerDenoiser(model, SCHED)
+    exact = FastDenoiser(FastTransformer(model, use_triton=False), SCHED, cuda_graphs=False)
+    heads_per_rank = 6 // ctx.world_size
+    for i, shape in enumerate(SHAPES):
+        inputs = _latents(shape)
+        out[f"eager{i}"] = _denoise_pair(ctx, eager, model, inputs)
+        # the head-group pipelined exchange: every head its own group
+        out[f"exact_groups{i}"] = _denoise_pair(ctx, exact, exact.fast, inputs, head_groups=heads_per_rank)
+    inputs = _latents(SHAPES[0])
+    out["eager_fp8_transport"] = _denoise_pair(ctx, eager, model, inputs, transport="fp8")
+    # the fast mode's 8-bit attention path (cuDNN's contract faked by its dequantized math): K's centre and V's
+    # statistics all-reduced, the e4m3 codes themselves on the wire
+    with attention_fakes.registered("test-cudnn-like", codes_call=attention_fakes.fake_cudnn_codes,
+                                    output="fp8-codes"):
+        fp8 = FastDenoiser(FastTransformer(model, fp8=True, use_triton=False, attention="test-cudnn-like"), SCHED,
+                           cuda_graphs=False)
+    out["fp8_attention"] = _denoise_pair(ctx, fp8, fp8.fast, inputs)
+    # the raw exchange: identity "attention" (returns v) on e4m3 codes must give back exactly what went in
+    b, s_r, h, d = 1, ctx.token_range(13)[1] - ctx.token_range(13)[0], 6, 8
+    ctx.sequence_total = 13
+    codes = (torch.randn(b, s_r, h, d, generator=torch.Generator().manual_seed(ctx.rank)) * 8).to(torch.float8_e4m3fn)
+    back = ctx.attention(lambda q, k, v: v, codes.clone(), codes.clone(), codes)
+    out["codes_round_trip"] = back.dtype == codes.dtype and torch.equal(back.view(torch.uint8), codes.view(torch.uint8))
+    # start-up fingerprints: a rank that sees something else is named
+    try:
+        ctx.barrier_same("inputs", {"clip": "a.mp4" if ctx.rank != ctx.world_size - 1 else "b.mp4"})
+        out["fingerprint"] = None
+    except FastRemoverError as e:
+        out["fingerprint"] = str(e)
+
+    # the VAE: 40 x 24 pixels -> 5 x 3 latent rows, uneven over 2 (3 + 2) and 3 ranks (2 + 2 + 1)
+    vae = random_init_(WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1)), 5).eval()
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(1, 16, 2, 5, 3, generator=g)
+    with torch.no_grad():
+        serial = vae.decode(z) if ctx.is_root else None
+    par = RowParallelDecoder(ctx, vae).decode(z)
+    out["decode"] = (serial, par) if ctx.is_root else par is None
+    video = torch.rand(1, 3, 5, 40, 24, generator=g) * 2 - 1
+    mask = (torch.rand(1, 3, 5, 40, 24, generator=g) > 0.5).float()
+    first, second = video * (1 - mask), 2 * mask - 1.0
+    pair = encode_pair(ctx, vae, first if ctx.rank == 0 else None, second if ctx.rank == 1 else None)
+    if ctx.is_root:
+        out["encode"] = (pair, (vae.encode(first), vae.encode(second)))
+    else:
+        out["encode"] = pair is None
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def ranks(request):
+    """Every rank's results of `_rank_checks`, one launch per world size."""
+    t = time.monotonic()
+    results = spawn(_rank_checks, request.param, threads=1, timeout_s=SPAWN_TIMEOUT_S,
+                    collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    print(f"{request.param} ranks: {time.monotonic() - t:.1f} s")
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sequence-parallel denoise
+
+
+@pytest.mark.parametrize("i", range(len(SHAPES)), ids=["15-tokens", "16-tokens"])
+def test_sequence_parallel_denoise_equals_one_process(ranks, i):
+    """Eager module and fast transformer (exact mode, eager ops, head groups pipelined), every rank: the latents
+    after the denoise loop are torch.equal to one process's. Exact because each token's adaLN / norm / GEMM row and
+    each head's attention is the same computation (the CPU kernels do not depend on the row or head count here: at
+    least 4 token rows per rank - with 3 or fewer the CPU BLAS takes another GEMM kernel, whose rows differ in the
+    last bit) and the flow prediction is gathered, not reduced."""
+    for rank, res in enumerate(ranks):
+        for name in (f"eager{i}", f"exact_groups{i}"):
+            ref, got = res[name]
+            assert torch.equal(ref, got), (rank, name, rel_err(got, ref))
+
+
+def test_fp8_transport_denoise_within_tolerance(ranks):
+    """--sp-transport fp8 (q/k/v as e4m3 + a scale per (row, head) on the wire, 16-bit attention): the latents after
+    2 steps within 1e-2 (max relative error; 1.8e-3 seen) of the exact run, and not equal to it (the lossy path
+    ran). Each q/k/v element moves by at most 2^-4 of itself (transport.py); the same for any number of ranks, since
+    the quantization is per (row, head)."""
+    for rank, res in enumerate(ranks):
+        ref, got = res["eager_fp8_transport"]
+        err = rel_err(got, ref)
+        print(f"rank {rank} of {len(ranks)}: fp8 transport max rel. error {err:.2e}")
+        assert 0 < err <= 1e-2, (rank, err)
+
+
+def test_fp8_attention_path_within_tolerance(ranks):
+    """The fast mode's 8-bit attention under Ulysses (codes on the wire; K's centre and V's mean / amax
+    all-reduced): within 1e-4 of the single-process fp8 run (1.4e-7 seen). Not equal by construction: the sequence
+    means are summed per rank and then across ranks (another order than torch.mean), so the centre and scale differ
+    in the last bits (a V code at a rounding tie could move by one step). A rank using its own statistics instead
+    would centre and scale the V rows of different ranks differently: far outside this bound."""
+    for rank, res in enumerate(ranks):
+        ref, got = res["fp8_attention"]
+        print(f"rank {rank} of {len(ranks)}: 8-bit attention path max rel. error {rel_err(got, ref):.2e}")
+        assert rel_err(got, ref) <= 1e-4, (rank, rel_err(got, ref))
+
+
+def test_ulysses_exchange_round_trips_codes_exactly(ranks):
+    """e4m3 codes (the fast mode's q/k/v) through the all-to-all and back, 13 tokens over 2 / 3 ranks: bit-exact."""
+    assert all(res["codes_round_trip"] for res in ranks)
+
+
+def test_startup_fingerprint_mismatch_is_named(ranks):
+    n = len(ranks)
+    for res in ranks:
+        assert res["fingerprint"] is not None and f"ranks [{n - 1}]" in res["fingerprint"], res["fingerprint"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parallel VAE
+
+
+def test_parallel_decode_matches_serial(ranks):
+    """Rows split over the ranks (uneven), halos before every spatial conv, the middle attention on the gathered
+    frame: the video gathered on rank 0 is within 1e-5 (max relative difference) of WanVAE.decode, and torch.equal
+    to it up to the first level whose RMS norm differs. Why not torch.equal everywhere: the eager RMS norm sums
+    squares over the channel dim of an NCDHW tensor, and ATen's CPU sum groups those additions differently for
+    different plane sizes (h * w), so a slab's channel sums can differ from the whole frame's in the last bit
+    (tests/test_parallel.py::test_channel_sum_depends_on_the_plane_size shows it on plain tensors); the convs
+    themselves (the kernel chosen as one process chooses it) and the gathered attention are exact."""
+    serial, par = ranks[0]["decode"]
+    assert par.shape == serial.shape
+    print(f"{len(ranks)} ranks: decode max rel. difference {rel_err(par, serial):.2e}")
+    assert rel_err(par, serial) <= 1e-5, rel_err(par, serial)
+    assert all(res["decode"] is True for res in ranks[1:])
+
+
+def test_channel_sum_depends_on_the_plane_size():
+    """The one inexact op of the row-split decode (see above): per-pixel channel sums of the same values, over a
+    whole [1, 16, 1, 20, 12] frame and over its first 11 rows, are not all bit-equal on the CPU."""
+    torch.set_num_threads(1)
+    x = torch.randn(1, 16, 1, 20, 12, generator=torch.Generator().manual_seed(0))
+    full = x.square().sum(1, keepdim=True)[..., :11, :]
+    slab = x[..., :11, :].contiguous().square().sum(1, keepdim=True)
+    assert not torch.equal(full, slab) and torch.allclose(full, slab, rtol=1e-6, atol=0)
+
+
+def test_parallel_encode_pair_equals_serial(ranks):
+    """The masked video on rank 0 and the mask video on rank 1, at once: both latents torch.equal to serial encodes
+    (the same module on the same input)."""
+    (a, b), (ea, eb) = ranks[0]["encode"]
+    assert torch.equal(a, ea) and torch.equal(b, eb)
+    assert all(res["encode"] is True for res in ranks[1:])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Without processes
+
+
+def test_fp8_transport_round_trip_within_e4m3_bound():
+    """pack_fp8 / unpack_fp8 per (row, head): every element within 2^-4 |x| + 2^-10 scale (transport.py), rows with
+    a wide dynamic range and all-zero rows included; the bound is not vacuous (some element is off by > 1/4 of it)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 6, 16, generator=g) * torch.logspace(-4, 3, 16)[torch.randperm(16, generator=g)]
+    x[0, 0, 0] = 0.0
+    packed = transport.pack_fp8(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 7, 6, 20)
+    back = transport.unpack_fp8(packed, torch.float32)
+    err, bound = (back - x).abs(), transport.fp8_round_trip_bound(x)
+    assert bool((err <= bound).all()), (err / bound).max()
+    assert (err / bound).max() > 0.25
+    assert torch.equal(back[0, 0, 0], torch.zeros(16))
+    # scales: amax / 448 per (row, head)
+    scale = packed[..., 16:].contiguous().view(torch.float32)
+    assert torch.equal(scale, x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / torch.tensor(448.0))
+
+
+def test_degree_must_divide_heads():
+    check_heads(12, 4)
+    with pytest.raises(FastRemoverError, match=r"divisible by 5; this model has 12 attention heads \(usable degrees: "
+                                               r"\[2, 3, 4, 6, 12\]\)"):
+        check_heads(12, 5)
+    # the attention hook refuses before any communication (this context has no process group)
+    ctx = ParallelContext(rank=0, world_size=3, sequence_total=6)
+    q = torch.zeros(1, 2, 2, 8)
+    with pytest.raises(FastRemoverError, match="divisible by 3; this model has 2 attention heads"):
+        ctx.attention(lambda q, k, v: q, q, q, q)
+
+
+def test_parallel_flags_are_checked_before_anything_loads():
+    from fastremover.parallel.options import check_parallel_flags
+
+    check_parallel_flags("ulysses", 2, "fp8", 3, 60.0)
+    check_parallel_flags()  # the defaults: one process
+    for kwargs, words in (({"parallel": "ring"}, "--parallel 'ring'"), ({"parallel": "ulysses", "gpus": 0}, "--gpus 0"),
+                          ({"parallel": "ulysses", "transport": "int8"}, "--sp-transport 'int8'"),
+                          ({"parallel": "ulysses", "head_groups": 0}, "--sp-head-groups 0"),
+                          ({"parallel": "ulysses", "timeout_s": -1}, "--parallel-timeout -1"),
+                          ({"gpus": 2}, "need --parallel ulysses")):
+        with pytest.raises(FastRemoverError, match=words.replace("(", r"\(")):
+            check_parallel_flags(**kwargs)
+
+
+def test_size_one_context_changes_nothing():
+    """The default context (what every model holds): the hooks return their inputs / call the attention directly."""
+    x = torch.randn(1, 5, 4)
+    assert SINGLE.shard_tokens(x) is x and SINGLE.gather_tokens(x, 5) is x
+    rope = (torch.randn(5, 2), torch.randn(5, 2))
+    assert SINGLE.shard_rope(rope) is rope
+    assert SINGLE.attention(lambda q, k, v: "called", x, x, x) == "called"
+    y = torch.randn(2, 5, 3)
+    assert torch.equal(SINGLE.sequence_mean(y), torch.mean(y, dim=1, dtype=torch.float32))
+    assert split_sizes(7, 3) == [3, 2, 2]
+    with pytest.raises(FastRemoverError, match="--sp-transport 'int4'"):
+        ParallelContext(transport="int4")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A whole removal, and its failures
+
+
+def _clip(tmp: Path) -> tuple[str, str]:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, (5, 32, 48, 3), dtype=np.uint8)
+    mask = np.zeros_like(frames)
+    mask[:, 8:20, 10:30] = 255
+    for name, arr in (("in", frames), ("mask", mask)):
+        (tmp / name).mkdir()
+        for i, f in enumerate(arr):
+            Image.fromarray(f).save(tmp / name / f"{i:04d}.png")
+    return str(tmp / "in"), str(tmp / "mask")
+
+
+def _build_failing_on_rank1(spec):
+    """A pipeline whose transformer raises on rank 1 (the others run normally)."""
+    import torch.distributed as dist
+
+    from fastremover.parallel.launch import build_pipeline
+
+    pipe = build_pipeline(spec)
+    if dist.get_rank() == 1:
+        def boom(*args, **kwargs):
+            raise ValueError("injected failure in the transformer")
+
+        pipe.models.transformer.forward = boom
+    return pipe
+
+
+def test_parallel_remove_matches_serial_and_failures_stop_every_rank(tmp_path):
+    """Tiny preset, 2 ranks (eager mode: the denoise under Ulysses, encodes on two ranks, decode by rows; through
+    run_remove, what `remove --parallel ulysses --gpus 2` calls): the output frames match a one-process run's (at
+    most one uint8 step apart, almost all equal). Then a rank that raises mid-run: every rank stops within the
+    collective timeout (start-up included) with one message naming rank 1 and its error, and no output (not even a
+    temporary file) is left. Then rank 0 failing its input check: the other rank stops with the same message."""
+    from PIL import Image
+
+    from fastremover.options import RunOptions
+    from fastremover.worker import Job, ModelSpec, RemovalWorker
+
+    video, mask = _clip(tmp_path)
+    spec = ModelSpec(model="random", preset="tiny", device="cpu", mode="eager")
+    opts = RunOptions(steps=2, seed=1)
+    RemovalWorker(spec).run(Job(video, mask, str(tmp_path / "serial") + "/", options=opts))  # one process
+    # what `remove --parallel ulysses --gpus 2 --device cpu` calls
+    par = run_remove(spec, Job(video, mask, str(tmp_path / "par") + "/", options=opts), gpus=2,
+                     timeout_s=COLLECTIVE_TIMEOUT_S)
+    assert par.describe["world_size"] == 2 and par.describe["parallel"] == "ulysses"
+    # uint8 frames: the denoise is exact, the decode within 1e-5 (test_parallel_decode_matches_serial), so a pixel
+    # may round to the other side of a step
+    a, b = (np.stack([np.asarray(Image.open(p)) for p in sorted(Path(d).glob("*.png"))]).astype(int)
+            for d in (tmp_path / "serial", tmp_path / "par"))
+    assert a.shape == b.shape == (5, 32, 48, 3) and np.abs(a - b).max() <= 1 and (a != b).mean() < 1e-3
+
+    before = sorted(os.listdir(tmp_path))
+    t = time.monotonic()
+    with pytest.raises(ParallelError, match="rank 1 failed: ValueError: injected failure in the transformer"):
+        spawn(remove_rank, 2, (spec, Job(video, mask, str(tmp_path / "broken") + "/", options=opts), None,
+                               _build_failing_on_rank1),
+              threads=1, timeout_s=SPAWN_TIMEOUT_S, collective_timeout_s=FAILURE_TIMEOUT_S)
+    assert time.monotonic() - t < FAILURE_TIMEOUT_S
+    assert sorted(os.listdir(tmp_path)) == before  # no output, no temporary file
+
+    with pytest.raises(ParallelError, match="rank 0: .*missing.mp4"):
+        spawn(remove_rank, 2, (spec, Job(str(tmp_path / "missing.mp4"), mask, str(tmp_path / "x") + "/",
+                                         options=opts)),
+              threads=1, timeout_s=SPAWN_TIMEOUT_S, collective_timeout_s=FAILURE_TIMEOUT_S)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU (unrun here)
+
+
+def _nccl_checks(ctx):
+    """NCCL: Ulysses exact-mode denoise on the GPUs equals one GPU's at a real head count (12 heads)."""
+    from fastremover.fast.denoise import FastDenoiser
+    from fastremover.fast.transformer_fast import FastTransformer
+    from fastremover.models.loading import random_init_
+    from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
+    from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG as SCHED
+
+    cfg = RemoverTransformerConfig(num_layers=2)
+    model = random_init_(RemoverTransformer(cfg), 0).eval().to(ctx.device).to_inference_dtype(torch.float16)
+    den = FastDenoiser(FastTransformer(model), SCHED, cuda_graphs=False)
+    inputs = [t.to(ctx.device, torch.float16) for t in _latents((1, 16, 3, 30, 52))]
+    ref, got = _denoise_pair(ctx, den, den.fast, inputs)
+    return rel_err(got, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_sequence_parallel_denoise():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    errs = spawn(_nccl_checks, 2, device="cuda", timeout_s=600, collective_timeout_s=120)
+    assert max(errs) <= 1e-2, errs
