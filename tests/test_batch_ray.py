@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-import ray  # the dev extra installs it (the cluster extra for users)
+ray = pytest.importorskip("ray", reason="Ray is not installed (the dev extra installs it; the cluster extra for users)")
 
 from fastremover.batch.cli import EXIT_CLIPS_FAILED, main as batch_main
 from fastremover.worker import Job, ModelSpec, RemovalWorker

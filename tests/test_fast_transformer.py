@@ -514,7 +514,12 @@ def test_gpu_fast_mode_defaults_to_the_fastest_fp8_attention():
     assert resolve_attention("auto", "fast", dev) == (fast_default, [])
     # FlashInfer's FA3 when installed
     exact_default = "flashinfer-fa3" if unavailable_reason("flashinfer-fa3", dev) is None else "sdpa"
-    assert resolve_attention("auto", "exact", dev) == (exact_default, [])
+    backend, notes = resolve_attention("auto", "exact", dev)
+    assert backend == exact_default
+    if exact_default == "flashinfer-fa3":
+        assert notes == []
+    else:  # the faster kernel is not installed: one note says so and how to get it
+        assert len(notes) == 1 and "flashinfer-fa3" in notes[0] and "pip install flashinfer-python" in notes[0], notes
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -411,7 +411,7 @@ def test_bench_reports_the_streamed_write_as_overlapped(tmp_path):
     inputs = harness.BenchInputs("tiny", video.frames, mask, 24.0)
     pipe = RemovalPipeline.from_model("classic")
     row = harness.streamed_write(pipe, inputs, RunOptions(window=9, overlap=2), str(tmp_path))
-    assert row["identical"] is True
+    assert row["identical"] is True and row["frames_identical"] is True
     assert row["write_exposed_s"] >= 0 and row["write_overlapped_s"] >= 0 and row["total_s"] > 0
     text = harness.format_table([{**_table_row(), "streamed": row}])
     assert "write exposed" in text and "overlapped" in text

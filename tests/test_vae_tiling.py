@@ -358,8 +358,9 @@ def test_gpu_check_plumbing_on_cpu():
 def test_gpu_1080p_encode_decode_under_24_gib(fast):
     result = vt.gpu_check(81, 1088, 1920, cap_gib=24.0, fast=fast)
     print(json.dumps(result))
-    assert result["peak_reserved_gib"] <= 24.0
-    assert result["tiles"] >= 2
+    assert result["peak_reserved_gib"] <= 24.0  # the plan's promise, whichever VAE plans it
+    if not fast:  # the eager VAE's memory model needs tiles at 1080p under 24 GiB; the fast VAE plans with its own
+        assert result["tiles"] >= 2  # (VideoVAE.memory_bytes), which fits the whole frame there (one tile)
     assert result["latent_shape"] == [1, 16, 21, 136, 240]
     assert result["video_shape"] == [1, 3, 81, 1088, 1920]
     assert result["finite"]

@@ -56,8 +56,6 @@ under a 24 GiB cap.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import time
@@ -728,26 +726,3 @@ def gpu_check(
             torch.cuda.set_per_process_memory_fraction(previous, dev)
             torch.cuda.empty_cache()
     return result
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Tiled Wan VAE: 1080p memory-capped GPU check")
-    p.add_argument("--gpu-check", action="store_true", help="encode + decode 81x1088x1920 under a 24 GiB cap")
-    p.add_argument("--fast", action="store_true", help="run the capped encode/decode through the fast VAE")
-    p.add_argument("--frames", type=int, default=81)
-    p.add_argument("--height", type=int, default=1088)
-    p.add_argument("--width", type=int, default=1920)
-    p.add_argument("--cap-gib", type=float, default=24.0)
-    args = p.parse_args(argv)
-    if not args.gpu_check:
-        p.print_help()
-        return 2
-    if not torch.cuda.is_available():
-        print(json.dumps({"error": "no CUDA device"}))
-        return 1
-    print(json.dumps(gpu_check(args.frames, args.height, args.width, args.cap_gib, fast=args.fast)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
