@@ -38,8 +38,7 @@ import triton.language as tl
 from fastremover.fast import h3_nvfp4 as h3ref
 from fastremover.fast import nvfp4 as ref
 from fastremover.fast.kernels._common import interpreting, launch_options, load_f32, mul_rn, round_through, round_to
-from fastremover.fast.kernels._common import f32_to_fp8e4m3_rne
-from fastremover.fast.kernels.nvfp4 import R6_EXACT, e2m1_rn_satfinite, e4m3_bits_to_f32, rcp_f32, swizzled_offsets
+from fastremover.fast.kernels.nvfp4 import nvfp4_tile, swizzled_offsets
 
 try:  # the GPU exponential (CUDA's expf); absent in CPU-only builds of Triton
     from triton.language.extra.cuda import libdevice
@@ -67,30 +66,6 @@ def bf16_rn(v, INTERPRET: tl.constexpr):
         out = tl.inline_asm_elementwise("{ .reg .b16 t; cvt.rn.bf16.f32 t, $1; mov.b32 $0, {0, t}; }", "=r,r", [v],
                                         dtype=tl.float32, is_pure=True, pack=1)
     return out
-
-
-@triton.jit
-def nvfp4_tile(x, g, R: tl.constexpr, N: tl.constexpr, APPROX: tl.constexpr, INTERPRET: tl.constexpr):
-    """NVFP4 of an fp32 [R, N] tile (N % 16 == 0) with global scale g: (packed uint8 [R, N/2], scale bits uint8
-    [R, N/16]); rounding points (1)-(10) of nvfp4.py, as kernels/nvfp4._quantize_kernel."""
-    xb = tl.reshape(x, (R, N // 16, 16))
-    a = tl.abs(xb)
-    isnan = a != a
-    amax = tl.max(tl.where(isnan, 0.0, a), axis=2)
-    amax = tl.where(tl.sum(isnan.to(tl.int32), axis=2) == 16, float("nan"), amax)
-    if APPROX:
-        r6 = rcp_f32(tl.full(amax.shape, 6.0, tl.float32), APPROX)
-    else:
-        r6 = tl.full(amax.shape, R6_EXACT, tl.float32)
-    s = mul_rn(tl.broadcast_to(g, amax.shape), mul_rn(amax, r6, INTERPRET), INTERPRET)
-    sf_bits = f32_to_fp8e4m3_rne(s, INTERPRET).to(tl.uint8, bitcast=True)
-    rg = rcp_f32(tl.broadcast_to(g, amax.shape), APPROX)
-    p = mul_rn(e4m3_bits_to_f32(sf_bits, INTERPRET), rg, INTERPRET)
-    out_scale = tl.where(amax != 0, rcp_f32(p, APPROX), 0.0)
-    y = mul_rn(xb, tl.broadcast_to(out_scale[:, :, None], xb.shape), INTERPRET)
-    codes = tl.reshape(e2m1_rn_satfinite(y), (R, N // 2, 2))
-    lo, hi = tl.split(codes)
-    return (lo | (hi << 4)).to(tl.uint8), sf_bits
 
 
 @triton.jit

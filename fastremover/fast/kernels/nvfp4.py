@@ -133,6 +133,32 @@ def scales_tile(SF, rows, cols16, mask, CPAD, ROWS: tl.constexpr, COLS: tl.const
     return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, COLS // 16, 16)), (ROWS, COLS))
 
 
+@triton.jit
+def nvfp4_tile(x, g, R: tl.constexpr, N: tl.constexpr, APPROX: tl.constexpr, INTERPRET: tl.constexpr):
+    """NVFP4 of an fp32 [R, N] tile (N % 16 == 0) with global scale g: (packed uint8 [R, N/2], scale bits uint8
+    [R, N/16]); the rounding points (1)-(10) of fast/nvfp4.py: (1) amax skipping NaNs (NaN only when all 16 are),
+    (2)-(8) the e4m3 block scale and the output scale, (9)-(10) the scaled elements to e2m1, two per byte."""
+    xb = tl.reshape(x, (R, N // 16, 16))
+    a = tl.abs(xb)
+    isnan = a != a
+    amax = tl.max(tl.where(isnan, 0.0, a), axis=2)
+    amax = tl.where(tl.sum(isnan.to(tl.int32), axis=2) == 16, float("nan"), amax)
+    if APPROX:
+        r6 = rcp_f32(tl.full(amax.shape, 6.0, tl.float32), APPROX)
+    else:
+        r6 = tl.full(amax.shape, R6_EXACT, tl.float32)
+    s = mul_rn(tl.broadcast_to(g, amax.shape), mul_rn(amax, r6, INTERPRET), INTERPRET)
+    sf_bits = f32_to_fp8e4m3_rne(s, INTERPRET).to(tl.uint8, bitcast=True)
+    rg = rcp_f32(tl.broadcast_to(g, amax.shape), APPROX)
+    p = mul_rn(e4m3_bits_to_f32(sf_bits, INTERPRET), rg, INTERPRET)
+    out_scale = tl.where(amax != 0, rcp_f32(p, APPROX), 0.0)
+    y = mul_rn(xb, tl.broadcast_to(out_scale[:, :, None], xb.shape), INTERPRET)
+    codes = tl.reshape(e2m1_rn_satfinite(y), (R, N // 2, 2))
+    lo, hi = tl.split(codes)
+    return (lo | (hi << 4)).to(tl.uint8), sf_bits
+
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Quantize
 
@@ -146,30 +172,9 @@ def _quantize_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = (rows[:, None] < M) & (cols[None, :] < K)
     x = load_f32(X + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], inside, INTERPRET)
-    xb = tl.reshape(x, (BLOCK_M, BLOCK_K // 16, 16))
-    # (1) amax skipping NaNs; NaN only when all 16 are NaN
-    a = tl.abs(xb)
-    isnan = a != a
-    amax = tl.max(tl.where(isnan, 0.0, a), axis=2)
-    amax = tl.where(tl.sum(isnan.to(tl.int32), axis=2) == 16, float("nan"), amax)
-    # (2)-(8)
-    g = tl.load(GSF)
-    if APPROX:
-        r6 = rcp_f32(tl.full(amax.shape, 6.0, tl.float32), APPROX)
-    else:
-        r6 = tl.full(amax.shape, R6_EXACT, tl.float32)
-    s = mul_rn(tl.broadcast_to(g, amax.shape), mul_rn(amax, r6, INTERPRET), INTERPRET)
-    sf8 = f32_to_fp8e4m3_rne(s, INTERPRET)
-    sf_bits = sf8.to(tl.uint8, bitcast=True)
-    rg = rcp_f32(tl.broadcast_to(g, amax.shape), APPROX)
-    p = mul_rn(e4m3_bits_to_f32(sf_bits, INTERPRET), rg, INTERPRET)
-    out_scale = tl.where(amax != 0, rcp_f32(p, APPROX), 0.0)
-    # (9)-(10)
-    y = mul_rn(xb, tl.broadcast_to(out_scale[:, :, None], xb.shape), INTERPRET)
-    codes = tl.reshape(e2m1_rn_satfinite(y), (BLOCK_M, BLOCK_K // 2, 2))
-    lo, hi = tl.split(codes)
+    packed, sf_bits = nvfp4_tile(x, tl.load(GSF), BLOCK_M, BLOCK_K, APPROX, INTERPRET)
     pcols = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    tl.store(PACKED + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :], (lo | (hi << 4)).to(tl.uint8),
+    tl.store(PACKED + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :], packed,
              mask=(rows[:, None] < M) & (pcols[None, :] < K // 2))
     # scales over the whole padded grid (the launch covers exactly Mpad rows x CPAD scale columns)
     c16 = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
