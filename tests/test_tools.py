@@ -95,16 +95,9 @@ def test_the_import_scan_sees_function_level_and_relative_imports():
 
 
 LAB_FLAGS = ('"--bench"', '"--codegen"', '"--sweep"', '"--profile"', '"--gpu-check"', "'--bench'", "'--codegen'")
-PENDING_ENTRY_POINTS: dict = {}  # package modules whose entry points have yet to move to tools/ (none left)
 
 
-def _entry_param(path: Path):
-    marks = ([pytest.mark.xfail(reason=PENDING_ENTRY_POINTS[path], strict=False)]
-             if path in PENDING_ENTRY_POINTS else [])
-    return pytest.param(path, marks=marks, id=str(path.relative_to(REPO)))
-
-
-@pytest.mark.parametrize("path", [_entry_param(p) for p in sorted(PACKAGE.rglob("*.py"))])
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))
 def test_no_benchmark_entry_points_left_in_the_package(path):
     """No module keeps a benchmark / codegen / profiling entry point: a `__main__` block of a library module is a
     user command (the CLI, batch, serve, FlashInfer's --build prebuild step) or it is lab code for tools/."""
