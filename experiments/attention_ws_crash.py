@@ -20,11 +20,15 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+HERE = str(Path(__file__).resolve().parent)  # experiments/: the kernel module (attention_fp8.py) lives here
 
 CHILD = r'''
 import json, sys, torch
 import torch.nn.functional as F
-from fastremover.fast.kernels import attention_fp8 as A
+sys.path.insert(0, sys.argv[5])
+import attention_fp8 as A
 cfg, s, dt, h = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 g = torch.Generator(device="cuda").manual_seed(s)
 q, k, v = (torch.randn(1, s, h, 128, device="cuda", generator=g, dtype=torch.float16) for _ in range(3))
@@ -52,7 +56,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=4, help="cases with S < 7290 run this many processes at once (their "
                                                      "times are then only indicative); the long ones run alone")
     args = p.parse_args()
-    from fastremover.fast.kernels import attention_fp8 as A
+    sys.path.insert(0, HERE)
+    import attention_fp8 as A
 
     names = (args.configs.split(",") if args.configs else
              [A.AUTOTUNE_CONFIGS[0].name] + [c.name for c in A.WARP_SPEC_CONFIGS])
@@ -60,7 +65,7 @@ def main() -> None:
              (100, "fp16", 2), (1000, "fp16", 12), (7290, "fp16", 12), (32760, "fp16", 12)]
     def run_case(name, s, dt, h):
         try:
-            r = subprocess.run([sys.executable, "-c", CHILD, name, str(s), dt, str(h)], capture_output=True,
+            r = subprocess.run([sys.executable, "-c", CHILD, name, str(s), dt, str(h), HERE], capture_output=True,
                                text=True, timeout=args.timeout)
             if r.returncode == 0:
                 return {"config": name, "S": s, "out": dt, "H": h, **json.loads(r.stdout.strip().splitlines()[-1])}

@@ -135,10 +135,11 @@ def _add_attention_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["auto", *attention.names(with_aliases=True)], default="auto",
                    help="attention backend of modes exact/fast: auto (the highest-priority backend that runs here: "
                    "exact: flashinfer-fa3, else sdpa; fast: flashattn3-fp8 where it is built, else cudnn-fp8, else "
-                   "triton-fp8) or one explicitly (an error if it cannot run here). flashinfer-fa3 / "
-                   "flashinfer-fa3-fp8: FlashInfer's FA3 Hopper kernels (pip install flashinfer-python); cudnn-fp8: "
-                   "cuDNN's FP8 attention (the cudnn extra); flashattn3-fp8: FlashAttention-3's FP8 kernel (built "
-                   "from source: tools/build_flash3.sh). Old names fa3, fp8-fa3, fp8, fp8-flash3, fp8-triton work too")
+                   "sdpa in fp16, with a note saying why) or one explicitly (an error if it cannot run here). "
+                   "flashinfer-fa3 / flashinfer-fa3-fp8: FlashInfer's FA3 Hopper kernels (pip install "
+                   "flashinfer-python); cudnn-fp8: cuDNN's FP8 attention (the cudnn extra); flashattn3-fp8: "
+                   "FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh). Old names fa3, fp8-fa3, "
+                   "fp8, fp8-flash3 work too")
 
 
 def _add_vae_precision_arg(p: argparse.ArgumentParser) -> None:
@@ -222,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvfp4-fidelity", action="store_true",
                    help="also the NVFP4 fidelity rows (nvfp4, nvfp4+vae, nvfp4-w4a4 on a crop) against the dense "
                    "eager run")
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="instead: the denoise loop under Ulysses over N ranks (one per GPU; CPU processes with "
+                   "--device cpu) against the one-process loop on rank 0, in one command; JSON "
+                   "<workload>-parallel<N>-<mode>-...: world size, transport, speedup, max relative difference, "
+                   "exposed communication")
+    p.add_argument("--sp-transport", choices=["fp16", "fp8"], default="fp16",
+                   help="with --parallel: how q/k/v travel between ranks (default fp16: exact)")
+    p.add_argument("--sp-head-groups", type=int, default=1,
+                   help="with --parallel: head groups whose exchange overlaps the previous group's attention")
 
     p = sub.add_parser("verify", help="fidelity of the engine modes against the reference on your checkpoint and clip")
     p.add_argument("video")
@@ -449,6 +459,9 @@ def cmd_bench(args) -> int:
         return 0
     from fastremover.bench.harness import file_inputs, format_table, save_results, synthetic_inputs
 
+    if args.parallel is not None:
+        return _bench_parallel(args)
+
     if args.video:
         if not args.mask:
             raise FastRemoverError("--video needs --mask")
@@ -472,6 +485,71 @@ def cmd_bench(args) -> int:
 
     results = _compare(args, inputs, args.repeats, args.hash_repeats, on_result=save)
     print(format_table(results))
+    return 0
+
+
+def _bench_parallel(args) -> int:
+    """`bench --parallel N`: fastremover.parallel.bench.bench_denoise on the workload's latent shape, one record per
+    mode, saved with the provenance of every bench JSON."""
+    from fastremover.bench.harness import WORKLOADS, environment
+    from fastremover.parallel.bench import bench_denoise, latent_shape
+    from fastremover.parallel.context import check_heads
+    from fastremover.parallel.options import check_parallel_flags
+
+    if args.video:
+        raise FastRemoverError("--parallel times the denoise loop on a --workload's shape; not with --video")
+    if args.model not in (None, "random"):
+        raise FastRemoverError("--parallel runs random weights at --preset (the loop's speed does not depend on them)")
+    if args.parallel < 2:
+        raise FastRemoverError(f"--parallel {args.parallel}: give a world size of at least 2")
+    check_parallel_flags("ulysses", args.parallel, args.sp_transport, args.sp_head_groups, 1800.0)
+    import datetime
+
+    import torch
+
+    from fastremover.models.loading import PRESETS
+
+    if args.preset not in PRESETS:
+        raise FastRemoverError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    check_heads(PRESETS[args.preset]["transformer"]["num_attention_heads"], args.parallel)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and torch.cuda.device_count() < args.parallel:
+        raise FastRemoverError(f"--parallel {args.parallel}: only {torch.cuda.device_count()} CUDA GPUs are visible "
+                               "(--device cpu runs CPU processes)")
+    if args.repeats < 1:
+        raise FastRemoverError("--repeats must be >= 1 with --parallel")
+    frames, height, width = WORKLOADS[args.workload]
+    shape = latent_shape(frames, height, width)
+    threads = max(1, (os.cpu_count() or 1) // args.parallel) if device == "cpu" else None
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    rows = []
+    for mode in modes:
+        rec = bench_denoise(args.parallel, preset=args.preset, mode=mode, latent_shape=shape, steps=args.steps,
+                            repeats=args.repeats, device=device, dtype=args.precision,
+                            transport=args.sp_transport, head_groups=args.sp_head_groups, threads=threads)
+        rec = {**environment(), "workload": args.workload, "frames": frames, "size": f"{width}x{height}",
+               "preset": args.preset, **rec}
+        rows.append(rec)
+        if not args.no_save:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            stem = (f"{args.workload}-parallel{args.parallel}-{mode}-{args.sp_transport}-"
+                    f"{datetime.date.today().isoformat()}-{rec['commit'][:7]}")
+            path, n = out / f"{stem}.json", 2
+            while path.exists():
+                path, n = out / f"{stem}-run{n}.json", n + 1
+            from fastremover import media
+
+            with media.atomic_write_path(path) as tmp:
+                Path(tmp).write_text(json.dumps(rec, indent=2) + "\n")
+            print(f"wrote {path}", flush=True)
+    print(f"{'mode':8} {'ranks':>5} {'transport':>9} {'reference':>10} {'parallel':>9} {'speedup':>8} "
+          f"{'max rel diff':>12} {'exposed comm':>12}")
+    for r in rows:
+        comm = r.get("exposed_comm_s")
+        comm = f"{comm:.4f}s" if comm is not None else f"host {r.get('collective_host_s', 0):.3f}s"
+        print(f"{r['mode']:8} {r['world_size']:>5} {r['sp_transport']:>9} {r['reference_s']:>9.3f}s "
+              f"{r['parallel_s']:>8.3f}s {r['speedup']:>7.2f}x {r['max_rel_diff']:>12.3g} {comm:>12}")
     return 0
 
 

@@ -6,7 +6,7 @@
       .vae                  VAEOptions        precision
       .graphs               GraphOptions      cuda_graphs, max_graphs
       .parallel             ParallelOptions   world_size, transport (read by fastremover/parallel; default one rank)
-    KernelTuning            process-wide kernel switches, environment only (autotuning on / off, a pinned config)
+    KernelTuning            process-wide kernel switches, environment only (autotuning on / off)
     ResolvedEngine          the record of what runs (after every fallback) plus its notes: `fastremover info`, the
                             bench JSON (`engine_config`) and the CLI's `-v` log print it
 
@@ -192,10 +192,6 @@ class KernelTuning:
     conv3d_fp8_tune: bool = _opt(True, env="FASTREMOVER_CONV3D_FP8_TUNE", env_values={"1": True, "0": False})
     # the sub-pixel upsampling conv's timing-based config choice (off: the first candidate)
     upconv_tune: bool = _opt(True, env="FASTREMOVER_UPCONV_TUNE", env_values={"1": True, "0": False})
-    # the Triton FP8 attention kernel's config, by name (None: the pinned default, AUTOTUNE_CONFIGS[0])
-    fp8_attention_config: str | None = _opt(None, env="FASTREMOVER_FP8_ATTN_CONFIG")
-    # lab only: the FP8 attention autotuner's candidates, comma-separated names (None: its built-in list)
-    fp8_attention_candidates: str | None = _opt(None, env="FASTREMOVER_FP8_ATTN_CONFIGS")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelTuning":

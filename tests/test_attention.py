@@ -80,16 +80,20 @@ def test_v_centring_is_exact_under_softmax():
     assert torch.allclose(attn(v), attn(v - m) + m, rtol=0, atol=1e-12)
 
 
-def test_fp8_triton_adds_the_v_mean_back(monkeypatch):
-    """fp8_triton(smooth_v=True) on V with a large shared offset: the mean comes back (the output is not centred),
-    and centring does not cost fidelity (interpreter: exact fp32 accumulation, so it cannot gain much here)."""
+def test_add_v_mean_puts_the_centred_v_mean_back():
+    """The 8-bit backends' stand-alone form with smooth_v (cudnn-fp8's default): attention on the centred codes, then
+    add_v_mean: on V with a large shared offset the mean comes back (the output is not centred), and centring does
+    not cost fidelity (the codes' attention is done in fp32 here, so it cannot gain much)."""
+    from fastremover.ops.attention.quantize import add_v_mean, quantize_qkv
     from fastremover.ops.attention.sdpa import sdpa
-    from fastremover.ops.attention.triton_fp8 import fp8_triton
 
-    monkeypatch.setenv("FASTREMOVER_FP8_ATTN_CONFIG", "m32n32w4s1t0ws0a1")
+    def on_codes(q8, k8, v8, sq, sk, sv, *v_mean):
+        deq = [c.float() * s for c, s in ((q8, sq), (k8, sk), (v8, sv))]
+        return add_v_mean(sdpa(*deq), v_mean[0] if v_mean else None)
+
     q, k, v = qkv_views(70, v_bias=5.0, seed=8)
     ref = sdpa(q, k, v)
-    centred, plain = fp8_triton(q, k, v, smooth_v=True), fp8_triton(q, k, v)
+    centred, plain = on_codes(*quantize_qkv(q, k, v, smooth_v=True)), on_codes(*quantize_qkv(q, k, v))
     assert centred.shape == ref.shape and centred.dtype == ref.dtype
     assert cos(centred, ref) >= 0.9995 and cos(centred, ref) >= cos(plain, ref) - 1e-4
     resid = lambda o: float((o - ref).norm() / (ref - v.mean(dim=1, keepdim=True)).norm())  # noqa: E731

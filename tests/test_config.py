@@ -109,11 +109,10 @@ def test_environment_overrides_the_flags_and_bad_values_name_the_variable():
 
 def test_kernel_tuning_from_the_environment():
     assert KernelTuning.from_env({}) == KernelTuning()
-    t = KernelTuning.from_env({"FASTREMOVER_CONV3D_FP8_TUNE": "0", "FASTREMOVER_UPCONV_TUNE": "0",
-                               "FASTREMOVER_FP8_ATTN_CONFIG": " m32n32w4s1t0ws0a1 ",
-                               "FASTREMOVER_FP8_ATTN_CONFIGS": "a,b"})
-    assert t == KernelTuning(conv3d_fp8_tune=False, upconv_tune=False, fp8_attention_config="m32n32w4s1t0ws0a1",
-                             fp8_attention_candidates="a,b")
+    t = KernelTuning.from_env({"FASTREMOVER_CONV3D_FP8_TUNE": "0", "FASTREMOVER_UPCONV_TUNE": " 0 "})
+    assert t == KernelTuning(conv3d_fp8_tune=False, upconv_tune=False)
+    # the Triton FP8 attention's switches left with the kernel (experiments/attention_fp8.py reads them itself)
+    assert KernelTuning.from_env({"FASTREMOVER_FP8_ATTN_CONFIG": "m32n32w4s1t0ws0a1"}) == KernelTuning()
 
 
 def test_the_kernels_read_their_switches_through_the_config(monkeypatch):
@@ -156,8 +155,7 @@ def test_option_table_lists_every_option_once():
     assert {"mode", "attention.backend", "linears.fused_ffn1", "vae.precision", "graphs.max_graphs",
             "parallel.world_size", "tuning.conv3d_fp8_tune"} <= set(names)
     assert {r["env"] for r in rows if r["env"]} == {"FASTREMOVER_FUSED_FFN1", "FASTREMOVER_CONV3D_FP8_TUNE",
-                                                    "FASTREMOVER_UPCONV_TUNE", "FASTREMOVER_FP8_ATTN_CONFIG",
-                                                    "FASTREMOVER_FP8_ATTN_CONFIGS"}
+                                                    "FASTREMOVER_UPCONV_TUNE"}
 
 
 def test_modes_agree_everywhere():

@@ -317,24 +317,24 @@ def test_attention_backend_choice_and_errors_on_cpu():
 
 
 @pytest.mark.parametrize("available,mode,expect_backend,expect_note", [
-    ({"sdpa", "cudnn-fp8", "triton-fp8"}, "fast", "cudnn-fp8", None),
-    ({"sdpa", "triton-fp8"}, "fast", "triton-fp8", "triton-fp8"),  # no cuDNN FP8: our kernel, saying why
+    ({"sdpa", "cudnn-fp8"}, "fast", "cudnn-fp8", None),
+    # neither FlashAttention-3 nor cuDNN's FP8: fp16 SDPA (it outranks FlashInfer's kernels in fast), saying why
+    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8"}, "fast", "sdpa", "8-bit attention unavailable"),
     ({"sdpa"}, "fast", "sdpa", "8-bit attention unavailable"),
-    ({"sdpa", "cudnn-fp8", "triton-fp8"}, "exact", "sdpa", "FA3 attention is not used"),  # no FlashInfer: say why
-    ({"sdpa", "cudnn-fp8"}, "exact", "sdpa", "FA3 attention is not used"),
+    ({"sdpa", "cudnn-fp8"}, "exact", "sdpa", "FA3 attention is not used"),  # no FlashInfer: say why
     ({"sdpa"}, "exact", "sdpa", "FA3 attention is not used"),
-    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8", "triton-fp8"}, "exact", "flashinfer-fa3", None),
-    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8", "triton-fp8"}, "fast", "cudnn-fp8", None),
-    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8", "triton-fp8", "flashattn3-fp8"}, "fast",
+    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8"}, "exact", "flashinfer-fa3", None),
+    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8"}, "fast", "cudnn-fp8", None),
+    ({"sdpa", "flashinfer-fa3", "flashinfer-fa3-fp8", "cudnn-fp8", "flashattn3-fp8"}, "fast",
      "flashattn3-fp8", None),  # FlashAttention-3 built
     ({"sdpa", "flashattn3-fp8"}, "exact", "sdpa", "FA3 attention is not used"),
-], ids=["fast-all", "fast-only-triton", "fast-no-8bit", "exact-all", "exact-only-cudnn-fp8", "exact-no-8bit",
+], ids=["fast-all", "fast-flashinfer-only", "fast-no-8bit", "exact-all", "exact-no-8bit",
         "exact-flashinfer", "fast-flashinfer", "fast-flash3", "exact-flash3"])
 def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expect_note):
     """auto_backend's choice given which backends can run (unavailable_reason faked: nothing CUDA is touched): fast
-    takes FlashAttention-3's fp8-flash3 when it is built, else cuDNN's fp8 when it can run, else fp8-triton with a
-    note saying why, else sdpa with a note naming both reasons; exact takes FlashInfer's fa3 when it can run, else sdpa
-    with a note naming why fa3 could not."""
+    takes FlashAttention-3's fp8-flash3 when it is built, else cuDNN's fp8 when it can run, else fp16 sdpa with a
+    note naming why each of the two FP8 backends could not run; exact takes FlashInfer's fa3 when it can run, else
+    sdpa with a note naming why fa3 could not."""
     from fastremover.ops.attention import registry
 
     asked = []
@@ -354,8 +354,12 @@ def test_auto_backend_policy(monkeypatch, available, mode, expect_backend, expec
         if mode == "exact":
             assert "fake: flashinfer-fa3 is not" in notes[0], notes  # the note says why FlashInfer's FA3 is not used
         else:
+            # fast has a note only when it ends up in fp16: it says why each preferred (FP8) backend did not run,
+            # FlashAttention-3 included (not announced while cuDNN's runs), and what runs instead
+            assert expect_backend == "sdpa" and "attention runs in fp16 (sdpa)" in notes[0], notes
             assert "fake: cudnn-fp8 is not" in notes[0], notes  # the note says why cuDNN's FP8 attention is not used
-            assert ("fake: triton-fp8" in notes[0]) is (expect_backend == "sdpa"), notes
+            assert "fake: flashattn3-fp8 is not" in notes[0], notes  # ... and why FlashAttention-3's is not
+            assert "flashinfer" not in notes[0], notes  # ranked below sdpa in fast: never tried, never named
     assert all(d == dev for _, d in asked)  # the device is passed through
     if mode == "fast" and expect_backend not in ("cudnn-fp8", "flashattn3-fp8"):
         assert "cudnn-fp8" in [n for n, _ in asked]  # the note comes from asking, not from a guess
@@ -424,15 +428,14 @@ def test_gpu_fp8_linear_cosine_at_real_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,attention,expect", [("exact", "sdpa", "sdpa"), ("fast", "auto", "auto"),
-                                                   ("fast", "fp8-triton", "fp8-triton"), ("exact", "fa3", "fa3"),
-                                                   ("fast", "fp8-fa3", "fp8-fa3"),
+                                                   ("exact", "fa3", "fa3"), ("fast", "fp8-fa3", "fp8-fa3"),
                                                    ("fast", "fp8-flash3", "fp8-flash3")],
-                         ids=["exact-sdpa", "fast-auto", "fast-triton-fp8", "exact-flashinfer-fa3",
-                              "fast-flashinfer-fp8-fa3", "fast-flash3-fp8"])
+                         ids=["exact-sdpa", "fast-auto", "exact-flashinfer-fa3", "fast-flashinfer-fp8-fa3",
+                              "fast-flash3-fp8"])
 def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
-    """exact (SDPA, FlashInfer's FA3), fast with its default cuDNN FP8 attention (centred K and V), with our Triton
-    FP8 attention and with FlashInfer's FA3 FP8 kernel inside the captured loop: the graph replays bit-identically and
-    reads new inputs."""
+    """exact (SDPA, FlashInfer's FA3), fast with its default FP8 attention (FlashAttention-3's where built, else
+    cuDNN's; centred K and V) and with FlashInfer's FA3 FP8 kernel inside the captured loop: the graph replays
+    bit-identically and reads new inputs."""
     from fastremover.ops.attention import canonical, choose, unavailable_reason
 
     # flashattn3-fp8 where FlashAttention-3 is built, else cuDNN's fp8; the old names are aliases

@@ -105,6 +105,16 @@ def _rank_checks(ctx):
     codes = (torch.randn(b, s_r, h, d, generator=torch.Generator().manual_seed(ctx.rank)) * 8).to(torch.float8_e4m3fn)
     back = ctx.attention(lambda q, k, v: v, codes.clone(), codes.clone(), codes)
     out["codes_round_trip"] = back.dtype == codes.dtype and torch.equal(back.view(torch.uint8), codes.view(torch.uint8))
+    # CUDA graphs under sequence parallelism: the ranks take the same branch (all graphs or none)
+    from fastremover.fast.denoise import capture_agreed
+
+    def fail_on_last():
+        if ctx.rank == ctx.world_size - 1:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+        return "graph"
+
+    out["capture_one_fails"] = capture_agreed(fail_on_last, ctx)
+    out["capture_all_ok"] = capture_agreed(lambda: "graph", ctx)
     # start-up fingerprints: a rank that sees something else is named
     try:
         ctx.barrier_same("inputs", {"clip": "a.mp4" if ctx.rank != ctx.world_size - 1 else "b.mp4"})
@@ -185,6 +195,46 @@ def test_fp8_attention_path_within_tolerance(ranks):
 def test_ulysses_exchange_round_trips_codes_exactly(ranks):
     """e4m3 codes (the fast mode's q/k/v) through the all-to-all and back, 13 tokens over 2 / 3 ranks: bit-exact."""
     assert all(res["codes_round_trip"] for res in ranks)
+
+
+def test_graph_capture_is_all_ranks_or_none(ranks):
+    """A capture that fails on one rank drops every rank's graph (their collectives must match); the failing rank
+    names its error in one line, the others say another rank failed. When every rank captures, every rank keeps it."""
+    last = len(ranks) - 1
+    for rank, r in enumerate(ranks):
+        assert r["capture_all_ok"] == ("graph", None)
+        graph, why = r["capture_one_fails"]
+        assert graph is None
+        if rank == last:
+            assert why == "capture failed (RuntimeError: operation not permitted when stream is capturing)"
+        else:
+            assert "another rank" in why
+
+
+def test_replay_wait_raises_instead_of_hanging():
+    from fastremover.fast.denoise import wait_for_replay
+
+    class Event:
+        def __init__(self, ready_after):
+            self.calls, self.ready_after = 0, ready_after
+
+        def query(self):
+            self.calls += 1
+            return self.calls > self.ready_after
+
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def sleep(dt):
+        now[0] += dt
+
+    ev = Event(ready_after=5)
+    wait_for_replay(None, 10.0, event=ev, clock=clock, sleep=sleep)
+    assert ev.calls == 6
+    with pytest.raises(ParallelError, match=r"rank 1: the denoise loop's CUDA graph did not finish within 2 s"):
+        wait_for_replay(None, 2.0, 1, event=Event(ready_after=10**9), clock=clock, sleep=sleep)
 
 
 def test_startup_fingerprint_mismatch_is_named(ranks):
@@ -384,6 +434,61 @@ def _nccl_checks(ctx):
     inputs = [t.to(ctx.device, torch.float16) for t in _latents((1, 16, 3, 30, 52))]
     ref, got = _denoise_pair(ctx, den, den.fast, inputs)
     return rel_err(got, ref)
+
+
+def _nccl_graph_checks(ctx, num_layers=2):
+    """The denoise loop with the collectives inside a CUDA graph (ctx: NCCL; on one GPU a one-rank group that still
+    communicates, `always_communicate`): the replays equal the eager loop under the same context, exact and fp8."""
+    from fastremover.fast.denoise import FastDenoiser
+    from fastremover.fast.transformer_fast import FastTransformer
+    from fastremover.models.loading import random_init_
+    from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
+    from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG as SCHED
+
+    cfg = RemoverTransformerConfig(num_layers=num_layers)
+    model = random_init_(RemoverTransformer(cfg), 0).eval().to(ctx.device).to_inference_dtype(torch.float16)
+    out = {}
+    for fp8 in (False, True):
+        fast = FastTransformer(model, fp8=fp8)
+        set_parallel(fast, ctx)
+        eager = FastDenoiser(fast, SCHED, cuda_graphs=False)
+        graphs = FastDenoiser(fast, SCHED, cuda_graphs=True)
+        a = [t.to(ctx.device, torch.float16) for t in _latents((1, 16, 3, 30, 52))]
+        b = [t.to(ctx.device, torch.float16) for t in _latents((1, 16, 3, 30, 52), seed=5)]
+        ctx.comm_seconds = 0.0
+        ref_a = eager(*a, STEPS)
+        communicated = ctx.comm_seconds > 0
+        first = graphs(*a, STEPS)  # eager warm-up, then the capture
+        captured = len(graphs._graphs)
+        rep_a, rep_b, ref_b = graphs(*a, STEPS), graphs(*b, STEPS), eager(*b, STEPS)
+        out["fp8" if fp8 else "exact"] = {
+            "communicated": communicated, "captured": captured, "notes": graphs.notes,
+            "warmup_equal": torch.equal(first, ref_a), "replay_equal": torch.equal(rep_a, ref_a),
+            "replay_new_inputs_equal": torch.equal(rep_b, ref_b), "inputs_differ": not torch.equal(ref_a, ref_b)}
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_collectives_inside_cuda_graphs_one_gpu():
+    """One GPU: a one-rank NCCL group whose hooks still run the all-to-alls, all-reduces and the gather, so the
+    captured graph holds NCCL kernels; its replays equal the eager loop bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    (res,) = spawn(_nccl_graph_checks, 1, device="cuda", timeout_s=600, collective_timeout_s=120,
+                   always_communicate=True)
+    for mode, r in res.items():
+        assert r["communicated"] and r["captured"] == 1 and not r["notes"], (mode, r)
+        assert r["warmup_equal"] and r["replay_equal"] and r["replay_new_inputs_equal"] and r["inputs_differ"], (mode, r)
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_collectives_inside_cuda_graphs_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    for res in spawn(_nccl_graph_checks, 2, device="cuda", timeout_s=600, collective_timeout_s=120):
+        for mode, r in res.items():
+            assert r["communicated"] and r["captured"] == 1 and not r["notes"], (mode, r)
+            assert r["warmup_equal"] and r["replay_equal"] and r["replay_new_inputs_equal"], (mode, r)
 
 
 @pytest.mark.gpu

@@ -32,3 +32,35 @@ def test_info_lists_gpus_and_nccl():
     assert len(info["gpus"]) == torch.cuda.device_count() and info["gloo"]
     lines = info_lines()
     assert lines[0].startswith("GPUs: ") and lines[1].startswith("NCCL: ")
+
+
+def test_bench_parallel_command_saves_a_record(tmp_path, capsys):
+    """`fastremover bench --parallel 2` on CPU processes: one JSON per mode with the bench's provenance, the world
+    size, the transport and the comparison with the one-process loop; the table names them."""
+    import json
+
+    from fastremover.cli import main
+
+    rc = main(["bench", "--parallel", "2", "--preset", "tiny", "--modes", "eager", "--device", "cpu", "--steps", "1",
+               "--repeats", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (path,) = tmp_path.glob("w1-parallel2-eager-fp16-*.json")
+    rec = json.loads(path.read_text())
+    assert rec["world_size"] == 2 and rec["sp_transport"] == "fp16" and rec["workload"] == "w1"
+    assert rec["latent_shape"] == list(latent_shape(69, 240, 432)) and rec["max_rel_diff"] == 0.0
+    assert rec["commit"] and "command" in rec and rec["gpu"]
+    assert "eager        2      fp16" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallel", "3"], "head count divisible by 3"),  # tiny has 2 heads
+    (["--parallel", "1"], "at least 2"),
+    (["--parallel", "2", "--video", "x.mp4", "--mask", "m.png"], "not with --video"),
+])
+def test_bench_parallel_bad_flags_are_one_line(argv, message, capsys, tmp_path):
+    from fastremover.cli import main
+
+    rc = main(["bench", "--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err

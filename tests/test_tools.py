@@ -16,8 +16,9 @@ TOOLS = REPO / "tools"
 PACKAGE = REPO / "fastremover"
 SCRIPTS = sorted(p for p in TOOLS.iterdir() if p.suffix in (".py", ".sh"))
 # modules a library file may never import: lab code that used to live in the package, and tools/ itself
-LAB_MODULES = {"tools", "fastremover.bench.profile_step", "fastremover.fast.kernels.codegen_check",
-               "fastremover.fast.kernels.bench_kernels", *(p.stem for p in TOOLS.glob("*.py"))}
+LAB_MODULES = {"tools", "experiments", "fastremover.bench.profile_step", "fastremover.fast.kernels.codegen_check",
+               "fastremover.fast.kernels.bench_kernels", "fastremover.fast.kernels.attention_fp8", "attention_fp8",
+               *(p.stem for p in TOOLS.glob("*.py"))}
 # the benchmark package backs the user-facing `fastremover bench` / `verify`: only it and the CLI may import it
 BENCH_USERS = {PACKAGE / "cli.py"}
 
@@ -31,9 +32,12 @@ def _help(script: Path) -> tuple[Path, subprocess.CompletedProcess]:
 def test_tools_folder_holds_the_lab():
     names = {p.name for p in SCRIPTS}
     moved_in = {"codegen_check.py", "bench_kernels.py", "profile_step.py", "bench_conv3d_fp8.py",
-                "bench_upsample_conv.py", "bench_attention_fp8.py", "gpu_session.sh", "build_flash3.sh",
+                "bench_upsample_conv.py", "gpu_session.sh", "build_flash3.sh",
                 "build_flashinfer_modules.sh", "flash3_fp8_out_patch.py", "flash3_variant_patch.py"}
     assert moved_in <= names, moved_in - names
+    # the retired Triton FP8 attention kernel and its benchmark are experiments, not package or tools code
+    assert not (PACKAGE / "fast" / "kernels" / "attention_fp8.py").exists()
+    assert {"attention_fp8.py", "bench_attention_fp8.py"} <= {p.name for p in (REPO / "experiments").iterdir()}
     assert not (REPO / "bench" / "experiments").exists() and (REPO / "experiments").is_dir()
     assert {p.name for p in (REPO / "bench").iterdir()} == {"results"}  # bench/ keeps only the committed results
     assert (REPO / "bench" / "results" / "README.md").is_file()

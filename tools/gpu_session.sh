@@ -5,10 +5,7 @@
 #   rm -rf .devrun && mkdir .devrun && git clone -q --depth 1 file://$PWD .devrun/src && cp -r .whl .fi .devrun/src/
 # and run with carry [".devrun"]:  cd .devrun/src && bash tools/gpu_session.sh tests kernels "bench:--workload w1 ..."
 # Phases:
-#   tests            pytest -m gpu without the Triton FP8 attention file (~2.5 min); its real-shape tests now pin one
-#                    kernel config as the engine does (they autotuned six per shape before and ran past 4 min), but
-#                    they are still a few float64 reference checks at S = 32760: run `tests-attention-fp8` on its own
-#   tests-attention-fp8
+#   tests            pytest -m gpu (~2.5 min)
 #   kernels          kernel micro-benchmarks: fused elementwise, attention backends, FP8 conv3d, fast VAE, profiles
 #   bench:ARGS       one `fastremover bench ARGS` (each mode's JSON is written as soon as that mode finishes)
 #   conv:ARGS        the FP8 conv3d kernel bench (`tools/bench_conv3d_fp8.py --bench ARGS`, JSON in $OUT/conv3d.json)
@@ -44,14 +41,11 @@ for phase in "$@"; do
   echo "=== $phase"
   case "$phase" in
     tests)
-      python3 -m pytest -m gpu -q -s -p no:cacheprovider --ignore=tests/test_attention_fp8.py 2>&1 \
+      python3 -m pytest -m gpu -q -s -p no:cacheprovider 2>&1 \
         | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error|cos |PSNR" | tail -30 ;;
-    tests-attention-fp8)
-      python3 -m pytest -q -s -p no:cacheprovider tests/test_attention_fp8.py 2>&1 \
-        | tee "$OUT/gpu-tests-attention-fp8.log" | grep -E "passed|failed|FAILED|Error|cos" | tail -20 ;;
     kernels)
       python3 tools/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -12
-      python3 tools/bench_attention.py --bench --out "$OUT/attention.json" 2>&1 | grep -v "^\[attention_fp8\]" | tail -24
+      python3 tools/bench_attention.py --bench --out "$OUT/attention.json" 2>&1 | tail -24
       python3 tools/bench_conv3d_fp8.py --bench --no-variants --out "$OUT/conv3d.json" 2>&1 | tail -12
       vae_bench --pair off --out "$OUT/vae-w2.json" 2>&1 | tail -5
       python3 tools/profile_step.py --workload w2 --modes exact fast --out "$OUT/profile-w2.json" 2>&1 | tail -30
@@ -90,7 +84,7 @@ for phase in "$@"; do
     attention:*)
       # shellcheck disable=SC2086
       python3 tools/bench_attention.py --bench ${phase#attention:} --out "$OUT/attention.json" 2>&1 \
-        | grep -v "^\[attention_fp8\]" | tail -40 ;;
+        | tail -40 ;;
     if-faster:*)
       spec=${phase#if-faster:}
       python3 - "$OUT/attention.json" "${spec%%,*}" "${spec#*,}" <<'EOF' || break

@@ -7,16 +7,25 @@ loop normally (which also compiles the Triton kernels and creates library handle
 (recording launches nothing); later calls with the same shape, steps and scheduler copy their inputs into the static
 buffers and replay. Replay runs the very same kernels on the same inputs as the first call, so outputs are identical;
 the GPU tests check it with torch.equal.
+
+Under sequence parallelism (the transformer's ParallelContext has several ranks) the captured loop holds the NCCL
+collectives too. Every rank must then take the same branch: after the capture the ranks agree (one all-reduce)
+whether all of them captured; if any could not, every rank drops its graph for that shape and runs the loop eagerly
+from then on (the same kernels: the same result), with a logged note naming the error. A graph's collectives have no
+NCCL timeout of their own, so a replay under sequence parallelism waits for its end with the context's collective
+timeout and raises instead of hanging when a peer is gone.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from fastremover.fast.lru import LRUCache
+from fastremover.log import logger
 from fastremover.models.transformer import RemoverTransformer
 from fastremover.schedulers import build_scheduler
 
@@ -74,9 +83,15 @@ class FastDenoiser:
         self.scheduler_config = scheduler_config
         self.cuda_graphs = cuda_graphs
         self._graphs: LRUCache[tuple] = LRUCache(max_graphs)
+        self._uncaptured: LRUCache[str] = LRUCache(max(16, max_graphs))  # shapes whose capture failed: why
+        self.notes: list[str] = []
 
     def describe(self) -> dict:
         return {**self.fast.describe(), "cuda_graphs": self.cuda_graphs}
+
+    @property
+    def _context(self):
+        return getattr(self.fast, "parallel", None)
 
     def _loop(self, scheduler, cond: Conditioning, noise, masked_latents, mask_latents, progress=None):
         def flow(model_input, i):
@@ -86,20 +101,24 @@ class FastDenoiser:
 
     @torch.no_grad()
     def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None):
+        ctx = self._context  # a graph records the collectives of its context (or none): part of the key
         key = (tuple(noise.shape), noise.dtype, tuple(masked_latents.shape), masked_latents.dtype, steps,
-               json.dumps(self.scheduler_config, sort_keys=True, default=str))
+               json.dumps(self.scheduler_config, sort_keys=True, default=str),
+               None if ctx is None or not ctx.is_parallel else (id(ctx), ctx.rank, ctx.world_size))
         if key in self._graphs:
             graph, static_inputs, static_out, *_held = self._graphs.get(key)
             for buf, src in zip(static_inputs, (noise, masked_latents, mask_latents)):
                 buf.copy_(src)
             graph.replay()
+            if ctx is not None and ctx.is_parallel:
+                wait_for_replay(noise.device, ctx.timeout_s, ctx.rank)
             if progress:
                 progress("denoise", steps, steps)
             return static_out.clone()
 
         scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device)
         cond = self.fast.conditioning(scheduler.timesteps, noise.shape[0])
-        if not (self.cuda_graphs and noise.device.type == "cuda"):
+        if not (self.cuda_graphs and noise.device.type == "cuda") or key in self._uncaptured:
             return self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
         # First call: run on a side stream (the usual warm-up before capture: kernels compiled, handles created for a
         # non-default stream), then record the same loop into a graph.
@@ -109,11 +128,58 @@ class FastDenoiser:
             out = self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
         torch.cuda.current_stream(noise.device).wait_stream(side)
         static_inputs = (noise.clone(), masked_latents.clone(), mask_latents.clone())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = self._loop(scheduler, cond, *static_inputs)
+
+        def record():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self._loop(scheduler, cond, *static_inputs)
+            return graph, static_out
+
+        captured, why = capture_agreed(record, self._context)
+        if captured is None:
+            self._uncaptured.put(key, why)
+            note = f"the denoise loop of shape {list(noise.shape)} runs without a CUDA graph: {why}"
+            if note not in self.notes:
+                self.notes.append(note)
+            logger.warning(note)
+            return out
+        graph, static_out = captured
         # scheduler, cond and the transformer's per-shape tensors stay referenced by the cache entry: the graph
         # reads their device tensors.
         held = self.fast.shape_state(tuple(noise.shape), noise.device)
         self._graphs.put(key, (graph, static_inputs, static_out, scheduler, cond, held))
         return out
+
+
+def capture_agreed(record: Callable, ctx=None):
+    """(record(), None) when the capture succeeded here and - under sequence parallelism (`ctx` with several ranks) -
+    on every rank; else (None, why). `why` names this rank's exception, or says that another rank's capture failed
+    (then this rank's own graph is dropped: graphs with collectives must be replayed by every rank or by none)."""
+    result, why = None, None
+    try:
+        result = record()
+    except Exception as e:  # a capture the driver or a library refused: eager instead (same kernels, same result)
+        why = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if ctx is not None and ctx.is_parallel and not ctx.agree(why is None):
+        return None, why or "the capture failed on another rank (every rank runs without the graph)"
+    return (result, None) if why is None else (None, why)
+
+
+def wait_for_replay(device, timeout_s: float, rank: int = 0, *, event=None, clock=time.monotonic,
+                    sleep=time.sleep) -> None:
+    """Wait (polling an event recorded behind the replay) until the GPU finished a graph with collectives, at most
+    timeout_s; then a ParallelError: a replayed NCCL kernel waits for its peers forever, and NCCL's watchdog does
+    not see work inside a graph."""
+    from fastremover.parallel.context import ParallelError
+
+    if event is None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+    deadline = clock() + timeout_s
+    delay = 1e-4
+    while not event.query():
+        if clock() >= deadline:
+            raise ParallelError(f"rank {rank}: the denoise loop's CUDA graph did not finish within {timeout_s:g} s "
+                                "(its collectives wait for a rank that stopped)")
+        sleep(delay)
+        delay = min(delay * 2, 0.01)

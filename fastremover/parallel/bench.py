@@ -10,7 +10,10 @@ on every rank runs (1) the reference: the denoise loop on rank 0 alone, the othe
     max_rel_diff           the parallel latents against the reference's
     collective_host_s      host seconds waiting in the collectives per run (gloo: the exposed communication)
     exposed_comm_s         CUDA only: seconds of the GPU timeline where communication kernels (NCCL) ran and no
-                           other kernel did, per run, from torch.profiler (`exposed_time`); None elsewhere
+                           other kernel did, per run, from torch.profiler (`exposed_time`; that run without CUDA
+                           graphs, so that every kernel is traced); None elsewhere
+    cuda_graphs            whether the timed loops replay CUDA graphs (fast denoisers on CUDA: the reference's and,
+                           with the collectives inside, the parallel one's); graph_notes: captures that failed
 
 The exposed-communication rule: the union of the communication kernels' intervals minus the union of every other
 kernel's intervals, so communication hidden behind compute (head-group pipelining, other streams) does not count.
@@ -84,7 +87,7 @@ def bench_rank(ctx: ParallelContext, preset: str, mode: str, latent_shape: tuple
     models = random_models(preset, 0)
     models.transformer.to(device).to_inference_dtype(torch_dtype)
     denoiser, _ = build_denoiser(models.transformer, models.scheduler_config, mode, device)
-    denoiser.cuda_graphs = False
+    graphs = bool(denoiser.cuda_graphs)  # both loops as `remove` runs them: captured on CUDA (fast denoisers)
     target = denoiser.transformer if isinstance(denoiser, EagerDenoiser) else denoiser.fast
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(latent_shape, generator=g).to(device, torch_dtype) for _ in range(3)]
@@ -114,8 +117,10 @@ def bench_rank(ctx: ParallelContext, preset: str, mode: str, latent_shape: tuple
     if profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        denoiser.cuda_graphs = False  # the timeline of the loop's own launches (a replayed graph's kernels may not be
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # traced one by one)
             run()
+        denoiser.cuda_graphs = graphs
         exposed = exposed_from_profile(prof)
     set_parallel(target, SINGLE)
     if not ctx.is_root:
@@ -127,6 +132,7 @@ def bench_rank(ctx: ParallelContext, preset: str, mode: str, latent_shape: tuple
         "reference_s": ref_s, "parallel_s": par_s, "speedup": ref_s / par_s if par_s else None,
         "max_rel_diff": ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item(),
         "collective_host_s": statistics.median(comm[1:]), "exposed_comm_s": exposed,
+        "cuda_graphs": graphs, "graph_notes": list(getattr(denoiser, "notes", [])),
     }
 
 

@@ -78,6 +78,9 @@ class ParallelContext:
     # host seconds spent waiting in the transformer's collectives (all-to-alls, the gather); on gloo that is the
     # exposed communication, on NCCL only the launch time (the GPU timeline measures it there: parallel/bench.py)
     comm_seconds: float = 0.0
+    # a GPU test seam: run every hook's collectives even at world size 1 (a one-rank NCCL group), so that one GPU can
+    # check what the collectives do inside a CUDA graph
+    always_communicate: bool = False
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -89,7 +92,7 @@ class ParallelContext:
 
     @property
     def is_parallel(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or (self.always_communicate and self.group is not None)
 
     @property
     def is_root(self) -> bool:
@@ -239,6 +242,15 @@ class ParallelContext:
         dist.broadcast(wire, src=0, group=self.group)
         return buf
 
+    def agree(self, ok: bool) -> bool:
+        """True on every rank when `ok` is True on every rank (one all-reduce; size 1: ok). Used where the ranks must
+        take the same branch, e.g. all with CUDA graphs or all without (their collectives must match)."""
+        if not self.is_parallel:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        self.all_reduce(flag, "max")
+        return bool(flag.item() == 0.0)
+
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place over the ranks; op "sum" or "max"."""
         if not self.is_parallel:
@@ -305,11 +317,14 @@ class ParallelContext:
         parallel: the local fp32 sum, all-reduced, divided by S (another summation order: the last bits differ)."""
         if not self.is_parallel:
             return torch.mean(x, dim=1, dtype=torch.float32, out=out)
-        total = torch.tensor([x.shape[1]], dtype=torch.float32, device=x.device)
+        # S is known on the host (every rank's share of the recorded sequence), so no device scalar is made here: a
+        # host-to-device copy would end a CUDA graph capture. fp32(S) is exact, and so is the division's rounding.
+        total = self.sequence_total if self.sequence_total is not None else x.shape[1] * self.world_size
+        if split_sizes(total, self.world_size)[self.rank] != x.shape[1]:
+            raise RuntimeError(f"sequence_mean: {x.shape[1]} local tokens are not this rank's share of {total}")
         local = torch.sum(x, dim=1, dtype=torch.float32)
         self.all_reduce(local)
-        self.all_reduce(total)
-        return torch.div(local, total, out=out)
+        return torch.div(local, float(total), out=out)
 
     def quant_centred(self, v: torch.Tensor, tokens_per_batch: int):
         """V's 8-bit attention codes with statistics over the whole sequence: v [B*s_r, N] (any row stride) ->

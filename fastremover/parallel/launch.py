@@ -201,7 +201,7 @@ class ParallelEngine:
     encodes on two ranks and decodes by rows; on rank 0 the pipeline's denoiser and VAE are replaced by proxies
     that announce each stage to the other ranks (`follow`) before running their part of it."""
 
-    def __init__(self, ctx: ParallelContext, pipe, *, cuda_graphs: bool = False):
+    def __init__(self, ctx: ParallelContext, pipe, *, cuda_graphs: bool = True):
         from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
         from fastremover.parallel.context import check_heads
         from fastremover.parallel.vae import RowParallelDecoder
@@ -217,9 +217,8 @@ class ParallelEngine:
         elif isinstance(self.denoiser, FastDenoiser):
             set_parallel(self.denoiser.fast, ctx)
             if self.denoiser.cuda_graphs and not cuda_graphs:
-                # CUDA graphs with NCCL collectives inside are possible but unverified here: off unless asked
                 self.denoiser.cuda_graphs = False
-                self.notes.append("sequence parallel: the denoise loop runs without CUDA graphs")
+                self.notes.append("sequence parallel: the denoise loop runs without CUDA graphs (as asked)")
         else:
             raise FastRemoverError(f"--parallel ulysses: unsupported denoiser {type(self.denoiser).__name__}")
         module = _eager_module(self.vae)
@@ -333,7 +332,7 @@ def build_pipeline(spec):
 
 
 def remove_rank(ctx: ParallelContext, spec, job, progress=None, build: Callable | None = None,
-                cuda_graphs: bool = False):
+                cuda_graphs: bool = True):
     """One rank of a parallel removal (module docstring): rank 0 returns the JobResult, the others None.
     build(spec) -> RemovalPipeline (default: RemovalPipeline.from_model)."""
     from dataclasses import replace
@@ -353,6 +352,7 @@ def remove_rank(ctx: ParallelContext, spec, job, progress=None, build: Callable 
     result = worker.run(job, progress=progress)
     engine.stop()
     result.notes.extend(engine.notes)
+    result.notes.extend(getattr(engine.denoiser, "notes", []))  # e.g. a shape whose graph capture failed
     result.describe.update(ctx.describe())
     return result
 

@@ -16,10 +16,14 @@ that file plus its import in `fastremover/ops/attention/__init__.py`). The recor
   - `precision`: "16bit" or "8bit" attention math;
 * `priority`: per engine mode, its rank for `--attention auto` (higher wins; a mode it lacks never picks it, and an
   explicit request for it in that mode is refused); `announce_if_skipped`: whether `auto` says so on a GPU when this
-  backend is passed over for a lower one.
+  backend is passed over for a lower one (when the fast mode ends up in 16 bits, every 8-bit backend passed over is
+  named anyway: that note says why no FP8 attention runs).
+
+`auto` in the fast mode (by priority): flashattn3-fp8, else cudnn-fp8, else sdpa in fp16 with that note (FlashInfer's
+backends rank below sdpa there).
 
 No code outside this registry compares backend names. Names are canonical (`sdpa`, `flashinfer-fa3`,
-`flashinfer-fa3-fp8`, `flashattn3-fp8`, `cudnn-fp8`, `triton-fp8`); the earlier names are aliases.
+`flashinfer-fa3-fp8`, `flashattn3-fp8`, `cudnn-fp8`); the earlier names are aliases.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def runnable(name: str, device: "torch.device") -> AttentionBackend:
 
 def choose(mode: str, device: "torch.device") -> tuple[str, list[str]]:
     """`--attention auto` for an engine mode: the runnable backend of highest priority, and notes. A note is given
-    when the fast mode ends up without 8-bit attention (any device), or, on a GPU, when backends marked
+    when the fast mode ends up without 8-bit attention (any device; it names every 8-bit backend passed over, each
+    with its reasons, announced or not: why no FP8 attention runs), or, on a GPU, when backends marked
     `announce_if_skipped` were passed over (each named with its reasons)."""
     ranked = sorted((b for b in _BACKENDS.values() if mode in b.priority), key=lambda b: -b.priority[mode])
     skipped: list[tuple[AttentionBackend, str]] = []
@@ -128,7 +133,7 @@ def choose(mode: str, device: "torch.device") -> tuple[str, list[str]]:
         raise FastRemoverError(f"mode {mode}: no attention backend can run here")
     told = [(b, why) for b, why in skipped if b.announce_if_skipped]
     if mode == "fast" and backend.precision != "8bit":
-        listed = "; ".join(f"{b.name}: {why}" for b, why in told)
+        listed = "; ".join(f"{b.name}: {why}" for b, why in skipped if b.announce_if_skipped or b.precision == "8bit")
         return backend.name, [f"mode fast: 8-bit attention unavailable ({listed}); attention runs in fp16 "
                               f"({backend.name})"]
     if told and device.type == "cuda":

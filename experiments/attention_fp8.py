@@ -4,7 +4,10 @@
     o = attention_fp8(q8, k8, v8, sc.q, sc.k, sc.v)                 # [B, S, H, D] fp16 (out_dtype)
     o = attention_fp8_qkv(q, k, v)                                  # both steps: the drop-in backend form
 
-The benchmark and the offline sm_90 codegen report live outside the package: tools/bench_attention_fp8.py.
+A lab experiment, not part of the package (it was the `triton-fp8` attention backend, the fast mode's last fallback,
+no faster than SDPA; removed from the product). Import it with experiments/ on sys.path (`import attention_fp8`); the
+benchmark and the offline sm_90 codegen report: experiments/bench_attention_fp8.py. Its tests were not kept
+(experiments are not tested; the last version is tests/test_attention_fp8.py in git history).
 
 Non-causal softmax(q k^T * sm_scale) v with sm_scale = 1/sqrt(D) by default, q, k, v as [B, S, H, D] (the
 projections' layout; any strides in B, S, H), D in {64, 128}, any S (the last key block is masked).
@@ -30,7 +33,7 @@ Numerics (what the kernel computes; `attention_fp8_reference` emulates it step b
     is transposed into such a copy by attention_fp8 first (one extra pass over V, S*H*D bytes each way: tens of
     microseconds at S = 32760, H = 12, D = 128, against ~8 ms of attention). Fed untransposed (transpose_v=False),
     Triton transposes every fp8 V tile through shared memory itself (the sm_90 SASS gains ~130 STS and ~100 PRMT
-    per key block); tools/bench_attention_fp8.py --bench measures all three.
+    per key block); experiments/bench_attention_fp8.py --bench measures all three.
   * Accumulation of P @ V (config `pv_acc`): Hopper's fp8 MMA accumulates with reduced precision inside the tensor
     core (SageAttention2 and DeepSeek-V3 report ~22-bit / ~14-bit-mantissa behaviour), so chaining all 256 key
     blocks through one MMA accumulator drifts. pv_acc=1 (default) computes each block's P @ V in a fresh MMA
@@ -69,7 +72,7 @@ descriptors over a 2-D view of q/k/v (the quantizer's heads-major layout, or a [
 device-side TMA descriptors per (batch, head) (any 16-byte aligned strides); `warp_spec` = Triton's automatic warp
 specialization of the key loop (tl.range(warp_specialize=True)). The full key blocks run unmasked; the last,
 partial block runs in a second loop of 0 or 1 trips, masked (-inf logits past S; TMA zero-fills past the view).
-Facts from compiling every config for sm_90 here (tools/bench_attention_fp8.py --codegen, Triton 3.6 as on the H200; Triton ships ptxas):
+Facts from compiling every config for sm_90 here (experiments/bench_attention_fp8.py --codegen, Triton 3.6 as on the H200; Triton ships ptxas):
   * both products are QGMMA (fp8 wgmma: QK^T from shared memory, P from registers); P's change from accumulator
     to operand layout is shuffles and byte permutes (as in FA3), no shared-memory round trip; no spills;
   * per key block and thread (8 warps, 128 x 128): 64 MUFU.EX2, ~130 FFMA, ~70 FADD, ~68 FMNMX, 32 F2FP (P ->
@@ -105,6 +108,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from typing import NamedTuple
@@ -113,7 +117,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastremover.config import kernel_tuning
 from fastremover.fast.kernels._common import (
     FLOAT_DTYPES,
     FP8_MAX,
@@ -180,7 +183,7 @@ class AttnConfig:
         return cls(bm, bn, w, s, t, bool(ws), a)
 
 
-# Hopper candidates (compiled offline for sm_90 with Triton 3.6, see tools/bench_attention_fp8.py --codegen: none spills; the QK^T and P V
+# Hopper candidates (compiled offline for sm_90 with Triton 3.6, see experiments/bench_attention_fp8.py --codegen: none spills; the QK^T and P V
 # products are QGMMA (fp8 wgmma), P's register layout change is shuffles/byte permutes, no shared-memory round trip):
 # 128 x 128 tiles with 8 warps (two warpgroups of 64 rows, ~233 registers: one program per SM) as in the Triton
 # tutorial and FA3; the same tile with Triton's warp specialization, which on Hopper only applies with num_warps=4
@@ -188,10 +191,11 @@ class AttnConfig:
 # setmaxnreg; the consumers then synchronize through mbarriers only, not a CTA barrier per key block, so one can
 # run its softmax while the other's MMAs run); 64-row tiles with 4 warps (two programs per SM, independent).
 # The warp-specialized configs are NOT tuned by default: on the H200 (Triton 3.6, 2026-11-30) the first of them hit
-# an illegal memory access at S = 130 (one full key block + a 2-key tail, tests/test_attention_fp8.py; the sticky
-# CUDA error then failed every later test of the process), while at S = 32760 / 7290 they had run and validated.
+# an illegal memory access at S = 130 (one full key block + a 2-key tail, tests/test_attention_fp8.py, now in git
+# history; the sticky CUDA error then failed every later test of the process), while at S = 32760 / 7290 they had run
+# and validated.
 # Not root-caused (Triton's WS pass or our tail loop under it); until it is, they are reachable only by name
-# (FASTREMOVER_FP8_ATTN_CONFIG / _CONFIGS), and WARP_SPEC_CONFIGS lists them. The engine pins AUTOTUNE_CONFIGS[0].
+# (FASTREMOVER_FP8_ATTN_CONFIG / _CONFIGS), and WARP_SPEC_CONFIGS lists them. The engine pinned AUTOTUNE_CONFIGS[0].
 AUTOTUNE_CONFIGS: tuple[AttnConfig, ...] = (
     AttnConfig(128, 128, 8, 2, tma=1, warp_spec=False, pv_acc=1),
     AttnConfig(128, 128, 8, 3, tma=1, warp_spec=False, pv_acc=1),
@@ -694,7 +698,7 @@ def tuning_report() -> dict:
 
 
 def _candidates(p: _Prepared) -> list[AttnConfig]:
-    only = kernel_tuning().fp8_attention_candidates  # FASTREMOVER_FP8_ATTN_CONFIGS
+    only = os.environ.get("FASTREMOVER_FP8_ATTN_CONFIGS", "").strip()
     if only:
         return [AttnConfig.parse(n) for n in only.split(",") if n.strip()]
     if _effective_tma(p, AUTOTUNE_CONFIGS[0]) == 0:  # no TMA possible: pointer loads only
@@ -711,7 +715,7 @@ def _select_config(p: _Prepared, config) -> AttnConfig:
         raise ValueError(f"config must be an AttnConfig, its name or None, got {config!r}")
     if interpreting(_attn_fp8_kernel):
         return INTERPRET_CONFIG
-    forced = kernel_tuning().fp8_attention_config  # FASTREMOVER_FP8_ATTN_CONFIG
+    forced = os.environ.get("FASTREMOVER_FP8_ATTN_CONFIG", "").strip()
     if forced:
         return AttnConfig.parse(forced)
     key = _tune_key(p)

@@ -1,8 +1,8 @@
-"""The Triton FP8 attention kernel (fastremover/fast/kernels/attention_fp8.py) in the lab: benchmark against torch SDPA
-and the offline sm_90 codegen report.
+"""The Triton FP8 attention kernel (experiments/attention_fp8.py, a lab experiment) in the lab: benchmark against
+torch SDPA and the offline sm_90 codegen report.
 
-    python tools/bench_attention_fp8.py --bench [--out FILE]     # H200
-    python tools/bench_attention_fp8.py --codegen [--out FILE]   # no GPU needed
+    python experiments/bench_attention_fp8.py --bench [--out FILE]     # H200
+    python experiments/bench_attention_fp8.py --codegen [--out FILE]   # no GPU needed
 """
 
 from __future__ import annotations
@@ -12,11 +12,16 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent  # experiments/: the kernel module lives beside this script
 
 
 def _load() -> None:
     """The kernel module's names the code below uses, imported after the arguments are parsed (so --help is fast)."""
-    import fastremover.fast.kernels.attention_fp8 as kernel
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import attention_fp8 as kernel
 
     from fastremover.bench.metrics import cosine
 
@@ -25,7 +30,7 @@ def _load() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Offline codegen report (no GPU needed): python tools/bench_attention_fp8.py --codegen
+# Offline codegen report (no GPU needed): python experiments/bench_attention_fp8.py --codegen
 
 
 def compile_sm90(cfg: AttnConfig, head_dim: int = 128, v_t: bool = True, out_dtype: str = "fp16",
@@ -125,7 +130,7 @@ def codegen_report(configs=None, head_dim: int = 128) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Benchmark (H200): python tools/bench_attention_fp8.py --bench [--out FILE]
+# Benchmark (H200): python experiments/bench_attention_fp8.py --bench [--out FILE]
 
 
 def bench(seq: int = 32760, heads: int = 12, head_dim: int = 128, batch: int = 1, seed: int = 0,
