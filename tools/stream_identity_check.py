@@ -1,7 +1,7 @@
 """Where the streamed output and remove()'s output part (a GPU diagnosis for the streaming issue).
 
     python tools/stream_identity_check.py [--workload w1] [--modes exact,fast] [--steps 12] [--json OUT.json]
-                                          [--device cuda] [--preset minimax-remover|tiny]
+                                          [--device cuda] [--preset minimax-remover|tiny] [--files]
 
 One random-weight pipeline per mode on the bench's synthetic clip with the bench's fidelity options. Each request
 records sha256 digests of its stage outputs (the encoded latents, the denoised latents, the decoded chunks, the
@@ -120,6 +120,58 @@ def run_mode(models, inputs, mode: str, steps: int, workdir: str, device: str = 
     return {"mode": mode, "digests": log, "against_remove_sync": first_diff}
 
 
+def file_check(models, inputs, mode: str, steps: int, workdir: str, device: str = "cuda") -> dict:
+    """The written files: sha256 of the serial write of remove()'s frames (twice), of the streamed write as the
+    bench does it (emit hands the pipeline's own arrays to the writer thread), of the streamed write with a copy per
+    frame, and of a serial write made while the GPU runs another request in a thread."""
+    import threading
+
+    import numpy as np
+
+    from fastremover import media
+    from fastremover.bench.harness import fidelity_options
+    from fastremover.pipeline import RemovalPipeline
+    from fastremover.stream import OrderedWriter
+
+    pipe = RemovalPipeline(models, device=device, precision="fp16" if device.startswith("cuda") else "fp32", mode=mode)
+    options = fidelity_options(inputs, steps, 42)
+    pipe.remove(inputs.frames, inputs.mask, options)  # warm-up
+    ref = pipe.remove(inputs.frames, inputs.mask, options).frames
+
+    def sha(path):
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+
+    out = {}
+    for name in ("serial_1", "serial_2"):
+        path = os.path.join(workdir, f"{name}.mp4")
+        media.write_video(path, ref, inputs.fps)
+        out[name] = sha(path)
+    for name, copy in (("streamed_views", False), ("streamed_copies", True)):
+        path = os.path.join(workdir, f"{name}.mp4")
+        writer = OrderedWriter(lambda fr, path=path: media.write_frames(path, fr, inputs.fps))
+        emitted = []
+
+        def emit(frame, copy=copy, writer=writer, emitted=emitted):
+            emitted.append(frame.copy())
+            writer.put(frame.copy() if copy else frame)
+
+        pipe.remove_stream(zip(inputs.frames, inputs.mask), emit, options)
+        writer.close()
+        out[name] = sha(path)
+        out[name + "_frames_equal"] = bool(np.array_equal(np.stack(emitted), ref))
+        path2 = os.path.join(workdir, f"{name}_rewritten.mp4")
+        media.write_video(path2, np.stack(emitted), inputs.fps)
+        out[name + "_rewritten"] = sha(path2)
+    busy = threading.Thread(target=lambda: pipe.remove(inputs.frames, inputs.mask, options))
+    busy.start()
+    path = os.path.join(workdir, "serial_busy.mp4")
+    media.write_video(path, ref, inputs.fps)
+    busy.join()
+    out["serial_while_busy"] = sha(path)
+    return {"mode": mode, **out}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"])
@@ -128,6 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--preset", default="minimax-remover", help="tiny: a CPU smoke run")
+    p.add_argument("--files", action="store_true", help="instead: the written files' hashes (file_check)")
     args = p.parse_args(argv)
     import torch
 
@@ -142,12 +195,17 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for mode in [m for m in args.modes.split(",") if m]:
-            row = run_mode(models, inputs, mode, args.steps, workdir, args.device)
+            if args.files:
+                row = file_check(models, inputs, mode, args.steps, workdir, args.device)
+                print(json.dumps(row), flush=True)
+            else:
+                row = run_mode(models, inputs, mode, args.steps, workdir, args.device)
+                print(json.dumps({"mode": mode, **row["against_remove_sync"]}), flush=True)
             rows.append(row)
-            print(json.dumps({"mode": mode, **row["against_remove_sync"]}), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**environment(), "workload": args.workload, "rows": rows}, f, indent=1)
+            env = {**environment(), "command": " ".join(["python", *sys.argv])}
+            json.dump({**env, "workload": args.workload, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -575,7 +575,7 @@ def nvfp4_fidelity(models: RemoverModels, inputs: BenchInputs, *, steps: int = 1
             if pad > 0:
                 m = torch.cat([m, m[-1:].expand(pad, -1, -1)])
             rows.append({"weights": option, "pass": "full frame",
-                         **fidelity(res.pixels, base.pixels, m, res.latents, base.latents), **info})
+                         **fidelity(res.pixels, base.pixels, m, res.latents, base.latents, device=device), **info})
     for r in rows:
         for k, v in list(r.items()):
             if isinstance(v, float) and math.isfinite(v):
@@ -606,7 +606,7 @@ def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, 
     pad = ref_run.pixels.shape[2] - mask.shape[0]
     if pad > 0:
         mask = torch.cat([mask, mask[-1:].expand(pad, -1, -1)])
-    fid = fidelity(eng.pixels, ref_run.pixels, mask, eng.latents, ref_run.latents)
+    fid = fidelity(eng.pixels, ref_run.pixels, mask, eng.latents, ref_run.latents, device=pipe.device)
     denoise_s = eng_s.get("denoise", float("nan"))
     out = {
         **env,
