@@ -578,6 +578,11 @@ def _write_frame_folder(folder: Path, frames: Iterable[np.ndarray]) -> int:
     return len(names)
 
 
+#: libx264's thread count for every H.264 write (see _encode_h264): fixed, so the output does not depend on the
+#: machine or on the CPU affinity of the writing thread.
+ENCODER_THREADS = 8
+
+
 def write_video(
     path: str | os.PathLike,
     frames: np.ndarray,
@@ -591,7 +596,8 @@ def write_video(
 
     * ``.mp4`` / ``.mov`` / ``.mkv``: H.264 (libx264, ``crf`` quality, ``preset`` speed) at exactly ``fps``
       (a Fraction such as 30000/1001 stays exact: it is the codec time base), tagged BT.709 limited range,
-      with ``+faststart`` for mp4/mov so it streams in browsers.
+      with ``+faststart`` for mp4/mov so it streams in browsers. The bytes are a function of the frames and these
+      options alone: x264 runs ``ENCODER_THREADS`` threads on every machine (its output depends on the count).
     * a path ending in ``/`` or an existing folder: PNG frames ``00000.png, 00001.png, ...`` (lossless) plus a
       manifest; an existing folder must be empty or one that fastremover wrote (see ``_write_frame_folder``).
     * ``.png`` / ``.jpg`` (and bmp/webp/tif): a single image; the result must have exactly one frame.
@@ -703,6 +709,10 @@ def _encode_h264(
         ctx.time_base = 1 / rate  # pts are frame indices: exact for any rational rate
         ctx.options = {"crf": str(int(crf)), "preset": preset}
         ctx.thread_type = "AUTO"
+        # x264's bytes depend on its thread count, and "auto" counts the CPUs the opening thread may run on (its
+        # affinity), so the same frames gave different files on different machines and threads: a fixed count
+        # makes the file a function of the frames alone.
+        ctx.thread_count = ENCODER_THREADS
         # Tag what we convert with, so players and our own reader invert the same matrix.
         ctx.colorspace = av.video.reformatter.Colorspace.ITU709
         ctx.color_range = av.video.reformatter.ColorRange.MPEG

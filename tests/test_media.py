@@ -544,3 +544,33 @@ def test_h264_writes_are_reproducible_with_the_background_converter(tmp_path):
     assert outs[0] == outs[1] == outs[2]
     back = media.read_video(tmp_path / "o0.mp4").frames
     assert back.shape == frames.shape
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a CPU affinity API and at least 2 usable CPUs")
+def test_h264_bytes_do_not_depend_on_the_writing_threads_cpus(tmp_path):
+    """x264's output depends on its thread count, and its automatic count follows the CPU affinity of the thread that
+    opens the encoder: the same frames written from a thread pinned to one CPU gave another file than from the main
+    thread. The writer fixes the count (media.ENCODER_THREADS), so the bytes are the frames' alone."""
+    import hashlib
+    import threading
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (1, 96, 160, 3)).astype(np.uint8)
+    frames = np.concatenate([np.roll(base, 3 * i, axis=2) for i in range(12)])
+    media.write_video(tmp_path / "main.mp4", frames, 24)
+    errors = []
+
+    def pinned():
+        try:
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread only
+            media.write_video(tmp_path / "pinned.mp4", frames, 24)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    t.join()
+    assert not errors, errors
+    digest = [hashlib.sha256((tmp_path / n).read_bytes()).hexdigest() for n in ("main.mp4", "pinned.mp4")]
+    assert digest[0] == digest[1]
