@@ -491,7 +491,7 @@ def cmd_bench(args) -> int:
 def _bench_parallel(args) -> int:
     """`bench --parallel N`: fastremover.parallel.bench.bench_denoise on the workload's latent shape, one record per
     mode, saved with the provenance of every bench JSON."""
-    from fastremover.bench.harness import WORKLOADS, environment
+    from fastremover.bench.harness import WORKLOADS, environment, save_results
     from fastremover.parallel.bench import bench_denoise, latent_shape
     from fastremover.parallel.context import check_heads
     from fastremover.parallel.options import check_parallel_flags
@@ -503,8 +503,6 @@ def _bench_parallel(args) -> int:
     if args.parallel < 2:
         raise FastRemoverError(f"--parallel {args.parallel}: give a world size of at least 2")
     check_parallel_flags("ulysses", args.parallel, args.sp_transport, args.sp_head_groups, 1800.0)
-    import datetime
-
     import torch
 
     from fastremover.models.loading import PRESETS
@@ -531,18 +529,8 @@ def _bench_parallel(args) -> int:
                "preset": args.preset, **rec}
         rows.append(rec)
         if not args.no_save:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            stem = (f"{args.workload}-parallel{args.parallel}-{mode}-{args.sp_transport}-"
-                    f"{datetime.date.today().isoformat()}-{rec['commit'][:7]}")
-            path, n = out / f"{stem}.json", 2
-            while path.exists():
-                path, n = out / f"{stem}-run{n}.json", n + 1
-            from fastremover import media
-
-            with media.atomic_write_path(path) as tmp:
-                Path(tmp).write_text(json.dumps(rec, indent=2) + "\n")
-            print(f"wrote {path}", flush=True)
+            for path in save_results([rec], args.out):
+                print(f"wrote {path}", flush=True)
     print(f"{'mode':8} {'ranks':>5} {'transport':>9} {'reference':>10} {'parallel':>9} {'speedup':>8} "
           f"{'max rel diff':>12} {'exposed comm':>12}")
     for r in rows:

@@ -733,11 +733,15 @@ def save_results(results: list[dict], out_dir: str | os.PathLike = "bench/result
     date = _dt.date.today().isoformat()
     for r in results:
         sha = r["commit"][:7]
-        crop = f"-crop{r['crop_setting']}" if "crop_setting" in r else ""  # a crop run never overwrites a plain one
-        path = out_dir / f"{r['workload']}-{r['mode']}{crop}-{date}-{sha}.json"
+        if r.get("parallel") == "ulysses":  # `bench --parallel`: <workload>-parallel<N>-<mode>-<transport>
+            what = f"{r['workload']}-parallel{r['world_size']}-{r['mode']}-{r['sp_transport']}"
+        else:
+            crop = f"-crop{r['crop_setting']}" if "crop_setting" in r else ""  # a crop run never overwrites a plain one
+            what = f"{r['workload']}-{r['mode']}{crop}"
+        path = out_dir / f"{what}-{date}-{sha}.json"
         n = 2
         while path.exists():  # another run of the same workload, mode and commit (other flags): keep both
-            path = out_dir / f"{r['workload']}-{r['mode']}{crop}-{date}-{sha}-run{n}.json"
+            path = out_dir / f"{what}-{date}-{sha}-run{n}.json"
             n += 1
         with media.atomic_write_path(path) as tmp:
             Path(tmp).write_text(json.dumps(r, indent=2, sort_keys=False) + "\n")

@@ -283,6 +283,17 @@ class ParallelContext:
             return rope
         return tuple(t.narrow(0, *self._lo_len(t.shape[0])).contiguous() for t in rope)
 
+    def token_sizes(self, local: int, what: str = "ulysses_attention") -> list[int]:
+        """Every rank's token count: the balanced split of the sequence shard_tokens recorded, checked against this
+        rank's `local` count."""
+        total = self.sequence_total
+        if total is None:
+            raise RuntimeError(f"{what}: no sequence length recorded (ParallelContext.shard_tokens records it)")
+        sizes = split_sizes(total, self.world_size)
+        if sizes[self.rank] != local:
+            raise RuntimeError(f"rank {self.rank} holds {local} tokens, expected {sizes[self.rank]} of {total}")
+        return sizes
+
     def _lo_len(self, total: int) -> tuple[int, int]:
         lo, hi = self.token_range(total)
         return lo, hi - lo
@@ -319,9 +330,7 @@ class ParallelContext:
             return torch.mean(x, dim=1, dtype=torch.float32, out=out)
         # S is known on the host (every rank's share of the recorded sequence), so no device scalar is made here: a
         # host-to-device copy would end a CUDA graph capture. fp32(S) is exact, and so is the division's rounding.
-        total = self.sequence_total if self.sequence_total is not None else x.shape[1] * self.world_size
-        if split_sizes(total, self.world_size)[self.rank] != x.shape[1]:
-            raise RuntimeError(f"sequence_mean: {x.shape[1]} local tokens are not this rank's share of {total}")
+        total = sum(self.token_sizes(x.shape[1], "sequence_mean"))
         local = torch.sum(x, dim=1, dtype=torch.float32)
         self.all_reduce(local)
         return torch.div(local, float(total), out=out)

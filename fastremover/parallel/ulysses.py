@@ -28,7 +28,7 @@ import time
 import torch
 
 from fastremover.parallel import transport
-from fastremover.parallel.context import ParallelContext, check_heads, split_sizes
+from fastremover.parallel.context import ParallelContext, check_heads
 
 
 def _send_qkv(ctx: ParallelContext, qkv: torch.Tensor, groups: int, g: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def ulysses_attention(ctx: ParallelContext, fn: Callable, q: torch.Tensor, k: to
         groups = 1  # fewer heads per rank than groups asked: no pipelining (same result)
     hg = hn // groups
     # every rank's token count: the balanced split of the sequence shard_tokens recorded
-    sizes = _sizes(ctx, s_r)
+    sizes = ctx.token_sizes(s_r)
     qkv = torch.stack([q, k, v])  # [3, B, s_r, H, D]
     if qkv.dtype.itemsize == 1:
         qkv = qkv.view(torch.uint8)
@@ -118,12 +118,3 @@ def _starts(sizes: list[int]) -> list[int]:
     return out
 
 
-def _sizes(ctx: ParallelContext, s_r: int) -> list[int]:
-    """Every rank's token count: the balanced split of the sequence that shard_tokens recorded."""
-    total = ctx.sequence_total
-    if total is None:
-        raise RuntimeError("ulysses_attention: no sequence length recorded (ParallelContext.shard_tokens records it)")
-    sizes = split_sizes(total, ctx.world_size)
-    if sizes[ctx.rank] != s_r:
-        raise RuntimeError(f"rank {ctx.rank} holds {s_r} tokens, expected {sizes[ctx.rank]} of {total}")
-    return sizes
