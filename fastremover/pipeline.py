@@ -172,8 +172,34 @@ def _pad_frames_4k1(x: torch.Tensor) -> torch.Tensor:
 
 def _to_uint8(x: torch.Tensor) -> np.ndarray:
     """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3] (rounded, not truncated)."""
+    return _to_uint8_async(x).result()
+
+
+class _HostFrames:
+    """uint8 [F,H,W,3] frames on their way to the host: `result()` waits for the copy and returns them as a numpy
+    array of their own (not pinned memory, which goes back to torch's host cache for the next chunk)."""
+
+    def __init__(self, frames: torch.Tensor):
+        self._event = None
+        if frames.device.type == "cuda":
+            self._host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+            self._host.copy_(frames, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(frames.device))
+        else:
+            self._host = frames.cpu()
+
+    def result(self) -> np.ndarray:
+        if self._event is not None:
+            self._event.synchronize()
+            return self._host.numpy().copy()
+        return self._host.numpy()
+
+
+def _to_uint8_async(x: torch.Tensor) -> _HostFrames:
+    """`_to_uint8` with the device -> host copy left running (same ops, so the same bytes)."""
     y = ((x[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-    return y.permute(1, 2, 3, 0).contiguous().cpu().numpy()
+    return _HostFrames(y.permute(1, 2, 3, 0).contiguous())
 
 
 class RemovalPipeline:
@@ -325,14 +351,20 @@ class RemovalPipeline:
         """`finish` of the decoded frames [start, start + k) (chunk [1,3,k,H',W']): uint8 [k',H,W,3], k' = the
         frames of them before the padding to 4k+1 (possibly 0). Per frame the same ops as `finish` of the whole
         video, so the same bytes."""
+        return self.finish_chunk_async(chunk, prep, start).result()
+
+    def finish_chunk_async(self, chunk: torch.Tensor, prep: Prepared, start: int) -> "_HostFrames":
+        """`finish_chunk` with its device -> host copy still running: `.result()` waits for it and gives the frames.
+        On a GPU the work queued after this call (the next chunk's decode) runs while the host waits for or
+        composites these frames."""
         x = chunk[:, :, : max(0, prep.num_frames - start)]
         if x.shape[2] == 0:
-            return np.empty((0, *prep.source_hw, 3), np.uint8)
+            return _HostFrames(torch.empty((0, *prep.source_hw, 3), dtype=torch.uint8))
         if prep.resized:
             x = _resize_video(x.float(), prep.source_hw)
         else:
             x = x[..., : prep.source_hw[0], : prep.source_hw[1]]
-        return _to_uint8(x)
+        return _to_uint8_async(x)
 
     # ------------------------------------------------------------------------------------------------------------------
     # The whole request
@@ -730,20 +762,28 @@ class RemovalPipeline:
                 trace("decode", index)
             chunks = self.decode_iter(latents, progress)
             start = 0  # decoded frames so far (the padding to 4k+1 included)
+            # One chunk of lookahead: chunk i's conversion and device -> host copy are queued, then chunk i+1's
+            # decode, and only then does the host wait for chunk i and composite it, while the GPU decodes.
+            pending: tuple[int, _HostFrames] | None = None
             while True:
                 with timer.stage("vae_decode"):
                     chunk = next(chunks, None)
-                if chunk is None:
+                queued = None
+                if chunk is not None:
+                    with timer.stage("composite"):
+                        if keep_pixels:
+                            pixels.append(chunk.float().cpu())
+                        queued = start, self.finish_chunk_async(chunk, prep, start)
+                        start += chunk.shape[2]
+                        del chunk
+                if pending is not None:
+                    with timer.stage("composite"):
+                        part = pending[1].result()
+                    if len(part):
+                        hand(pending[0], paste(pending[0], part))
+                if queued is None:
                     break
-                with timer.stage("composite"):
-                    if keep_pixels:
-                        pixels.append(chunk.float().cpu())
-                    part = self.finish_chunk(chunk, prep, start)
-                    decoded = chunk.shape[2]
-                    del chunk
-                if len(part):
-                    hand(start, paste(start, part))
-                start += decoded
+                pending = queued
             if trace is not None:
                 trace("decoded", index)
             filled = _Filled(

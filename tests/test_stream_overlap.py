@@ -155,3 +155,35 @@ def test_worker_budget_counts_the_deeper_read_ahead():
     grown = streaming_bytes(0, 1080, 1920, options, model=True) - streaming_bytes(0, 1080, 1920, options)
     assert grown == extra * BYTES_PER_PREFETCHED_PIXEL * 1080 * 1920
     assert streaming_bytes(0, 1080, 1920, options, model=True) < 4 * 2**30  # 1080p still fits the default budget
+
+
+def test_decode_runs_one_chunk_ahead_of_the_composite(tiny_pipe, monkeypatch):
+    """The window's decode loop asks the VAE for chunk i+1 before it waits for chunk i's frames and composites them
+    (on a GPU the host then waits for and composites chunk i while chunk i+1 decodes); the output bytes do not
+    change."""
+    options = RunOptions(steps=1, seed=4, crop="off", dilate=2)
+    frames, mask = _clip(13, seed=6)
+    expected, _ = _stream(tiny_pipe, frames, mask, options)
+    events = []
+    decode_iter = RemovalPipeline.decode_iter
+
+    def logged_decode_iter(self, latents, progress=None):
+        for i, chunk in enumerate(decode_iter(self, latents, progress)):
+            events.append(("decoded", i))
+            yield chunk
+
+    def logged_emit(frame):
+        events.append(("emit", len([e for e in events if e[0] == "emit"])))
+        out.append(frame)
+
+    monkeypatch.setattr(RemovalPipeline, "decode_iter", logged_decode_iter)
+    out = []
+    tiny_pipe.remove_stream(zip(frames, mask), logged_emit, options)
+    assert np.array_equal(np.stack(out), expected)
+    # 13 frames: chunks of 1, 4, 4, 4 frames; chunk i's frames go out only after chunk i+1 was decoded
+    first_emit = {0: 0, 1: 1, 2: 5, 3: 9}
+    for chunk, frame in first_emit.items():
+        emitted_at = events.index(("emit", frame))
+        if chunk + 1 in first_emit:
+            assert events.index(("decoded", chunk + 1)) < emitted_at, events
+        assert events.index(("decoded", chunk)) < emitted_at
