@@ -606,8 +606,10 @@ class RemovalPipeline:
                         store.save(index, {"start": win.start, "stop": win.stop, "overlap": win.overlap,
                                            "box": run.box, "run_hw": run.run_hw, "ran": run.ran}, out_w, frames_w)
                 # Per frame: None where the output is the input, else its own copy (views would keep the whole
-                # window's array alive as long as any of its frames waits for the next window).
-                outs[span] = [None if np.array_equal(o, f) else o.copy() for o, f in zip(out_w, frames_w)]
+                # window's array alive as long as any of its frames waits for the next window). Frames already
+                # emitted (the last window's, as they were decoded) are never read again: nothing to keep.
+                outs[span] = [None if win.start + j < emitted or np.array_equal(o, f) else o.copy()
+                              for j, (o, f) in enumerate(zip(out_w, frames_w))]
                 del out_w, frames_w, dilated_w
                 result.windows.append(run)
                 index += 1

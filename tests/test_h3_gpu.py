@@ -63,6 +63,30 @@ def test_qkv_epilogue_and_swiglu_real_shape():
     _same_nvfp4(K.swiglu_quantize(u, bias, gsf), H.swiglu_quantize_reference(u, bias, gsf))  # torch.exp on CUDA
 
 
+@pytest.mark.parametrize("n, k", [(2048, 2048), (16384, 2048), (2048, 8192)])
+def test_unit_gemm_equals_w4a16_and_is_row_independent(n, k):
+    """The GEMM the H3 blocks run (both operands dequantized to bf16 units, kernels/nvfp4.unit_gemm) gives the W4A16
+    GEMM's bits on the same units at the decoder's shapes, and a row's result does not depend on the other rows (1 and
+    4 tiles per call: M = 1797 and 7188)."""
+    if not _sm90():
+        pytest.skip("needs an sm_90 GPU (the Triton GEMMs' launch configs are Hopper's)")
+    from fastremover.fast.kernels import nvfp4 as K
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    xq = K.quantize_nvfp4(torch.randn(7188, k, device="cuda", generator=g))
+    wq = K.quantize_nvfp4(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    alpha = ref.alpha_of(xq.global_scale) * ref.alpha_of(wq.global_scale)
+    xu, wu = K.unit_weight_nvfp4(xq, torch.bfloat16), K.unit_weight_nvfp4(wq, torch.bfloat16)
+    y = K.unit_gemm(xu, wu, alpha)
+    assert torch.equal(y, K.w4a16_gemm(xu, wq, alpha=alpha, config=K.GEMM_CONFIGS[0]))
+    assert torch.equal(K.unit_gemm(xu[:1797].contiguous(), wu, alpha), y[:1797])
+    for c in K.UNIT_GEMM_CONFIGS[1:]:
+        assert torch.equal(K.unit_gemm(xu, wu, alpha, config=c), y), c
+    r = (xu.float() @ wu.float().t()) * alpha
+    cos = torch.nn.functional.cosine_similarity(y.float().flatten(), r.flatten(), dim=0)
+    assert cos > 0.99999, cos
+
+
 @pytest.fixture(scope="module")
 def full_model():
     if not _sm90():

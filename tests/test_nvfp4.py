@@ -285,6 +285,34 @@ def test_triton_w4a16_gemm(dtype):
     assert torch.equal(y_none, n.w4a16_linear_reference(x, t))
 
 
+def test_triton_unit_gemm():
+    """The unit GEMM (both operands already exact bf16 units, as the H3 blocks run it): on exact data the reference
+    product bit for bit, and the W4A16 GEMM's result on the same units (the same K loop, the weight read instead of
+    decoded); its errors are one line each."""
+    from fastremover.fast.kernels.nvfp4 import unit_gemm, unit_weight_nvfp4, w4a16_gemm
+
+    gen = torch.Generator().manual_seed(8)
+    wq = n.quantize_reference(torch.randn(40, 80, generator=gen))
+    xq = n.quantize_reference((torch.randint(-8, 9, (20, 80), generator=gen).float() / 4))
+    xu, wu = unit_weight_nvfp4(xq, torch.bfloat16), unit_weight_nvfp4(wq, torch.bfloat16)
+    alpha = n.alpha_of(xq.global_scale) * n.alpha_of(wq.global_scale)
+    exact = (xu.double() @ wu.double().t())
+    assert torch.equal(exact, (xu.float() @ wu.float().t()).double())  # every partial sum exact in fp32
+    y = unit_gemm(xu, wu, alpha)
+    assert y.dtype == torch.bfloat16 and y.shape == (20, 40)
+    assert torch.equal(y, (exact.float() * alpha).bfloat16())
+    assert torch.equal(y, w4a16_gemm(xu, wq, alpha=alpha))
+    assert torch.equal(unit_gemm(xu, wu, alpha, out_dtype=torch.float32), exact.float() * alpha)
+    assert unit_gemm(xu[:0], wu, alpha).shape == (0, 40)
+    for call, msg in [
+        (lambda: unit_gemm(xu.float(), wu, alpha), "bf16"),
+        (lambda: unit_gemm(xu, wu[:, :64], alpha), "columns"),
+        (lambda: unit_gemm(xu, wu, torch.ones(2)), "one-element fp32"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            call()
+
+
 def test_triton_unit_weight_is_exact():
     from fastremover.fast.kernels.nvfp4 import unit_multiplier, unit_weight_nvfp4
 

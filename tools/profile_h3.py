@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GROUPS = (  # kernel-name patterns -> group (first match wins)
     ("w4a16 GEMM (Triton)", r"_w4a16_kernel"),
-    ("activation dequantize (Triton)", r"_dequantize_kernel"),
-    ("attention quantize (Triton)", r"_quantize_kernel"),
+    ("unit GEMM (Triton)", r"_unit_gemm_kernel"),
+    ("dequantize to units (Triton)", r"_dequantize_kernel"),
     ("fused norm/epilogue/swiglu (Triton)", r"residual_norm|qkv_epilogue|swiglu|_h3_"),
+    ("attention quantize (Triton)", r"_quantize_kernel"),
     ("attention (SDPA)", r"fmha|flash|attention|sdpa|cudnn"),
     ("dense GEMM / conv (cuBLAS, cuDNN)", r"gemm|cutlass|nvjet|xmma|conv|sm90"),
     ("copy / fill", r"copy|Memcpy|Memset|fill|cat"),
@@ -104,6 +105,16 @@ def _gemm_sweep(rows: list[int], cfg, torch) -> list[dict]:
             ms = triton.testing.do_bench(lambda: xu @ wu.t())
             row["cublas_bf16"] = {"ms": ms, "tflops": flop / ms / 1e9}
             base = K.w4a16_gemm(xu, wq, alpha=alpha, config=K.GEMM_CONFIGS[0])
+            row["dequant_weight_ms"] = triton.testing.do_bench(lambda: K.unit_weight_nvfp4(wq, torch.bfloat16))
+            row["unit_gemm"] = []
+            for c in K.UNIT_GEMM_CONFIGS:
+                try:
+                    y = K.unit_gemm(xu, wu, alpha, config=c)
+                    ms = triton.testing.do_bench(lambda: K.unit_gemm(xu, wu, alpha, config=c))
+                    row["unit_gemm"].append({"config": list(c), "ms": ms, "tflops": flop / ms / 1e9,
+                                             "equal_to_w4a16_config0": bool(torch.equal(y, base))})
+                except Exception as e:
+                    row["unit_gemm"].append({"config": list(c), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             row["configs"] = []
             for c in K.GEMM_CONFIGS:
                 try:

@@ -31,9 +31,12 @@ division; CUDA's torch.rsqrt is the approximate instruction).
 
 gemm(xq, W) = bf16(fl(fl32(sum_k unit(xq)[m, k] * unit(W)[n, k]) * alpha)), unit = e2m1 * e4m3 block scale (exact in
 bf16), alpha = fl(alpha_x * alpha_w). On the CPU the sum is exact (int64: unit * 2^10 is an integer), so it is
-independent of the order and of M. On an sm_90 GPU it is the project's Triton W4A16 GEMM (kernels/nvfp4.w4a16_gemm)
-at its fixed default config on the exact bf16 unit activations: fp32 accumulation in an order that depends on K
-only, so again independent of M (Hopper has no FP4 tensor cores: this emulates W4A4 numerics with 16-bit MMAs).
+independent of the order and of M. On an sm_90 GPU both operands are dequantized to their exact bf16 unit values
+(the weight per call, into a transient [N, K] buffer: only the packed weight stays resident) and multiplied by the
+project's Triton unit GEMM (kernels/nvfp4.unit_gemm) at its fixed default config: fp32 accumulation in an order that
+depends on K only, so again independent of M, and the same bits as the W4A16 GEMM (which decodes the weight tile in
+its K loop, at a third of the speed at these shapes) on the same units (Hopper has no FP4 tensor cores: this
+emulates W4A4 numerics with 16-bit MMAs).
 Other GPUs: cuBLAS fp32 on the units (no tile-batching guarantee there).
 
 The fused path (kernels/h3_fused.py) computes the same values with three Triton kernels around the GEMMs and the
@@ -184,17 +187,17 @@ def _sm90(t: torch.Tensor) -> bool:
 
 def nvfp4_gemm(xq: ref.Nvfp4Tensor, wq: ref.Nvfp4Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """bf16 [M, N] = bf16(fl(fl32(sum_k unit(x) unit(w)) * alpha)); alpha [1] fp32 = fl(alpha_x * alpha_w). The sum is
-    exact on the CPU, the Triton W4A16 GEMM's fp32 accumulation on sm_90, cuBLAS fp32 elsewhere (module docstring)."""
+    exact on the CPU, the Triton unit GEMM's fp32 accumulation on sm_90, cuBLAS fp32 elsewhere (module docstring)."""
     if xq.packed.device.type == "cpu":
         xi = (ref.unit_weight(xq) * 2.0 ** UNIT_SHIFT).to(torch.int64)
         wi = (ref.unit_weight(wq) * 2.0 ** UNIT_SHIFT).to(torch.int64)
         acc = (xi @ wi.t()).to(torch.float32) * 2.0 ** (-2 * UNIT_SHIFT)
         return (acc * alpha).to(BF16)
     if _sm90(xq.packed):
-        from fastremover.fast.kernels.nvfp4 import GEMM_CONFIGS, unit_weight_nvfp4, w4a16_gemm
+        from fastremover.fast.kernels.nvfp4 import unit_gemm, unit_weight_nvfp4
 
-        # the exact bf16 unit activations from the Triton dequantizer (no host-to-device copies: graph-capturable)
-        return w4a16_gemm(unit_weight_nvfp4(xq, BF16), wq, alpha=alpha, config=GEMM_CONFIGS[0])
+        # exact bf16 units from the Triton dequantizer (no host-to-device copies: graph-capturable)
+        return unit_gemm(unit_weight_nvfp4(xq, BF16), unit_weight_nvfp4(wq, BF16), alpha)
     return ((ref.unit_weight(xq) @ ref.unit_weight(wq).t()) * alpha).to(BF16)
 
 

@@ -432,3 +432,90 @@ def w4a16_gemm(x: torch.Tensor, t: ref.Nvfp4Tensor, bias: torch.Tensor | None = 
                               enabled=tune, what="w4a16_gemm")
     launch(config)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Unit GEMM: both operands already dequantized to their exact 16-bit unit values
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps); the first is the default. The K loop is the same for every
+# config: tl.dot's fp32 accumulation over BLOCK_K slices in increasing k, so the result depends on K only (not on M,
+# N or the tile shape; tools/profile_h3.py --gemm-sweep checks that bit for bit at the H3 decoder's shapes).
+UNIT_GEMM_CONFIGS = [
+    (128, 256, 64, 8, 3, 8),
+    (128, 128, 64, 8, 4, 8),
+    (256, 128, 64, 8, 3, 8),
+    (128, 256, 64, 8, 4, 8),
+    (128, 128, 64, 8, 5, 4),
+    (64, 256, 64, 8, 4, 4),
+]
+UNIT_GEMM_CONFIG_INTERPRETER = (16, 32, 32, 2, 1, 4)
+
+
+@triton.jit
+def _unit_gemm_kernel(
+    A, B, ALPHA, C, M, N, K, stride_am, stride_bn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a_ptrs = A + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+        b_ptrs = B + ncols[:, None].to(tl.int64) * stride_bn + ks[None, :]
+        a_mask = (rows[:, None] < M) & (ks[None, :] < K)
+        b_mask = (ncols[:, None] < N) & (ks[None, :] < K)
+        if INTERPRET:  # the interpreter's bf16 arithmetic is unreliable: the same (exact) values in fp32
+            a = load_f32(a_ptrs, a_mask, INTERPRET)
+            b = load_f32(b_ptrs, b_mask, INTERPRET)
+        else:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+    y = mul_rn(acc, tl.broadcast_to(tl.load(ALPHA), acc.shape), INTERPRET)
+    tl.store(C + rows[:, None].to(tl.int64) * stride_cm + ncols[None, :], round_to(y, C.dtype.element_ty, INTERPRET),
+             mask=(rows[:, None] < M) & (ncols[None, :] < N))
+
+
+def unit_gemm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+              config: tuple | None = None) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T with both in bf16 (rows contiguous), fp32 accumulation, -> out_dtype(fl(acc * alpha));
+    alpha: [1] fp32 device tensor. For exact unit values (unit_weight_nvfp4 of two NVFP4 tensors) this is the W4A16
+    GEMM's result on the same units bit for bit (same tl.dot K loop, the weight tile read instead of decoded), and its
+    K-only accumulation order makes a row's result independent of the other rows. config: one of
+    UNIT_GEMM_CONFIGS (default the first: a fixed config, never tuned per call)."""
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2 or t.dtype != torch.bfloat16 or t.stride(1) != 1:
+            raise ValueError(f"{name} must be a 2-D bf16 tensor with contiguous rows, got {t.dtype} "
+                             f"{list(t.shape)} strides {t.stride()}")
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"a has {k} columns, b {b.shape[1]}")
+    if not isinstance(alpha, torch.Tensor) or alpha.numel() != 1 or alpha.dtype != torch.float32:
+        raise ValueError("alpha must be a one-element fp32 tensor")
+    check_device(_unit_gemm_kernel, a=a, b=b, alpha=alpha)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    interp = interpreting(_unit_gemm_kernel)
+    if config is None:
+        config = UNIT_GEMM_CONFIG_INTERPRETER if interp else UNIT_GEMM_CONFIGS[0]
+    bm, bn, bk, group_m, stages, warps = config
+    _unit_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+        a, b, alpha, out, m, n, k, a.stride(0), b.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, INTERPRET=interp, num_stages=stages, num_warps=warps,
+        **launch_options(_unit_gemm_kernel),
+    )
+    return out
