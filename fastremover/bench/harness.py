@@ -302,7 +302,7 @@ def streamed_write(pipe: RemovalPipeline, inputs: BenchInputs, options: RunOptio
 
     start = time.perf_counter()
     try:
-        pipe.remove_stream(zip(inputs.frames, inputs.mask), emit, options)
+        streamed = pipe.remove_stream(zip(inputs.frames, inputs.mask), emit, options)
         t = time.perf_counter()
         writer.close()
         exposed += time.perf_counter() - t
@@ -319,11 +319,21 @@ def streamed_write(pipe: RemovalPipeline, inputs: BenchInputs, options: RunOptio
         reference = pipe.remove(inputs.frames, inputs.mask, options).frames
     media.write_video(serial, reference, inputs.fps)
     with open(path, "rb") as a, open(serial, "rb") as b:
-        identical = a.read() == b.read()
+        streamed_bytes, serial_bytes = a.read(), b.read()
+    identical = streamed_bytes == serial_bytes
     frames_identical = digest.hexdigest() == hashlib.sha256(np.ascontiguousarray(reference).tobytes()).hexdigest()
-    return {"total_s": round(total, 4), "write_exposed_s": round(exposed, 4),
-            "write_overlapped_s": round(max(0.0, writer.busy_s - exposed), 4), "identical": identical,
-            "frames_identical": frames_identical}
+    out = {"total_s": round(total, 4), "write_exposed_s": round(exposed, 4),
+           "write_overlapped_s": round(max(0.0, writer.busy_s - exposed), 4), "identical": identical,
+           "frames_identical": frames_identical,
+           # host wall time per stage of the request (no synchronization: GPU stages show their launch and wait time)
+           "host_stages_s": {k: round(v, 4) for k, v in streamed.timer.wall_s.items()}}
+    if not identical:  # where the two files part: container bytes only, or the decoded pictures too
+        first = next((i for i, (x, y) in enumerate(zip(streamed_bytes, serial_bytes)) if x != y),
+                     min(len(streamed_bytes), len(serial_bytes)))
+        decoded_equal = np.array_equal(media.read_video(path).frames, media.read_video(serial).frames)
+        out["difference"] = {"bytes": [len(streamed_bytes), len(serial_bytes)], "first_differing_byte": first,
+                             "decoded_frames_equal": bool(decoded_equal)}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
