@@ -749,12 +749,25 @@ def _same_shape(frames: Iterator[np.ndarray], shape: tuple[int, ...]) -> Iterato
 
 def _to_yuv(rgb: np.ndarray, pix_fmt: str) -> av.VideoFrame:
     frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
-    return frame.reformat(
+    yuv = frame.reformat(
         format=pix_fmt,
         dst_colorspace=av.video.reformatter.Colorspace.ITU709,
         dst_color_range=av.video.reformatter.ColorRange.MPEG,
         interpolation=_ENCODE_INTERPOLATION,
     )
+    _zero_row_padding(yuv)
+    return yuv
+
+
+def _zero_row_padding(frame: av.VideoFrame) -> None:
+    """Zero the bytes between each row's end and the next row's start of every plane (FFmpeg aligns rows to the
+    CPU's widest vector, 64 bytes with AVX-512, and leaves the gap uninitialized). The encoder is handed a picture
+    that is a function of the pixels alone, so nothing it may read past a row's end can differ between runs.
+    (8-bit planar formats: a plane's width in bytes is its width.)"""
+    for plane in frame.planes:
+        if plane.line_size > plane.width:
+            rows = np.asarray(memoryview(plane)).reshape(plane.height, plane.line_size)
+            rows[:, plane.width:] = 0
 
 
 def _yuv_frames(frames: Iterable[np.ndarray], pix_fmt: str) -> Iterator[av.VideoFrame]:

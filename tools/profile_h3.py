@@ -156,7 +156,10 @@ def main(argv=None) -> int:
     z = torch.randn(1, cfg.latent_channels, args.latent_frames, args.height // cfg.patch_size,
                     args.width // cfg.patch_size, device="cuda", generator=gen)
     kw = dict(tier=args.tier, tiles_per_call=args.tiles_per_call)
-    res: dict = {"config": {**vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
+    from fastremover.bench.harness import environment
+
+    res: dict = {**environment(), "command": " ".join(["python", *sys.argv]),
+                 "config": {**vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
     with torch.no_grad():
         window = z[:, :, :cfg.chunk_tokens + cfg.overlap_tokens]
         stack = H.build_nvfp4_stack(model, window, tier=args.tier, fused=True, cuda_graphs=args.cuda_graphs,
