@@ -332,20 +332,24 @@ def _weight_tile(PACKED, SF, ncols, k0, N, K, CPAD, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _w4a16_kernel(
-    A, PACKED, SF, ALPHA, BIAS, C, M, N, K, CPAD, stride_am, stride_cm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    # grouped tile order: GROUP_M row tiles sweep the columns together (their weight tiles stay in L2)
-    pid = tl.program_id(0)
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles sweep the columns together, so
+    their weight tiles stay in L2."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def _w4a16_kernel(
+    A, PACKED, SF, ALPHA, BIAS, C, M, N, K, CPAD, stride_am, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -458,14 +462,7 @@ def _unit_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
