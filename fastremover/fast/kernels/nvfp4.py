@@ -18,6 +18,10 @@ the eager references of these kernels (bit-equal under TRITON_INTERPRET=1, tests
                                      patterns, multiplies by the block scale in the MMA dtype (exact: W_unit = e2m1 * sf
                                      has at most 6 significant bits) and feeds tl.dot (wgmma on sm_90), fp32
                                      accumulation; alpha and the bias are applied to the fp32 accumulator.
+    unit_gemm(a, b, alpha)          out(fl(acc * alpha)) of two bf16 matrices already holding exact units (the H3 blocks:
+                                     both operands dequantized by unit_weight_nvfp4): the W4A16 GEMM's K loop with the
+                                     weight tile read instead of decoded, so the same bits on the same units, faster
+                                     where M is large enough that decoding in the loop is the bottleneck.
 
 No W4A8 kernel: an FP8 MMA needs the block scale applied after the product, but NVFP4's scale changes every 16
 elements of K while an e4m3 wgmma consumes 32 per instruction, and W_unit = e2m1 * sf does not fit e4m3 (up to 6
