@@ -72,9 +72,10 @@ def main(argv=None) -> int:
     z = torch.randn(1, cfg.latent_channels, args.latent_frames, args.height // cfg.patch_size,
                     args.width // cfg.patch_size, device=args.device, generator=g)
     kw = dict(tier=args.tier, tiles_per_call=args.tiles_per_call)
-    from fastremover.bench.harness import environment
+    from fastremover.bench.harness import script_environment
 
-    res = {**environment(), "command": " ".join(["python", *sys.argv]), "config": {**vars(args), "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
+    res = {**script_environment(),
+           "config": {**vars(args), "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
                       "frames_out": h3.temporal_plan(cfg, args.latent_frames)[2]}}
     with torch.no_grad():
         dense, t, mem = _timed(lambda: model.decode(z, **kw), args.repeats, cuda)

@@ -1,5 +1,5 @@
 """Where the fused NVFP4 H3 decode's GPU time goes (GPU): kernels grouped by name under torch.profiler, and a sweep
-of the W4A16 GEMM's launch configs at the block shapes the decode runs.
+of the block GEMMs' launch configs at the shapes the decode runs.
 
     python tools/profile_h3.py [--tier 36L] [--height 720] [--width 1280] [--latent-frames 7] [--tiles-per-call 4]
                                [--cuda-graphs] [--eager] [--gemm-sweep] [--out FILE]
@@ -8,8 +8,9 @@ One process, random weights (h3_decoder.random_decoder, seed 0), one random late
 stack is frozen (only packed block weights resident). Reported: the token rows of every block-stack call, the wall
 time of a warm decode, then one profiled decode: kernel time per group, the share of the wall time the kernels
 cover, the 15 longest kernels. --eager profiles the eager NVFP4 path too. --gemm-sweep times every launch config of
-kernels/nvfp4.GEMM_CONFIGS at the calls' (M, N, K) (plus the activation dequantization pass and cuBLAS bf16 on the
-same shape as a yardstick) and says whether each config's output equals config 0's bit for bit.
+kernels/nvfp4.UNIT_GEMM_CONFIGS (the unit GEMM the H3 blocks run) and GEMM_CONFIGS (the W4A16 GEMM) at the calls'
+(M, N, K), plus both dequantization passes and cuBLAS bf16 on the same shape as a yardstick, and says whether each
+output equals the W4A16 GEMM's at its config 0 bit for bit.
 """
 
 from __future__ import annotations
@@ -156,10 +157,9 @@ def main(argv=None) -> int:
     z = torch.randn(1, cfg.latent_channels, args.latent_frames, args.height // cfg.patch_size,
                     args.width // cfg.patch_size, device="cuda", generator=gen)
     kw = dict(tier=args.tier, tiles_per_call=args.tiles_per_call)
-    from fastremover.bench.harness import environment
+    from fastremover.bench.harness import script_environment
 
-    res: dict = {**environment(), "command": " ".join(["python", *sys.argv]),
-                 "config": {**vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
+    res: dict = {**script_environment(), "config": vars(args)}
     with torch.no_grad():
         window = z[:, :, :cfg.chunk_tokens + cfg.overlap_tokens]
         stack = H.build_nvfp4_stack(model, window, tier=args.tier, fused=True, cuda_graphs=args.cuda_graphs,

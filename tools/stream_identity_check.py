@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
         return 1
-    from fastremover.bench.harness import environment, synthetic_inputs
+    from fastremover.bench.harness import script_environment, synthetic_inputs
     from fastremover.models.loading import random_models
 
     inputs = synthetic_inputs(args.workload)
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
             rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            env = {**environment(), "command": " ".join(["python", *sys.argv])}
+            env = script_environment()
             json.dump({**env, "workload": args.workload, "rows": rows}, f, indent=1)
     return 0
 

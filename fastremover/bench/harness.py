@@ -353,12 +353,17 @@ def environment() -> dict:
             "command": " ".join(["fastremover", *sys.argv[1:]]) if sys.argv else "", "python": platform.python_version()}
 
 
+def script_environment() -> dict:
+    """`environment()` for a script run as `python SCRIPT ...` (tools/, experiments/): its command line as run."""
+    return {**environment(), "command": " ".join(["python", *sys.argv])}
+
+
 def save_experiment(path: str | None, rows: list, **fields) -> None:
     """An experiment script's JSON (experiments/): its rows with the provenance the results need (GPU, torch,
     commit, the command line as run)."""
     if not path:
         return
-    env = {**environment(), "command": " ".join(["python", *sys.argv])}
+    env = script_environment()
     with open(path, "w") as f:
         json.dump({**env, **fields, "rows": rows}, f, indent=1)
 

@@ -348,6 +348,18 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def load_mma_operand(ptrs, mask, INTERPRET: tl.constexpr):
+    """A 16-bit MMA operand tile (masked lanes 0): as stored, or under the interpreter a bf16 tile widened exactly to
+    fp32 (the interpreter's bf16 arithmetic is unreliable; the values are the same)."""
+    emulated: tl.constexpr = INTERPRET and ptrs.dtype.element_ty == tl.bfloat16
+    if emulated:
+        v = load_f32(ptrs, mask, INTERPRET)
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
 def _w4a16_kernel(
     A, PACKED, SF, ALPHA, BIAS, C, M, N, K, CPAD, stride_am, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -358,7 +370,6 @@ def _w4a16_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     a_dtype: tl.constexpr = A.dtype.element_ty
-    bf16_emulated: tl.constexpr = INTERPRET and a_dtype == tl.bfloat16
     if SWAP:  # C^T = W X^T: the dequantized tile is wgmma's register operand, X's tile the shared-memory one
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -367,10 +378,7 @@ def _w4a16_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         a_ptrs = A + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
         a_mask = (rows[:, None] < M) & (ks[None, :] < K)
-        if bf16_emulated:
-            a = load_f32(a_ptrs, a_mask, INTERPRET)
-        else:
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        a = load_mma_operand(a_ptrs, a_mask, INTERPRET)
         w = _weight_tile(PACKED, SF, ncols, k0, N, K, CPAD, BLOCK_N, BLOCK_K, a_dtype, INTERPRET)
         if SWAP:
             acc = tl.dot(w, tl.trans(a), acc)
@@ -477,13 +485,8 @@ def _unit_gemm_kernel(
         b_ptrs = B + ncols[:, None].to(tl.int64) * stride_bn + ks[None, :]
         a_mask = (rows[:, None] < M) & (ks[None, :] < K)
         b_mask = (ncols[:, None] < N) & (ks[None, :] < K)
-        if INTERPRET:  # the interpreter's bf16 arithmetic is unreliable: the same (exact) values in fp32
-            a = load_f32(a_ptrs, a_mask, INTERPRET)
-            b = load_f32(b_ptrs, b_mask, INTERPRET)
-        else:
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        acc = tl.dot(load_mma_operand(a_ptrs, a_mask, INTERPRET), tl.trans(load_mma_operand(b_ptrs, b_mask, INTERPRET)),
+                     acc)
     y = mul_rn(acc, tl.broadcast_to(tl.load(ALPHA), acc.shape), INTERPRET)
     tl.store(C + rows[:, None].to(tl.int64) * stride_cm + ncols[None, :], round_to(y, C.dtype.element_ty, INTERPRET),
              mask=(rows[:, None] < M) & (ncols[None, :] < N))
