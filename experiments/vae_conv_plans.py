@@ -154,7 +154,7 @@ def main() -> int:
     t0 = time.time()
     dev = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.float16
-    vae = random_init_(WanVAE(WanVAEConfig.from_dict(PRESETS["full"]["vae"])), 1).eval()
+    vae = random_init_(WanVAE(WanVAEConfig.from_dict(PRESETS["minimax-remover"]["vae"])), 1).eval()
     fast = FastWanVAE(vae, device=dev, dtype=dtype)
     video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0)
     x = torch.from_numpy(video.frames).to(dev).permute(3, 0, 1, 2)[None].float().div_(127.5).sub_(1.0).to(dtype)

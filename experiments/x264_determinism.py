@@ -28,6 +28,10 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="832x480")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--isolate", action="store_true",
+                   help="instead: convert the frames to YUV several times (hashes of the visible and padded plane "
+                        "bytes), then encode ONE set of converted frames several times at ENCODER_THREADS and 1 "
+                        "thread: tells a conversion difference from an encoder one")
     args = p.parse_args(argv)
     import numpy as np
     import torch
@@ -41,6 +45,9 @@ def main(argv=None) -> int:
 
     def digest(path):
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+    if args.isolate:
+        return isolate(args, frames, tmp, digest)
 
     def serial(i):
         path = os.path.join(tmp, f"s{i}.mp4")
@@ -101,6 +108,65 @@ def main(argv=None) -> int:
         Path(args.out).write_text(text + "\n")
     for k, v in res.items():
         print(f"{k:50s} {len(set(v))} distinct of {len(v)}: {sorted(set(v))}")
+    return 0
+
+
+def isolate(args, frames, tmp, digest) -> int:
+    import av
+    import numpy as np
+
+    from fastremover import media
+
+    def plane_hashes(yuv_frames):
+        visible, padded = hashlib.sha256(), hashlib.sha256()
+        for f in yuv_frames:
+            for plane in f.planes:
+                rows = np.asarray(memoryview(plane)).reshape(plane.height, plane.line_size)
+                visible.update(np.ascontiguousarray(rows[:, : plane.width]).tobytes())
+                padded.update(rows.tobytes())
+        return visible.hexdigest()[:16], padded.hexdigest()[:16]
+
+    conversions = []
+    kept = None
+    for r in range(args.repeats):
+        yuv = [media._to_yuv(f, "yuv420p") for f in frames]
+        conversions.append(plane_hashes(yuv))
+        kept = kept or yuv
+    line_sizes = [[p.line_size, p.width] for p in kept[0].planes]
+    original = media._yuv_frames
+    media._yuv_frames = lambda _frames, _fmt: (f for f, _ in zip(kept, _frames))  # the rgb frames still drive it
+    encodes, first_diff = {}, {}
+    try:
+        for threads in (media.ENCODER_THREADS, 1):
+            media.ENCODER_THREADS = threads
+            paths = []
+            for i in range(args.repeats):
+                path = os.path.join(tmp, f"iso{threads}-{i}.mp4")
+                media.write_video(path, frames, 24)
+                paths.append(path)
+            encodes[threads] = [digest(q) for q in paths]
+            base = media.read_video(paths[0]).frames
+            first_diff[threads] = []
+            for q in paths[1:]:
+                other = media.read_video(q).frames
+                diff = [j for j in range(len(base)) if not np.array_equal(base[j], other[j])]
+                first_diff[threads].append(diff[:1] + [len(diff)] if diff else None)
+    finally:
+        media._yuv_frames = original
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    out = {"frames": args.frames, "size": args.size, "cpus": os.cpu_count(), "cpu": cpu,
+           "avx512": sorted(f for f in flags if f.startswith("avx512")), "av": av.__version__,
+           "libraries": {k: list(v) for k, v in av.library_versions.items()},
+           "plane_line_size_width": line_sizes,
+           "conversions_visible_padded": conversions,
+           "conversions_distinct_visible": len({c[0] for c in conversions}),
+           "encodes_of_one_conversion": {str(k): v for k, v in encodes.items()},
+           "decoded_first_differing_frame_and_count_vs_first": {str(k): v for k, v in first_diff.items()}}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
     return 0
 
 
