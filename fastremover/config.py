@@ -192,6 +192,8 @@ class KernelTuning:
     conv3d_fp8_tune: bool = _opt(True, env="FASTREMOVER_CONV3D_FP8_TUNE", env_values={"1": True, "0": False})
     # the sub-pixel upsampling conv's timing-based config choice (off: the first candidate)
     upconv_tune: bool = _opt(True, env="FASTREMOVER_UPCONV_TUNE", env_values={"1": True, "0": False})
+    # the fast VAE's convs on cuDNN plans that give torch's bits faster (fast/cudnn_conv.py; off: torch's convs)
+    cudnn_conv_plans: bool = _opt(True, env="FASTREMOVER_CUDNN_CONV_PLANS", env_values={"1": True, "0": False})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelTuning":

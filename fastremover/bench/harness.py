@@ -493,6 +493,11 @@ def _crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, 
 NVFP4_OPTIONS = ("nvfp4", "nvfp4+vae", "nvfp4-w4a4@crop")  # the fidelity rows of nvfp4_fidelity
 
 
+def _conv_plans_report(pipe: RemovalPipeline) -> list[dict] | None:
+    plans = getattr(pipe.vae, "conv_plans", None)
+    return plans.report() if plans is not None else None
+
+
 def _eager_vae(pipe: RemovalPipeline):
     """The nn.Module behind the pipeline's VAE (the eager WanVAE of an EagerVideoVAE, or the module itself)."""
     return getattr(pipe.vae, "module", pipe.vae)
@@ -654,6 +659,8 @@ def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, 
         "speedup_denoise": round(ref_s["denoise"] / eng_s["denoise"], 4),
         "speedup_vae": round(vae_ref / vae_eng, 4) if vae_eng else None,
         "vae": pipe.config.vae,
+        # per conv signature: the cuDNN plan the fast VAE chose (fast/cudnn_conv.py), torch's and its time per call
+        "vae_conv_plans": _conv_plans_report(pipe),
         # engine / reference per VAE stage (CUDA): absolute peaks, and the stages' own working memory
         "vae_stage_peak_ratio": _ratios(eng.stage_peak_gib, ref_run.stage_peak_gib),
         "vae_stage_peak_delta_ratio": _ratios(eng.stage_peak_delta_gib, ref_run.stage_peak_delta_gib),
@@ -727,6 +734,12 @@ def format_table(results: list[dict]) -> str:
                 f"(reference {pr.get('vae_decode', 0):.2f}); ratios {r['vae_stage_peak_ratio']}, working memory "
                 f"ratios {r['vae_stage_peak_delta_ratio']}"
             )
+        if r.get("vae_conv_plans"):
+            rows = r["vae_conv_plans"]
+            chosen = [c for c in rows if c["plan"] != "torch"]
+            lines.append(f"vae convs [{r['mode']}]: {len(chosen)} of {len(rows)} large conv signatures on a faster cuDNN "
+                         f"plan (torch's bits); per call {sum(c['torch_ms'] for c in chosen):.2f} -> "
+                         f"{sum(c['ms'] for c in chosen):.2f} ms summed over those signatures")
         if r.get("streamed"):
             st = r["streamed"]
             lines.append(

@@ -361,6 +361,10 @@ class FastWanVAE(VideoVAE):
     (`static_act_scale`) and the norm writes e4m3 codes straight into the conv's stream buffer and cache; "dynamic":
     one scale per conv call from the amax of its input (an amax pass and a quantization pass per call; the only
     choice without the TMA kernel, and for convs not fed by a norm).
+    conv_plans: the convs through `fastremover.fast.cudnn_conv.ConvPlans` (per conv signature, a cuDNN plan that
+    gives torch's output bit for bit where one is faster, checked on the first call; else torch's call). "auto"
+    (default): where it can run (CUDA, fp16/bf16, cudnn-frontend installed) unless FASTREMOVER_CUDNN_CONV_PLANS=0;
+    True: raise where it cannot; False: torch's convs. The same bits either way.
     """
 
     def __init__(
@@ -388,6 +392,7 @@ class FastWanVAE(VideoVAE):
         fp8_encoder_max_channels: int | None = None,
         fp8_scales: str = "auto",
         upsample_conv: str = "auto",
+        conv_plans: bool | str = "auto",
     ):
         if precision not in PRECISIONS:
             raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
@@ -477,6 +482,7 @@ class FastWanVAE(VideoVAE):
         # The convs' own bias adds (those fuse_bias cannot defer): on CUDA, the bias-free conv + our row kernel, the
         # bits of ATen's conv-then-add_ (its cuDNN path) without its slow strided add. Elsewhere the conv adds it.
         self._bias_kernel = self.kernels == "triton" and self.device.type == "cuda"
+        self.conv_plans = self._conv_plans(conv_plans)
         self._add_bias = add_bias_fn
         self._pad_copy = pad_copy_fn  # a real-width cache into the front of a padded conv input buffer
         self._conv: dict[nn.Module, _Conv] = {}
@@ -486,6 +492,22 @@ class FastWanVAE(VideoVAE):
 
     # ------------------------------------------------------------------------------------------------------------------
     # Setup
+
+    def _conv_plans(self, conv_plans: bool | str):
+        """The cuDNN plan chooser of the convs (fast/cudnn_conv.py: torch's bits, faster plans where cuDNN has them),
+        or None: "auto" uses it where it can run (CUDA, fp16/bf16, cudnn-frontend) unless
+        FASTREMOVER_CUDNN_CONV_PLANS=0; True raises where it cannot; False: torch's convs."""
+        from fastremover.config import kernel_tuning
+        from fastremover.fast import cudnn_conv
+
+        if conv_plans not in ("auto", True, False):
+            raise ValueError(f"conv_plans must be 'auto', True or False, got {conv_plans!r}")
+        why = cudnn_conv.available(self.device, self.dtype)
+        if conv_plans is True and why is not None:
+            raise FastRemoverError(f"conv_plans=True: {why}")
+        if conv_plans is False or why is not None or (conv_plans == "auto" and not kernel_tuning().cudnn_conv_plans):
+            return None
+        return cudnn_conv.ConvPlans(self.device)
 
     def _load_fp8(self):
         if not fp8_conv_available():
@@ -644,7 +666,8 @@ class FastWanVAE(VideoVAE):
                    and self.fp8_encoder_max_channels != (FP8_ENCODER_MAX_CHANNELS if self.fp8_scales == "static"
                                                          else FP8_MAX_CHANNELS) else "")
                 + ("+dynamic-scales" if self._fp8 is not None and self.fp8_scales == "dynamic" else "")
-                + ("+eager-upsample" if self.device.type == "cuda" and self.upsample_conv == "eager" else ""))
+                + ("+eager-upsample" if self.device.type == "cuda" and self.upsample_conv == "eager" else "")
+                + ("+torch-conv-plans" if self.device.type == "cuda" and self.conv_plans is None else ""))
 
     def _check_video(self, x: torch.Tensor, what: str = "x") -> None:
         c = self.config.in_channels
@@ -1023,9 +1046,13 @@ class FastWanVAE(VideoVAE):
         """conv_fn(x, weight, bias, *args) (F.conv2d / F.conv3d); on CUDA with our kernels the bias is added by
         `add_bias_` after the bias-free conv: the same bits as ATen's cuDNN path (conv, then `out.add_(bias)`), one
         pass at memory speed instead of torch's strided add on a channels-last output."""
-        if bias is None or not self._bias_kernel:
+        if bias is not None and not self._bias_kernel:
             return conv_fn(x, weight, bias, *args)
-        return self._add_bias(conv_fn(x, weight, None, *args), bias)
+        if self.conv_plans is not None and conv_fn in (F.conv2d, F.conv3d):
+            y = self.conv_plans.conv(x, weight, *args)  # torch's bits (cudnn_conv's contract)
+        else:
+            y = conv_fn(x, weight, None, *args)
+        return y if bias is None else self._add_bias(y, bias)
 
     def _conv3d(self, x: torch.Tensor, c: _Conv, keep_bias: bool = True) -> torch.Tensor:
         y = self._conv_b(F.conv3d, x, c.weight, c.bias if keep_bias else None, c.stride, c.padding)

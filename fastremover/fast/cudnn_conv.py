@@ -1,0 +1,251 @@
+"""The fast VAE's convolutions on cuDNN plans that give torch's bits faster (cuDNN-frontend, CUDA).
+
+    y = ConvPlans(device).conv(x, weight, stride, padding)      ==  F.conv3d / F.conv2d(x, weight, None, stride, padding)
+
+torch runs a convolution with the first plan of cuDNN's heuristics. For some of the VAE's shapes another plan that
+cuDNN offers for the same convolution is much faster and computes the same bits: on the H200 at W2 (cuDNN 9.19,
+experiments/vae_conv_plans.py, bench/results/vae-conv-plans-*.json) the encoder's 96 -> 96 3x3x3 conv at
+480x832 takes 1.46 ms per call with torch's plan and 0.61 ms with `eng62_k2=20_k13=0_k18=0_k25=0_k27=2_k28=1`
+(18 of the 43 plans cuDNN builds there are bit-identical to torch's; the others sum in another order).
+
+Contract: `conv` returns exactly what torch's call returns. Per signature (conv rank, shapes, strides, dtype,
+stride, padding) the first call
+  1. runs torch's conv (its result is this call's output) and, for a conv of at least MIN_GFLOP, builds the
+     CANDIDATES cuDNN offers for the signature (plans named by engine and knobs, so the set is the same in every
+     process);
+  2. keeps a candidate only if its output is torch.equal to torch's on the call's input AND on a random input of
+     the same shape (a plan that adds the products in another order differs in many of the millions of outputs);
+  3. times torch's conv and the kept candidates (CUDA events, medians of TIME_REPEATS) and uses the fastest
+     candidate from then on if it beats torch's by at least 3 %, else torch's call.
+Since every candidate that can be chosen gave torch's bits, which one wins the timing changes no output: runs stay
+reproducible across processes and machines. Inputs the plans were not built for (another data pointer alignment,
+a CUDA graph capture in progress, another signature) take torch's call or their own first call.
+
+Without cudnn-frontend (`pip install nvidia-cudnn-frontend`, in the `gpu` extra), off CUDA or outside fp16/bf16,
+`available()` says why and the VAE runs torch's convs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Plans that were bit-identical to torch's and fastest at the VAE's W2 shapes on the H200 (cuDNN 9.19), by name.
+CANDIDATES = (
+    "eng62_k2=20_k13=0_k18=0_k25=0_k27=2_k28=1",  # encoder 96 -> 96 at full resolution: 0.61 vs 1.46 ms
+    "eng62_k2=20_k13=0_k18=0_k25=0_k27=4_k28=1",
+    "eng62_k2=18_k13=1_k18=0_k25=0_k27=8_k28=1",  # 192 -> 192 (encoder): 1.09 vs 1.26 ms
+    "eng62_k2=19_k13=1_k18=0_k25=1_k27=8_k28=1",
+    "eng62_k2=20_k13=1_k18=0_k25=1_k27=1_k28=2",  # 192 (decoder), 384 -> 384: 0.30 vs 0.33, 0.56 vs 0.65 ms
+    "eng62_k2=18_k13=1_k18=0_k25=1_k27=8_k28=1",
+)
+MIN_GFLOP = 20.0  # smaller convs keep torch's call (a plan build and a timing per signature would not pay)
+TIME_REPEATS = 3
+MIN_GAIN = 0.03
+ALIGN = 16  # bytes: every data pointer of a call the plans run (cuDNN's default alignment assumption)
+
+
+def available(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the plans can run for this device and dtype, else why not."""
+    if device.type != "cuda":
+        return "cuDNN plans need a CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"cuDNN plans are used for fp16/bf16 convs, not {dtype}"
+    from fastremover.fast.cudnn_sdpa import import_error
+
+    err = import_error()
+    return None if err is None else f"cudnn-frontend does not import ({err})"
+
+
+def _flops(y: torch.Tensor, weight: torch.Tensor) -> float:
+    return 2.0 * y.numel() * weight[0].numel()
+
+
+@dataclass
+class Choice:
+    """What a signature runs: a plan (`run(x, w, y)`) or torch's call (run None), and the timings behind it."""
+
+    name: str  # plan name, or "torch"
+    run: Callable | None = None
+    torch_ms: float | None = None
+    ms: float | None = None
+    equal_candidates: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why not (unequal, build failed)
+    shape: tuple = ()  # the output's shape and strides (torch's, which the plans write too)
+    stride: tuple = ()
+
+
+def choose(default: Callable[[torch.Tensor], torch.Tensor], candidates: dict[str, Callable], checks: list,
+           time_ms: Callable[[Callable], float], min_gain: float = MIN_GAIN) -> Choice:
+    """The selection rule, apart from cuDNN (tests drive it with plain functions).
+
+    default(x) -> y: torch's conv; candidates: name -> run(x, y_out) writing the conv of x into y_out; checks: the
+    inputs every kept candidate must reproduce bit for bit (torch.equal with default(x)); time_ms(fn) -> ms. Returns
+    the fastest kept candidate if it beats the default by `min_gain`, else the default."""
+    expected = [default(x) for x in checks]
+    kept, rejected = {}, {}
+    for name, run in candidates.items():
+        try:
+            for x, want in zip(checks, expected):
+                got = torch.empty_strided(want.shape, want.stride(), dtype=want.dtype, device=want.device)
+                run(x, got)
+                if not torch.equal(got, want):
+                    rejected[name] = "output differs from torch's"
+                    break
+            else:
+                kept[name] = run
+        except Exception as exc:  # noqa: BLE001 - a plan that fails to run is not a candidate
+            rejected[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    x0, y0 = checks[0], expected[0]
+    torch_ms = time_ms(lambda: default(x0))
+    best = Choice("torch", None, torch_ms, torch_ms, list(kept), rejected)
+    out = torch.empty_strided(y0.shape, y0.stride(), dtype=y0.dtype, device=y0.device)
+    for name, run in kept.items():
+        ms = time_ms(lambda run=run: run(x0, out))
+        if ms < best.ms and ms <= (1.0 - min_gain) * torch_ms:
+            best = Choice(name, run, torch_ms, ms, list(kept), rejected)
+    return best
+
+
+def _cuda_time_ms(fn: Callable, repeats: int = TIME_REPEATS) -> float:
+    fn()  # warm-up (first launch of the plan)
+    events = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        events.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % ALIGN == 0 for t in tensors)
+
+
+class ConvPlans:
+    """Per-signature plan choice for F.conv2d / F.conv3d without bias, dilation 1, groups 1 (see the module doc).
+    `choices` maps each signature seen to its Choice (the bench and the tests read it)."""
+
+    def __init__(self, device: torch.device, candidates: tuple[str, ...] = CANDIDATES, min_gflop: float = MIN_GFLOP,
+                 *, builder=None, time_ms: Callable[[Callable], float] | None = None):
+        """builder(x, weight, y, stride, padding, names) -> an object with .built (name -> index), .failed
+        (name -> why) and .run(index, x, weight, y) (default: the cuDNN-frontend graph); time_ms(fn) -> ms (default:
+        CUDA events). Both are replaceable for tests."""
+        self.device = device
+        self.candidates = tuple(candidates)
+        self.min_gflop = float(min_gflop)
+        self._builder = builder or _CudnnConvPlans
+        self._time_ms = time_ms or _cuda_time_ms
+        self.choices: dict[tuple, Choice] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def torch_conv(x: torch.Tensor, weight: torch.Tensor, stride, padding) -> torch.Tensor:
+        fn = F.conv3d if x.dim() == 5 else F.conv2d
+        return fn(x, weight, None, stride, padding)
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, stride=1, padding=0) -> torch.Tensor:
+        nd = x.dim() - 2
+        stride = tuple(stride) if isinstance(stride, (tuple, list)) else (stride,) * nd
+        padding = tuple(padding) if isinstance(padding, (tuple, list)) else (padding,) * nd
+        if (x.is_cuda and torch.cuda.is_current_stream_capturing()) or not _aligned(x, weight):
+            return self.torch_conv(x, weight, stride, padding)
+        key = (nd, tuple(x.shape), x.stride(), tuple(weight.shape), weight.stride(), x.dtype, stride, padding)
+        choice = self.choices.get(key)
+        if choice is None:
+            with self._lock:
+                choice = self.choices.get(key)
+                if choice is None:
+                    y, choice = self._first_call(x, weight, stride, padding)
+                    self.choices[key] = choice
+                    return y
+        if choice.run is None:
+            return self.torch_conv(x, weight, stride, padding)
+        y = torch.empty_strided(choice.shape, choice.stride, dtype=x.dtype, device=x.device)
+        choice.run(x, weight, y)
+        return y
+
+    def _first_call(self, x, weight, stride, padding) -> tuple[torch.Tensor, Choice]:
+        y = self.torch_conv(x, weight, stride, padding)
+        if _flops(y, weight) < self.min_gflop * 1e9 or not _aligned(y):
+            choice = Choice("torch")
+        else:
+            plans = self._builder(x, weight, y, stride, padding, self.candidates)
+            runs = {name: (lambda xi, yo, i=i: plans.run(i, xi, weight, yo)) for name, i in plans.built.items()}
+            probe = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).normal_()
+            choice = choose(lambda xi: self.torch_conv(xi, weight, stride, padding), runs, [x, probe], self._time_ms)
+            choice.rejected.update(plans.failed)
+            if choice.run is not None:
+                index = plans.built[choice.name]
+                choice.run = lambda xi, w, yo, index=index: plans.run(index, xi, w, yo)
+            del probe
+        choice.shape, choice.stride = tuple(y.shape), y.stride()
+        return y, choice
+
+    def report(self) -> list[dict]:
+        """One row per signature whose first call was a candidate for plans: shapes, choice, timings."""
+        rows = []
+        for key, c in self.choices.items():
+            if c.torch_ms is None:
+                continue
+            rows.append({"x": list(key[1]), "w": list(key[3]), "plan": c.name, "torch_ms": round(c.torch_ms, 4),
+                         "ms": round(c.ms, 4), "equal_candidates": len(c.equal_candidates),
+                         "rejected": len(c.rejected)})
+        return rows
+
+
+class _CudnnConvPlans:
+    """One cuDNN-frontend conv_fprop graph for fixed shapes/strides/dtype, with the named candidate plans built."""
+
+    def __init__(self, x, weight, y, stride, padding, names: tuple[str, ...]):
+        import cudnn
+
+        from fastremover.fast.cudnn_sdpa import _dtype, _handle
+
+        self.cudnn = cudnn
+        self.handle = _handle(x.device)
+        dt = _dtype(cudnn, x.dtype)
+        g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
+        self.X = g.tensor(name="X", dim=list(x.shape), stride=list(x.stride()), data_type=dt)
+        self.W = g.tensor(name="W", dim=list(weight.shape), stride=list(weight.stride()), data_type=dt)
+        self.Y = g.conv_fprop(image=self.X, weight=self.W, padding=list(padding), stride=list(stride),
+                              dilation=[1] * len(stride), compute_data_type=cudnn.data_type.FLOAT, name="conv")
+        self.Y.set_output(True).set_dim(list(y.shape)).set_stride(list(y.stride())).set_data_type(dt)
+        self.built: dict[str, int] = {}
+        self.failed: dict[str, str] = {}
+        self.workspace: dict[int, int] = {}
+        try:
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            g.check_support()
+        except Exception as exc:  # noqa: BLE001 - no graph: every candidate fails, torch's call runs
+            self.failed = {n: f"graph: {type(exc).__name__}: {str(exc)[:120]}" for n in names}
+            return
+        offered = {g.get_plan_name_at_index(i): i for i in range(g.get_execution_plan_count())}
+        for name in names:
+            index = offered.get(name)
+            if index is None:
+                self.failed[name] = "not offered for this conv"
+                continue
+            try:
+                g.build_plan_at_index(index)
+                self.workspace[index] = g.get_workspace_size_plan_at_index(index)
+                self.built[name] = index
+            except Exception as exc:  # noqa: BLE001
+                self.failed[name] = f"build: {type(exc).__name__}: {str(exc)[:120]}"
+        self.graph = g
+
+    def run(self, index: int, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
+        size = self.workspace.get(index, 0)
+        ws = torch.empty(max(1, size), dtype=torch.uint8, device=x.device)
+        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(x.device).cuda_stream)
+        self.graph.execute_plan_at_index({self.X: x, self.W: weight, self.Y: y}, ws, index, handle=self.handle)
