@@ -583,6 +583,23 @@ def _write_frame_folder(folder: Path, frames: Iterable[np.ndarray]) -> int:
 ENCODER_THREADS = 8
 
 
+def x264_params(cpuinfo: str | None = None) -> dict[str, str]:
+    """Extra libx264 options for every H.264 write: on a CPU with AVX-512, x264's SIMD level is capped at AVX2
+    (`asm=AVX2`). With its AVX-512 code the same converted pictures gave different files within one process (the
+    first encode of a run unlike the next ones, on the H200 machine's Xeon; at AVX2 every encode was the same file,
+    the one the later AVX-512 encodes gave: experiments/x264_determinism.py --isolate --x264-params,
+    bench/results/x264-isolate-asm-*.json). cpuinfo: /proc/cpuinfo's text (read when None; no cap where it cannot
+    be read, e.g. off Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return {}
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return {"x264-params": "asm=AVX2"} if "avx512f" in flags and "avx2" in flags else {}
+
+
 def write_video(
     path: str | os.PathLike,
     frames: np.ndarray,
@@ -707,7 +724,7 @@ def _encode_h264(
         stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
         ctx = stream.codec_context
         ctx.time_base = 1 / rate  # pts are frame indices: exact for any rational rate
-        ctx.options = {"crf": str(int(crf)), "preset": preset}
+        ctx.options = {"crf": str(int(crf)), "preset": preset, **_X264_PARAMS}
         ctx.thread_type = "AUTO"
         # x264's bytes depend on its thread count, and "auto" counts the CPUs the opening thread may run on (its
         # affinity), so the same frames gave different files on different machines and threads: a fixed count
@@ -740,6 +757,9 @@ def _encode_h264(
     return num_frames
 
 
+_X264_PARAMS = x264_params()
+
+
 def _same_shape(frames: Iterator[np.ndarray], shape: tuple[int, ...]) -> Iterator[np.ndarray]:
     for frame in frames:
         if frame.shape != shape or frame.dtype != np.uint8:
@@ -763,7 +783,8 @@ def _zero_row_padding(frame: av.VideoFrame) -> None:
     """Zero the bytes between each row's end and the next row's start of every plane (FFmpeg aligns rows to the
     CPU's widest vector, 64 bytes with AVX-512, and leaves the gap uninitialized). The encoder is handed a picture
     that is a function of the pixels alone, so nothing it may read past a row's end can differ between runs.
-    (8-bit planar formats: a plane's width in bytes is its width.)"""
+    (Not what made the H200 machine's files differ, whose W2 planes are not padded: see `x264_params`. 8-bit
+    planar formats: a plane's width in bytes is its width.)"""
     for plane in frame.planes:
         if plane.line_size > plane.width:
             rows = np.asarray(memoryview(plane)).reshape(plane.height, plane.line_size)

@@ -579,9 +579,9 @@ def test_h264_bytes_do_not_depend_on_the_writing_threads_cpus(tmp_path):
 @pytest.mark.parametrize("pix_fmt", ["yuv420p", "yuv444p"])
 def test_the_encoders_pictures_are_a_function_of_the_pixels(pix_fmt):
     """FFmpeg aligns each plane's rows (to 64 bytes on AVX-512 machines) and leaves the bytes after a row's end
-    uninitialized. (On the H200 machine equal frames gave different H.264 files from run to run at W1 and W2, whose
-    chroma rows are padded at 64-byte alignment, never at W3, whose rows are not: the suspected cause, not yet
-    confirmed there.) The writer zeroes those bytes, so every byte of the picture handed to the encoder is a function
+    uninitialized. (Suspected, and refuted, as the cause of the H200 machine's differing H.264 files: W2's planes
+    are not padded there; x264's AVX-512 code was the cause, see test_x264_is_capped_at_avx2_on_avx512_cpus.) The
+    writer zeroes those bytes anyway, so every byte of the picture handed to the encoder is a function
     of the frame: repeated conversions of one frame are equal byte for byte, padding included."""
     rng = np.random.default_rng(1)
     frame = rng.integers(0, 256, (48, 86, 3), dtype=np.uint8)  # 86 / 43 columns: rows padded at any alignment
@@ -595,3 +595,39 @@ def test_the_encoders_pictures_are_a_function_of_the_pixels(pix_fmt):
     plane = yuv.planes[1]
     rows = np.frombuffer(bytes(plane), np.uint8).reshape(plane.height, plane.line_size)
     assert not rows[:, plane.width:].any()
+
+
+def test_x264_is_capped_at_avx2_on_avx512_cpus():
+    """On a CPU with AVX-512 the writer passes x264 asm=AVX2 (its AVX-512 code gave different files for the same
+    pictures within one process on the H200 machine); elsewhere nothing."""
+    flags = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma{}\n"
+    assert media.x264_params(flags.format(" avx512f avx512bw")) == {"x264-params": "asm=AVX2"}
+    assert media.x264_params(flags.format("")) == {}
+    assert media.x264_params("no flags line") == {}
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return []
+    return next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+
+
+@pytest.mark.skipif("avx2" not in _cpu_flags(), reason="needs an x86 CPU with AVX2 (/proc/cpuinfo)")
+def test_the_avx2_cap_writes_the_same_frames(tmp_path, monkeypatch):
+    """The capped write is a valid H.264 file of the frames; on a CPU with AVX2 and no AVX-512 (where x264 picks
+    AVX2 itself) it is the uncapped file byte for byte."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (1, 64, 96, 3)).astype(np.uint8)
+    frames = np.concatenate([np.roll(base, 2 * i, axis=2) for i in range(8)])
+    monkeypatch.setattr(media, "_X264_PARAMS", {})
+    media.write_video(tmp_path / "plain.mp4", frames, 24)
+    monkeypatch.setattr(media, "_X264_PARAMS", {"x264-params": "asm=AVX2"})
+    media.write_video(tmp_path / "capped.mp4", frames, 24)
+    plain, capped = media.read_video(tmp_path / "plain.mp4").frames, media.read_video(tmp_path / "capped.mp4").frames
+    assert capped.shape == frames.shape == plain.shape
+    if "avx512f" not in _cpu_flags():
+        assert (tmp_path / "capped.mp4").read_bytes() == (tmp_path / "plain.mp4").read_bytes()
+    else:
+        assert np.array_equal(plain, capped)  # AVX-512 and AVX2 gave the same pictures on the H200 machine
