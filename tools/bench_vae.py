@@ -112,6 +112,9 @@ def bench(argv: list[str] | None = None) -> int:
                    help="with --vae-precision fp8: measure every variant with each of these fp8_max_channels values")
     p.add_argument("--fp8-encoder-max-channels", type=int, nargs="+", default=None,
                    help="with --vae-precision fp8: measure every variant with each of these fp8_encoder_max_channels")
+    p.add_argument("--conv-plans", choices=["auto", "off", "both"], default="auto",
+                   help="the convs on cuDNN plans with torch's bits (fast/cudnn_conv.py; auto: where they can run), "
+                        "torch's convs (off), or each variant both ways")
     p.add_argument("--upsample-conv", nargs="+", choices=list(UPSAMPLE_CONVS), default=None,
                    help="measure every variant with each of these upsample_conv values")
     p.add_argument("--fp8-scales", nargs="+", choices=list(FP8_SCALES), default=None,
@@ -212,6 +215,8 @@ def bench(argv: list[str] | None = None) -> int:
         variants = [{**v, "fp8_scales": fs} for fs in args.fp8_scales for v in variants]
     if args.upsample_conv:
         variants = [{**v, "upsample_conv": uc} for uc in args.upsample_conv for v in variants]
+    plans = {"auto": ["auto"], "off": [False], "both": [False, "auto"]}[args.conv_plans]
+    variants = [{**v, "conv_plans": cp} for v in variants for cp in plans]
     z_gpu = z_dec.to(device)
     unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:
@@ -257,6 +262,7 @@ def bench(argv: list[str] | None = None) -> int:
             "fp8_encoder_max_channels": fast.fp8_encoder_max_channels,
             "fp8_scales": fast.fp8_scales,
             "upsample_conv": fast.upsample_conv,
+            "conv_plans": fast.conv_plans.report() if fast.conv_plans is not None else None,
         })
         if args.fuse_bias:
             outs = tuple(t.cpu() for t in (za, zb, vid))
