@@ -21,6 +21,10 @@ Since every candidate that can be chosen gave torch's bits, which one wins the t
 reproducible across processes and machines. Inputs the plans were not built for (another data pointer alignment,
 a CUDA graph capture in progress, another signature) take torch's call or their own first call.
 
+Cost of a first call: the plan builds, 2 + 2 x (candidates) conv runs for the equality checks and 4 x (1 + kept)
+for the timing, and, transiently, a random input and two outputs of the signature (at W2's encoder level 0 about
+0.9 GiB above what the conv itself needs). Later calls cost what the chosen plan costs.
+
 Without cudnn-frontend (`pip install nvidia-cudnn-frontend`, in the `gpu` extra), off CUDA or outside fp16/bf16,
 `available()` says why and the VAE runs torch's convs.
 """
