@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,20 +28,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastremover.bench.harness import script_environment  # noqa: E402
+from fastremover.fast.cudnn_conv import _CudnnConvPlans  # noqa: E402
+from fastremover.timing import cuda_time_ms  # noqa: E402
 
 
-def _time_ms(fn, iters: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def _time_ms(fn) -> float:
+    return cuda_time_ms(fn, iters=5, warmup=1)
 
 
 class Recorder:
@@ -94,42 +85,18 @@ class Recorder:
 
 
 def _frontend_survey(x, w, args, ref, ms_default):
-    import cudnn
-
-    from fastremover.fast.cudnn_sdpa import _handle
-
-    nd = x.dim() - 2
-    stride, padding = (list(a) for a in args)
-    handle = _handle(x.device)
-    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-    X = g.tensor(name="X", dim=list(x.shape), stride=list(x.stride()), data_type=cudnn.data_type.HALF)
-    W = g.tensor(name="W", dim=list(w.shape), stride=list(w.stride()), data_type=cudnn.data_type.HALF)
-    Y = g.conv_fprop(image=X, weight=W, padding=padding, stride=stride, dilation=[1] * nd,
-                     compute_data_type=cudnn.data_type.FLOAT, name="conv")
-    Y.set_output(True).set_dim(list(ref.shape)).set_stride(list(ref.stride())).set_data_type(cudnn.data_type.HALF)
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans(cudnn.build_plan_policy.ALL)
-    n = g.get_execution_plan_count()
-    size = max([g.get_workspace_size()] + [g.get_workspace_size_plan_at_index(i) for i in range(n)])
-    ws = torch.empty(max(1, size), dtype=torch.uint8, device=x.device)
+    """Every plan cuDNN-frontend offers for the bias-free conv (the graph fast/cudnn_conv.py builds), each timed and
+    compared with torch's output `ref`."""
+    plans = _CudnnConvPlans(x, w, ref, *args, names=None)
     y = torch.empty_strided(ref.shape, ref.stride(), dtype=ref.dtype, device=ref.device)
-    rows = []
-    for i in range(n):
-        name = g.get_plan_name_at_index(i)
+    rows = [{"name": name, "error": why} for name, why in plans.failed.items()]
+    for name, i in plans.built.items():
         try:
-            def run():
-                cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-                g.execute_plan_at_index({X: x, W: w, Y: y}, ws, i, handle=handle)
-
-            ms = _time_ms(run)
+            ms = _time_ms(lambda i=i: plans.run(i, x, w, y))
             rows.append({"plan": i, "name": name, "ms": round(ms, 4), "vs_default": round(ms / ms_default, 3),
                          "equal": bool(torch.equal(y, ref)),
                          "max_abs_diff": float((y.float() - ref.float()).abs().max()),
-                         "workspace_mib": round(g.get_workspace_size_plan_at_index(i) / 2**20, 1)})
+                         "workspace_mib": round(plans.workspace[i] / 2**20, 1)})
         except Exception as exc:  # noqa: BLE001 - a plan that does not run is a row, not a failure
             rows.append({"plan": i, "name": name, "error": repr(exc)[:160]})
     return rows

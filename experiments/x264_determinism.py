@@ -30,8 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--x264-params", nargs="*", default=None,
                    help="with --isolate: also encode the one conversion with each of these x264-params strings "
-                        "(e.g. asm=AVX2), 3 times each in a fresh order, through a direct PyAV loop with "
-                        "media's settings")
+                        "(e.g. asm=AVX2; '' for none) instead of media's own, --repeats times each")
     p.add_argument("--isolate", action="store_true",
                    help="instead: convert the frames to YUV several times (hashes of the visible and padded plane "
                         "bytes), then encode ONE set of converted frames several times at ENCODER_THREADS and 1 "
@@ -115,33 +114,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _encode_direct(yuv_frames, path, threads, x264_params):
-    """media._encode_h264's settings (crf 18, medium, BT.709 tags, fixed threads) plus x264-params, on frames
-    already converted."""
-    from fractions import Fraction
-
-    import av
-
-    out = av.open(path, mode="w", format="mp4", container_options={"movflags": "+faststart"})
-    stream = out.add_stream("libx264", rate=Fraction(24))
-    stream.width, stream.height, stream.pix_fmt = yuv_frames[0].width, yuv_frames[0].height, "yuv420p"
-    ctx = stream.codec_context
-    ctx.time_base = Fraction(1, 24)
-    ctx.options = {"crf": "18", "preset": "medium", **({"x264-params": x264_params} if x264_params else {})}
-    ctx.thread_type = "AUTO"
-    ctx.thread_count = threads
-    ctx.colorspace = av.video.reformatter.Colorspace.ITU709
-    ctx.color_range = av.video.reformatter.ColorRange.MPEG
-    ctx.color_primaries = 1
-    ctx.color_trc = 1
-    for i, f in enumerate(yuv_frames):
-        f.pts = i
-        f.time_base = ctx.time_base
-        out.mux(stream.encode(f))
-    out.mux(stream.encode(None))
-    out.close()
-
-
 def isolate(args, frames, tmp, digest) -> int:
     import av
     import numpy as np
@@ -166,8 +138,8 @@ def isolate(args, frames, tmp, digest) -> int:
     line_sizes = [[p.line_size, p.width] for p in kept[0].planes]
     original = media._yuv_frames
     media._yuv_frames = lambda _frames, _fmt: (f for f, _ in zip(kept, _frames))  # the rgb frames still drive it
-    encodes, first_diff = {}, {}
-    threads_default = media.ENCODER_THREADS
+    encodes, first_diff, params = {}, {}, {}
+    threads_default, x264_default = media.ENCODER_THREADS, media._X264_PARAMS
     try:
         for threads in (media.ENCODER_THREADS, 1):
             media.ENCODER_THREADS = threads
@@ -183,16 +155,17 @@ def isolate(args, frames, tmp, digest) -> int:
                 other = media.read_video(q).frames
                 diff = [j for j in range(len(base)) if not np.array_equal(base[j], other[j])]
                 first_diff[threads].append(diff[:1] + [len(diff)] if diff else None)
+        media.ENCODER_THREADS = threads_default
+        for text in args.x264_params or []:  # media's writer with these x264-params instead of its own
+            media._X264_PARAMS = {"x264-params": text} if text else {}
+            hashes = []
+            for i in range(args.repeats):
+                path = os.path.join(tmp, f"par{len(params)}-{i}.mp4")
+                media.write_video(path, frames, 24)
+                hashes.append(digest(path))
+            params[text] = hashes
     finally:
-        media._yuv_frames = original
-    params = {}
-    for text in args.x264_params or []:
-        hashes = []
-        for i in range(args.repeats):
-            path = os.path.join(tmp, f"par{len(params)}-{i}.mp4")
-            _encode_direct(kept, path, threads_default, text)
-            hashes.append(digest(path))
-        params[text] = hashes
+        media._yuv_frames, media._X264_PARAMS, media.ENCODER_THREADS = original, x264_default, threads_default
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
     out = {"frames": args.frames, "size": args.size, "cpus": os.cpu_count(), "cpu": cpu,

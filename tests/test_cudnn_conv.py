@@ -52,7 +52,7 @@ def test_choose_keeps_only_plans_that_reproduce_torch_and_takes_the_fastest():
     assert not torch.equal(F.conv3d(x.double(), w.double(), None, 1, (0, 1, 1)).float(), _conv(x, w))
     cands = {"other": other_order, "live": live_only, "broken": broken, "same": same}
     clock = _clock([10.0, 4.0])  # torch's conv, then the one kept candidate
-    c = choose(lambda xi: _conv(xi, w), cands, [x, probe], clock)
+    c = choose(lambda xi: _conv(xi, w), cands, [(x, _conv(x, w)), (probe, _conv(probe, w))], clock)
     assert c.name == "same" and c.run is same and c.equal_candidates == ["same"]
     assert c.torch_ms == 10.0 and c.ms == 4.0
     assert set(c.rejected) == {"other", "live", "broken"}
@@ -72,7 +72,7 @@ def test_choose_needs_a_real_gain(times, want):
     cands = {"a": run, "b": lambda xi, out: run(xi, out)}
     if len(times) == 2:
         cands = {"a": run}
-    c = choose(lambda xi: _conv(xi, w), cands, [x], _clock(times))
+    c = choose(lambda xi: _conv(xi, w), cands, [(x, _conv(x, w))], _clock(times))
     assert c.name == want and (c.run is None) == (want == "torch")
 
 

@@ -15,7 +15,7 @@ stride, padding) the first call
      process);
   2. keeps a candidate only if its output is torch.equal to torch's on the call's input AND on a random input of
      the same shape (a plan that adds the products in another order differs in many of the millions of outputs);
-  3. times torch's conv and the kept candidates (CUDA events, medians of TIME_REPEATS) and uses the fastest
+  3. times torch's conv and the kept candidates (`timing.cuda_time_ms`, TIME_REPEATS calls) and uses the fastest
      candidate from then on if it beats torch's by at least 3 %, else torch's call.
 Since every candidate that can be chosen gave torch's bits, which one wins the timing changes no output: runs stay
 reproducible across processes and machines. Inputs the plans were not built for (another data pointer alignment,
@@ -31,13 +31,14 @@ Without cudnn-frontend (`pip install nvidia-cudnn-frontend`, in the `gpu` extra)
 
 from __future__ import annotations
 
-import statistics
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from fastremover.timing import cuda_time_ms
 
 # Plans that were bit-identical to torch's and fastest at the VAE's W2 shapes on the H200 (cuDNN 9.19), by name.
 CANDIDATES = (
@@ -84,18 +85,19 @@ class Choice:
     stride: tuple = ()
 
 
-def choose(default: Callable[[torch.Tensor], torch.Tensor], candidates: dict[str, Callable], checks: list,
-           time_ms: Callable[[Callable], float], min_gain: float = MIN_GAIN) -> Choice:
+def choose(default: Callable[[torch.Tensor], torch.Tensor], candidates: dict[str, Callable],
+           checks: list[tuple[torch.Tensor, torch.Tensor]], time_ms: Callable[[Callable], float],
+           min_gain: float = MIN_GAIN) -> Choice:
     """The selection rule, apart from cuDNN (tests drive it with plain functions).
 
-    default(x) -> y: torch's conv; candidates: name -> run(x, y_out) writing the conv of x into y_out; checks: the
-    inputs every kept candidate must reproduce bit for bit (torch.equal with default(x)); time_ms(fn) -> ms. Returns
-    the fastest kept candidate if it beats the default by `min_gain`, else the default."""
-    expected = [default(x) for x in checks]
+    default(x) -> y: torch's conv; candidates: name -> run(x, y_out) writing the conv of x into y_out; checks:
+    (input, default(input)) pairs every kept candidate must reproduce bit for bit (torch.equal); time_ms(fn) -> ms.
+    Returns the fastest kept candidate if it beats the default by `min_gain` (timed on the first check's input),
+    else the default."""
     kept, rejected = {}, {}
     for name, run in candidates.items():
         try:
-            for x, want in zip(checks, expected):
+            for x, want in checks:
                 got = torch.empty_strided(want.shape, want.stride(), dtype=want.dtype, device=want.device)
                 run(x, got)
                 if not torch.equal(got, want):
@@ -105,7 +107,7 @@ def choose(default: Callable[[torch.Tensor], torch.Tensor], candidates: dict[str
                 kept[name] = run
         except Exception as exc:  # noqa: BLE001 - a plan that fails to run is not a candidate
             rejected[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
-    x0, y0 = checks[0], expected[0]
+    x0, y0 = checks[0]
     torch_ms = time_ms(lambda: default(x0))
     best = Choice("torch", None, torch_ms, torch_ms, list(kept), rejected)
     out = torch.empty_strided(y0.shape, y0.stride(), dtype=y0.dtype, device=y0.device)
@@ -116,17 +118,8 @@ def choose(default: Callable[[torch.Tensor], torch.Tensor], candidates: dict[str
     return best
 
 
-def _cuda_time_ms(fn: Callable, repeats: int = TIME_REPEATS) -> float:
-    fn()  # warm-up (first launch of the plan)
-    events = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        events.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in events)
+def _cuda_time_ms(fn: Callable) -> float:
+    return cuda_time_ms(fn, iters=TIME_REPEATS, warmup=1)  # the warm-up: the plan's first launch
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -184,12 +177,13 @@ class ConvPlans:
             plans = self._builder(x, weight, y, stride, padding, self.candidates)
             runs = {name: (lambda xi, yo, i=i: plans.run(i, xi, weight, yo)) for name, i in plans.built.items()}
             probe = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).normal_()
-            choice = choose(lambda xi: self.torch_conv(xi, weight, stride, padding), runs, [x, probe], self._time_ms)
+            checks = [(x, y), (probe, self.torch_conv(probe, weight, stride, padding))]
+            choice = choose(lambda xi: self.torch_conv(xi, weight, stride, padding), runs, checks, self._time_ms)
             choice.rejected.update(plans.failed)
             if choice.run is not None:
                 index = plans.built[choice.name]
                 choice.run = lambda xi, w, yo, index=index: plans.run(index, xi, w, yo)
-            del probe
+            del probe, checks
         choice.shape, choice.stride = tuple(y.shape), y.stride()
         return y, choice
 
@@ -206,9 +200,11 @@ class ConvPlans:
 
 
 class _CudnnConvPlans:
-    """One cuDNN-frontend conv_fprop graph for fixed shapes/strides/dtype, with the named candidate plans built."""
+    """One cuDNN-frontend conv_fprop graph for fixed shapes/strides/dtype, with the named candidate plans built
+    (names None: every plan cuDNN offers, for experiments/vae_conv_plans.py's survey; a graph that cannot be built
+    then raises)."""
 
-    def __init__(self, x, weight, y, stride, padding, names: tuple[str, ...]):
+    def __init__(self, x, weight, y, stride, padding, names: tuple[str, ...] | None):
         import cudnn
 
         from fastremover.fast.cudnn_sdpa import _dtype, _handle
@@ -232,10 +228,12 @@ class _CudnnConvPlans:
             g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
             g.check_support()
         except Exception as exc:  # noqa: BLE001 - no graph: every candidate fails, torch's call runs
+            if names is None:
+                raise
             self.failed = {n: f"graph: {type(exc).__name__}: {str(exc)[:120]}" for n in names}
             return
         offered = {g.get_plan_name_at_index(i): i for i in range(g.get_execution_plan_count())}
-        for name in names:
+        for name in offered if names is None else names:
             index = offered.get(name)
             if index is None:
                 self.failed[name] = "not offered for this conv"
