@@ -107,6 +107,7 @@ def _gemm_sweep(rows: list[int], cfg, torch) -> list[dict]:
             row["cublas_bf16"] = {"ms": ms, "tflops": flop / ms / 1e9}
             base = K.w4a16_gemm(xu, wq, alpha=alpha, config=K.GEMM_CONFIGS[0])
             row["dequant_weight_ms"] = triton.testing.do_bench(lambda: K.unit_weight_nvfp4(wq, torch.bfloat16))
+            row["unit_gemm_default"] = list(K.unit_gemm_config(m, n, k))
             row["unit_gemm"] = []
             for c in K.UNIT_GEMM_CONFIGS:
                 try:

@@ -33,7 +33,7 @@ gemm(xq, W) = bf16(fl(fl32(sum_k unit(xq)[m, k] * unit(W)[n, k]) * alpha)), unit
 bf16), alpha = fl(alpha_x * alpha_w). On the CPU the sum is exact (int64: unit * 2^10 is an integer), so it is
 independent of the order and of M. On an sm_90 GPU both operands are dequantized to their exact bf16 unit values
 (the weight per call, into a transient [N, K] buffer: only the packed weight stays resident) and multiplied by the
-project's Triton unit GEMM (kernels/nvfp4.unit_gemm) at its fixed default config: fp32 accumulation in an order that
+project's Triton unit GEMM (kernels/nvfp4.unit_gemm) at its shape's fixed config: fp32 accumulation in an order that
 depends on K only, so again independent of M, and the same bits as the W4A16 GEMM (which decodes the weight tile in
 its K loop, at a third of the speed at these shapes) on the same units (Hopper has no FP4 tensor cores: this
 emulates W4A4 numerics with 16-bit MMAs).

@@ -464,8 +464,19 @@ UNIT_GEMM_CONFIGS = [
     (128, 256, 64, 8, 4, 8),
     (128, 128, 64, 8, 5, 4),
     (64, 256, 64, 8, 4, 4),
+    (128, 128, 64, 8, 3, 8),
+    (256, 128, 64, 8, 4, 8),
 ]
 UNIT_GEMM_CONFIG_INTERPRETER = (16, 32, 32, 2, 1, 4)
+# Narrow outputs (N <= UNIT_GEMM_NARROW_N: the H3 blocks' q/k/v/o and ff2, N = 2048) take 128 x 128 tiles: twice the
+# tiles of 128 x 256, so the last wave on a 132-SM H200 is fuller. Wide ones (ff1, N = 16384) take 256 x 128.
+UNIT_GEMM_NARROW_N = 4096
+
+
+def unit_gemm_config(m: int, n: int, k: int) -> tuple:
+    """The unit GEMM's launch config for an [m, k] @ [n, k]^T call on a GPU: a fixed function of the shape (never
+    timed per call). Every config gives the same bits (the K loop above), so this choice changes speed only."""
+    return UNIT_GEMM_CONFIGS[1] if n <= UNIT_GEMM_NARROW_N else UNIT_GEMM_CONFIGS[2]
 
 
 @triton.jit
@@ -498,7 +509,7 @@ def unit_gemm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *, out_dtyp
     alpha: [1] fp32 device tensor. For exact unit values (unit_weight_nvfp4 of two NVFP4 tensors) this is the W4A16
     GEMM's result on the same units bit for bit (same tl.dot K loop, the weight tile read instead of decoded), and its
     K-only accumulation order makes a row's result independent of the other rows. config: one of
-    UNIT_GEMM_CONFIGS (default the first: a fixed config, never tuned per call)."""
+    UNIT_GEMM_CONFIGS (default unit_gemm_config(M, N, K): a fixed function of the shape, never tuned per call)."""
     for name, t in (("a", a), ("b", b)):
         if t.dim() != 2 or t.dtype != torch.bfloat16 or t.stride(1) != 1:
             raise ValueError(f"{name} must be a 2-D bf16 tensor with contiguous rows, got {t.dtype} "
@@ -515,7 +526,7 @@ def unit_gemm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *, out_dtyp
         return out
     interp = interpreting(_unit_gemm_kernel)
     if config is None:
-        config = UNIT_GEMM_CONFIG_INTERPRETER if interp else UNIT_GEMM_CONFIGS[0]
+        config = UNIT_GEMM_CONFIG_INTERPRETER if interp else unit_gemm_config(m, n, k)
     bm, bn, bk, group_m, stages, warps = config
     _unit_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
         a, b, alpha, out, m, n, k, a.stride(0), b.stride(0), out.stride(0),
