@@ -468,15 +468,18 @@ UNIT_GEMM_CONFIGS = [
     (256, 128, 64, 8, 4, 8),
 ]
 UNIT_GEMM_CONFIG_INTERPRETER = (16, 32, 32, 2, 1, 4)
-# Narrow outputs (N <= UNIT_GEMM_NARROW_N: the H3 blocks' q/k/v/o and ff2, N = 2048) take 128 x 128 tiles: twice the
-# tiles of 128 x 256, so the last wave on a 132-SM H200 is fuller. Wide ones (ff1, N = 16384) take 256 x 128.
+# Narrow outputs (N <= UNIT_GEMM_NARROW_N: the H3 blocks' q/k/v/o and ff2, N = 2048) take 128 x 128 tiles with three
+# stages: twice the tiles of 128 x 256, so the last wave on a 132-SM H200 is fuller. Wide ones (ff1, N = 16384) take
+# 256 x 128 (tools/profile_h3.py --gemm-sweep; docs/performance.md, session 19).
 UNIT_GEMM_NARROW_N = 4096
+UNIT_GEMM_NARROW = (128, 128, 64, 8, 3, 8)
+UNIT_GEMM_WIDE = (256, 128, 64, 8, 3, 8)
 
 
 def unit_gemm_config(m: int, n: int, k: int) -> tuple:
     """The unit GEMM's launch config for an [m, k] @ [n, k]^T call on a GPU: a fixed function of the shape (never
     timed per call). Every config gives the same bits (the K loop above), so this choice changes speed only."""
-    return UNIT_GEMM_CONFIGS[1] if n <= UNIT_GEMM_NARROW_N else UNIT_GEMM_CONFIGS[2]
+    return UNIT_GEMM_NARROW if n <= UNIT_GEMM_NARROW_N else UNIT_GEMM_WIDE
 
 
 @triton.jit
