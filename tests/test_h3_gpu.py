@@ -83,6 +83,12 @@ def test_unit_gemm_equals_w4a16_and_is_row_independent(n, k):
     assert K.unit_gemm_config(7188, n, k) in K.UNIT_GEMM_CONFIGS
     for c in K.UNIT_GEMM_CONFIGS:  # the default above is one of them: each gives its bits
         assert torch.equal(K.unit_gemm(xu, wu, alpha, config=c), y), c
+    # rows a TMA descriptor cannot address (row stride k + 4 bf16: 8 bytes past a multiple of 16) take
+    # the pointer kernel at the default's tile shape: the same bits
+    padded = torch.zeros(7188, k + 4, dtype=torch.bfloat16, device="cuda")
+    padded[:, :k] = xu
+    assert not K._tma_addressable(padded[:, :k])
+    assert torch.equal(K.unit_gemm(padded[:, :k], wu, alpha), y)
     r = (xu.float() @ wu.float().t()) * alpha
     cos = torch.nn.functional.cosine_similarity(y.float().flatten(), r.flatten(), dim=0)
     assert cos > 0.99999, cos

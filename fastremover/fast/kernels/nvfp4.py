@@ -49,6 +49,7 @@ from fastremover.fast.kernels._common import (
     load_f32,
     mul_rn,
     round_to,
+    tma_available,
 )
 from fastremover.fast.kernels.quant import gelu_tanh_f32_device
 
@@ -454,32 +455,39 @@ def w4a16_gemm(x: torch.Tensor, t: ref.Nvfp4Tensor, bias: torch.Tensor | None = 
 # Unit GEMM: both operands already dequantized to their exact 16-bit unit values
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps); the first is the default. The K loop is the same for every
-# config: tl.dot's fp32 accumulation over BLOCK_K slices in increasing k, so the result depends on K only (not on M,
-# N or the tile shape; tools/profile_h3.py --gemm-sweep checks that bit for bit at the H3 decoder's shapes).
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps, tma). tma=False: one program per output tile, operand tiles
+# by masked pointer loads. tma=True: persistent (one program per SM, looping over the output tiles in grouped order),
+# operand tiles by TMA copies from host tensor descriptors (rows and columns outside the matrix arrive as zeros, as
+# the masked loads' other=0). The K loop is the same for every config: tl.dot's fp32 accumulation over BLOCK_K
+# slices in increasing k, so the result depends on K only (not on M, N, the tile shape or how a tile is loaded;
+# tests/test_h3_gpu.py and tools/profile_h3.py --gemm-sweep check that bit for bit at the H3 decoder's shapes).
 UNIT_GEMM_CONFIGS = [
-    (128, 256, 64, 8, 3, 8),
-    (128, 128, 64, 8, 4, 8),
-    (256, 128, 64, 8, 3, 8),
-    (128, 256, 64, 8, 4, 8),
-    (128, 128, 64, 8, 5, 4),
-    (64, 256, 64, 8, 4, 4),
-    (128, 128, 64, 8, 3, 8),
-    (256, 128, 64, 8, 4, 8),
+    (128, 256, 64, 8, 3, 8, False),
+    (128, 128, 64, 8, 4, 8, False),
+    (256, 128, 64, 8, 3, 8, False),
+    (128, 128, 64, 8, 3, 8, False),
+    (128, 128, 64, 8, 5, 4, False),
+    (128, 128, 64, 8, 5, 4, True),
+    (128, 128, 64, 8, 4, 8, True),
+    (128, 256, 64, 8, 4, 8, True),
+    (128, 256, 64, 8, 3, 8, True),
+    (256, 128, 64, 8, 3, 8, True),
 ]
-UNIT_GEMM_CONFIG_INTERPRETER = (16, 32, 32, 2, 1, 4)
-# Narrow outputs (N <= UNIT_GEMM_NARROW_N: the H3 blocks' q/k/v/o and ff2, N = 2048) take 128 x 128 tiles with three
-# stages: twice the tiles of 128 x 256, so the last wave on a 132-SM H200 is fuller. Wide ones (ff1, N = 16384) take
-# 256 x 128 (tools/profile_h3.py --gemm-sweep; docs/performance.md, session 19).
-UNIT_GEMM_NARROW_N = 4096
-UNIT_GEMM_NARROW = (128, 128, 64, 8, 3, 8)
-UNIT_GEMM_WIDE = (256, 128, 64, 8, 3, 8)
+UNIT_GEMM_CONFIG_INTERPRETER = (16, 32, 32, 2, 1, 4, False)
+# On sm_90 the TMA kernel: 128 x 128 tiles, five stages, four warps where both N and K are at most
+# UNIT_GEMM_NARROW (the H3 blocks' q/k/v/o: N = K = 2048: twice the tiles of 128 x 256, a fuller last wave on 132
+# SMs); 128 x 256 tiles, four stages, eight warps otherwise (ff1: N = 16384, ff2: K = 8192). Measured per shape in
+# docs/performance.md (session 19). Operands a TMA descriptor cannot address (a row stride not a multiple of 16 bytes,
+# a base address not 16-byte aligned) take the pointer kernel at the same tile shape, with the same bits.
+UNIT_GEMM_NARROW = 4096
+UNIT_GEMM_SMALL = (128, 128, 64, 8, 5, 4, True)
+UNIT_GEMM_LARGE = (128, 256, 64, 8, 4, 8, True)
 
 
 def unit_gemm_config(m: int, n: int, k: int) -> tuple:
     """The unit GEMM's launch config for an [m, k] @ [n, k]^T call on a GPU: a fixed function of the shape (never
     timed per call). Every config gives the same bits (the K loop above), so this choice changes speed only."""
-    return UNIT_GEMM_NARROW if n <= UNIT_GEMM_NARROW_N else UNIT_GEMM_WIDE
+    return UNIT_GEMM_SMALL if n <= UNIT_GEMM_NARROW and k <= UNIT_GEMM_NARROW else UNIT_GEMM_LARGE
 
 
 @triton.jit
@@ -506,6 +514,43 @@ def _unit_gemm_kernel(
              mask=(rows[:, None] < M) & (ncols[None, :] < N))
 
 
+@triton.jit
+def _widen_interpreted(v, INTERPRET: tl.constexpr):
+    """A loaded bf16 MMA tile as stored, or under the interpreter widened exactly to fp32 (load_mma_operand's rule)."""
+    if INTERPRET and v.dtype == tl.bfloat16:
+        v = (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _unit_gemm_tma_kernel(
+    a_desc, b_desc, ALPHA, C, M, N, K, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    alpha = tl.load(ALPHA)
+    # persistent: program p computes tiles p, p + NUM_PROGRAMS, ... (grid = min(NUM_PROGRAMS, tiles))
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # the pointer kernel's K loop
+            a = _widen_interpreted(a_desc.load([pid_m * BLOCK_M, k0]), INTERPRET)
+            b = _widen_interpreted(b_desc.load([pid_n * BLOCK_N, k0]), INTERPRET)
+            acc = tl.dot(a, tl.trans(b), acc)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = mul_rn(acc, tl.broadcast_to(alpha, acc.shape), INTERPRET)
+        tl.store(C + rows[:, None].to(tl.int64) * stride_cm + ncols[None, :],
+                 round_to(y, C.dtype.element_ty, INTERPRET), mask=(rows[:, None] < M) & (ncols[None, :] < N))
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """A 2-D tensor with contiguous rows that a TMA descriptor can address: 16-byte aligned base and row stride."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
 def unit_gemm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
               config: tuple | None = None) -> torch.Tensor:
     """a [M, K] @ b [N, K]^T with both in bf16 (rows contiguous), fp32 accumulation, -> out_dtype(fl(acc * alpha));
@@ -523,15 +568,28 @@ def unit_gemm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *, out_dtyp
         raise ValueError(f"a has {k} columns, b {b.shape[1]}")
     if not isinstance(alpha, torch.Tensor) or alpha.numel() != 1 or alpha.dtype != torch.float32:
         raise ValueError("alpha must be a one-element fp32 tensor")
-    check_device(_unit_gemm_kernel, a=a, b=b, alpha=alpha)
+    check_device(_unit_gemm_tma_kernel, a=a, b=b, alpha=alpha)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    interp = interpreting(_unit_gemm_kernel)
+    interp = interpreting(_unit_gemm_tma_kernel)
     if config is None:
         config = UNIT_GEMM_CONFIG_INTERPRETER if interp else unit_gemm_config(m, n, k)
-    bm, bn, bk, group_m, stages, warps = config
-    _unit_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+    bm, bn, bk, group_m, stages, warps, tma = config
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if tma and tma_available(_unit_gemm_tma_kernel, a.device) and _tma_addressable(a) and _tma_addressable(b):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+        _unit_gemm_tma_kernel[(min(programs, tiles),)](
+            TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk]),
+            TensorDescriptor(b, [n, k], [b.stride(0), 1], [bn, bk]),
+            alpha, out, m, n, k, out.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, NUM_PROGRAMS=programs, INTERPRET=interp,
+            num_stages=stages, num_warps=warps, **launch_options(_unit_gemm_tma_kernel),
+        )
+        return out
+    _unit_gemm_kernel[(tiles,)](
         a, b, alpha, out, m, n, k, a.stride(0), b.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, INTERPRET=interp, num_stages=stages, num_warps=warps,
         **launch_options(_unit_gemm_kernel),
