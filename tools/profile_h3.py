@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GROUPS = (  # kernel-name patterns -> group (first match wins)
     ("w4a16 GEMM (Triton)", r"_w4a16_kernel"),
-    ("unit GEMM (Triton)", r"_unit_gemm_kernel"),
+    ("unit GEMM (Triton)", r"_unit_gemm(_tma)?_kernel"),
     ("dequantize to units (Triton)", r"_dequantize_kernel"),
     ("fused norm/epilogue/swiglu (Triton)", r"residual_norm|qkv_epilogue|swiglu|_h3_"),
     ("attention quantize (Triton)", r"_quantize_kernel"),

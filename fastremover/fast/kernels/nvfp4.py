@@ -21,7 +21,8 @@ the eager references of these kernels (bit-equal under TRITON_INTERPRET=1, tests
     unit_gemm(a, b, alpha)          out(fl(acc * alpha)) of two bf16 matrices already holding exact units (the H3 blocks:
                                      both operands dequantized by unit_weight_nvfp4): the W4A16 GEMM's K loop with the
                                      weight tile read instead of decoded, so the same bits on the same units, faster
-                                     where M is large enough that decoding in the loop is the bottleneck.
+                                     where M is large enough that decoding in the loop is the bottleneck. On sm_90 a
+                                     persistent kernel whose operand tiles arrive by TMA (unit_gemm_config).
 
 No W4A8 kernel: an FP8 MMA needs the block scale applied after the product, but NVFP4's scale changes every 16
 elements of K while an e4m3 wgmma consumes 32 per instruction, and W_unit = e2m1 * sf does not fit e4m3 (up to 6
