@@ -476,9 +476,8 @@ UNIT_GEMM_CONFIGS = [
 ]
 UNIT_GEMM_CONFIG_INTERPRETER = (16, 32, 32, 2, 1, 4, False)
 # On sm_90 the TMA kernel: 128 x 128 tiles, five stages, four warps where both N and K are at most
-# UNIT_GEMM_NARROW (the H3 blocks' q/k/v/o: N = K = 2048: twice the tiles of 128 x 256, a fuller last wave on 132
-# SMs); 128 x 256 tiles, four stages, eight warps otherwise (ff1: N = 16384, ff2: K = 8192). Measured per shape in
-# docs/performance.md (session 19). Operands a TMA descriptor cannot address (a row stride not a multiple of 16 bytes,
+# UNIT_GEMM_NARROW (the H3 blocks' q/k/v/o: N = K = 2048); 128 x 256 tiles, four stages, eight warps otherwise (ff1:
+# N = 16384, ff2: K = 8192): the fastest of the sweep at each of those shapes (docs/performance.md, session 19). Operands a TMA descriptor cannot address (a row stride not a multiple of 16 bytes,
 # a base address not 16-byte aligned) take the pointer kernel at the same tile shape, with the same bits.
 UNIT_GEMM_NARROW = 4096
 UNIT_GEMM_SMALL = (128, 128, 64, 8, 5, 4, True)
@@ -581,6 +580,7 @@ def unit_gemm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, *, out_dtyp
     if tma and tma_available(_unit_gemm_tma_kernel, a.device) and _tma_addressable(a) and _tma_addressable(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        # one program per SM (under the interpreter 4, so that each program loops over several tiles)
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
         _unit_gemm_tma_kernel[(min(programs, tiles),)](
             TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk]),
