@@ -306,12 +306,9 @@ def test_triton_unit_gemm():
     # columns past the matrix come in as zeros) and the pointer kernel at the same tile shape give the same bits
     import fastremover.fast.kernels.nvfp4 as K
 
-    pointer_kernel = K._unit_gemm_kernel
-    try:
-        K._unit_gemm_kernel = None  # the TMA config must not fall back to the pointer kernel here
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(K, "_unit_gemm_kernel", None)  # the TMA config must not fall back to the pointer kernel here
         assert torch.equal(unit_gemm(xu, wu, alpha, config=(16, 16, 32, 2, 1, 4, True)), y)
-    finally:
-        K._unit_gemm_kernel = pointer_kernel
     assert torch.equal(unit_gemm(xu, wu, alpha, config=(16, 16, 32, 2, 1, 4, False)), y)
     assert torch.equal(unit_gemm(xu, wu, alpha, out_dtype=torch.float32), exact.float() * alpha)
     assert unit_gemm(xu[:0], wu, alpha).shape == (0, 40)

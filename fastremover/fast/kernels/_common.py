@@ -238,15 +238,21 @@ def mul_rn(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def bf16_to_f32(v, INTERPRET: tl.constexpr):
+    """A bf16 tensor widened to fp32 exactly: under the interpreter through its bits (bits << 16 is the exact fp32
+    value; the interpreter's own cast mangles bf16 subnormals), compiled by the cast."""
+    if INTERPRET:
+        out = (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        out = v.to(tl.float32)
+    return out
+
+
+@triton.jit
 def load_f32(ptrs, mask, INTERPRET: tl.constexpr):
     """Load fp16/bf16/fp32 and widen to fp32 exactly (masked lanes read 0)."""
     if ptrs.dtype.element_ty == tl.bfloat16:
-        if INTERPRET:
-            # bits << 16 is the exact fp32 value (the interpreter's own cast mangles bf16 subnormals)
-            raw = tl.load(ptrs, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
-            v = (raw << 16).to(tl.float32, bitcast=True)
-        else:
-            v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        v = bf16_to_f32(tl.load(ptrs, mask=mask, other=0.0), INTERPRET)
     else:
         v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     return v
@@ -283,11 +289,7 @@ def round_through(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     if DTYPE == tl.float32:
         out = v
     elif DTYPE == tl.bfloat16:
-        if INTERPRET:
-            out = (f32_to_bf16_rne(v, INTERPRET).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32,
-                                                                                                 bitcast=True)
-        else:
-            out = v.to(tl.bfloat16).to(tl.float32)
+        out = bf16_to_f32(f32_to_bf16_rne(v, INTERPRET), INTERPRET)
     else:
         out = v.to(DTYPE).to(tl.float32)
     return out

@@ -43,6 +43,7 @@ import triton.language as tl
 from fastremover.fast import nvfp4 as ref
 from fastremover.fast.kernels._common import (
     autotune,
+    bf16_to_f32,
     check_device,
     f32_to_fp8e4m3_rne,
     interpreting,
@@ -350,15 +351,18 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def load_mma_operand(ptrs, mask, INTERPRET: tl.constexpr):
-    """A 16-bit MMA operand tile (masked lanes 0): as stored, or under the interpreter a bf16 tile widened exactly to
-    fp32 (the interpreter's bf16 arithmetic is unreliable; the values are the same)."""
-    emulated: tl.constexpr = INTERPRET and ptrs.dtype.element_ty == tl.bfloat16
-    if emulated:
-        v = load_f32(ptrs, mask, INTERPRET)
-    else:
-        v = tl.load(ptrs, mask=mask, other=0.0)
+def mma_operand(v, INTERPRET: tl.constexpr):
+    """A loaded 16-bit MMA operand tile: as stored, or under the interpreter a bf16 tile widened exactly to fp32 (the
+    interpreter's bf16 arithmetic is unreliable; the values are the same)."""
+    if INTERPRET and v.dtype == tl.bfloat16:
+        v = bf16_to_f32(v, INTERPRET)
     return v
+
+
+@triton.jit
+def load_mma_operand(ptrs, mask, INTERPRET: tl.constexpr):
+    """mma_operand of a masked load (masked lanes 0)."""
+    return mma_operand(tl.load(ptrs, mask=mask, other=0.0), INTERPRET)
 
 
 @triton.jit
@@ -477,8 +481,9 @@ UNIT_GEMM_CONFIGS = [
 UNIT_GEMM_CONFIG_INTERPRETER = (16, 32, 32, 2, 1, 4, False)
 # On sm_90 the TMA kernel: 128 x 128 tiles, five stages, four warps where both N and K are at most
 # UNIT_GEMM_NARROW (the H3 blocks' q/k/v/o: N = K = 2048); 128 x 256 tiles, four stages, eight warps otherwise (ff1:
-# N = 16384, ff2: K = 8192): the fastest of the sweep at each of those shapes (docs/performance.md, session 19). Operands a TMA descriptor cannot address (a row stride not a multiple of 16 bytes,
-# a base address not 16-byte aligned) take the pointer kernel at the same tile shape, with the same bits.
+# N = 16384, ff2: K = 8192): the fastest of the sweep at each of those shapes (docs/performance.md, session 19).
+# Operands a TMA descriptor cannot address (a row stride not a multiple of 16 bytes, a base address not 16-byte
+# aligned) take the pointer kernel at the same tile shape, with the same bits.
 UNIT_GEMM_NARROW = 4096
 UNIT_GEMM_SMALL = (128, 128, 64, 8, 5, 4, True)
 UNIT_GEMM_LARGE = (128, 256, 64, 8, 4, 8, True)
@@ -515,14 +520,6 @@ def _unit_gemm_kernel(
 
 
 @triton.jit
-def _widen_interpreted(v, INTERPRET: tl.constexpr):
-    """A loaded bf16 MMA tile as stored, or under the interpreter widened exactly to fp32 (load_mma_operand's rule)."""
-    if INTERPRET and v.dtype == tl.bfloat16:
-        v = (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return v
-
-
-@triton.jit
 def _unit_gemm_tma_kernel(
     a_desc, b_desc, ALPHA, C, M, N, K, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -536,8 +533,8 @@ def _unit_gemm_tma_kernel(
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # the pointer kernel's K loop
-            a = _widen_interpreted(a_desc.load([pid_m * BLOCK_M, k0]), INTERPRET)
-            b = _widen_interpreted(b_desc.load([pid_n * BLOCK_N, k0]), INTERPRET)
+            a = mma_operand(a_desc.load([pid_m * BLOCK_M, k0]), INTERPRET)
+            b = mma_operand(b_desc.load([pid_n * BLOCK_N, k0]), INTERPRET)
             acc = tl.dot(a, tl.trans(b), acc)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
