@@ -371,6 +371,37 @@ def test_commands_run_without_triton(tmp_path):
     assert media.read_video(tmp_path / "t.mp4").num_frames == 9
 
 
+@pytest.mark.parametrize("missing, argv, says", [
+    ("fastapi", ["serve", "--port", "0"], "pip install 'fastremover[serve]'"),
+    ("uvicorn", ["serve", "--port", "0"], "pip install 'fastremover[serve]'"),
+    ("python_multipart", ["serve", "--port", "0"], "needs python-multipart"),
+    ("ray", ["batch", "{clips}", "--masks", "{clips}", "-o", "{out}/", "--ray", "127.0.0.1:1"],
+     "pip install 'fastremover[cluster]'"),
+    ("diffusers", ["bench", "--workload", "w1", "--modes", "eager", "--preset", "tiny"],
+     "pip install 'fastremover[reference]'"),
+])
+def test_a_command_without_its_extra_says_so_before_any_work(tmp_path, missing, argv, says):
+    """A command whose optional packages are not installed prints one line naming the extra and exits 2 before it
+    reads, plans or writes anything (no traceback, no output folder, no report)."""
+    clips, out = tmp_path / "clips", tmp_path / "out"
+    clips.mkdir()
+    demo_args = ["demo", "-o", str(tmp_path / "demo"), "--frames", "5", "--width", "32", "--height", "32", "--quiet"]
+    assert subprocess.run([sys.executable, "-m", "fastremover", *demo_args], capture_output=True,
+                          timeout=120).returncode == 0
+    (tmp_path / "demo" / "input.mp4").rename(clips / "a.mp4")
+    (tmp_path / "demo" / "mask.mp4").rename(clips / "a_mask.mp4")
+    argv = [a.format(clips=clips, out=out) for a in argv]
+    code = (f"import sys; sys.modules[{missing!r}] = None\n"
+            "from fastremover.cli import main\nsys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("fastremover: error:")]
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+    assert not out.exists()
+
+
 def test_public_api_imports_lazily():
     proc = subprocess.run([sys.executable, "-c", (
         "import sys, fastremover; assert 'torch' not in sys.modules; "

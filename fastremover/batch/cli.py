@@ -113,6 +113,9 @@ def cmd_batch(args) -> int:
                                    "(set how many with --workers)")
         if args.workers is not None and args.workers < 1:
             raise FastRemoverError(f"--workers {args.workers}: must be at least 1")
+        from fastremover.batch.ray_runner import import_ray
+
+        import_ray()  # a missing ray is a problem with the batch itself: said before any clip is planned or run
         runner = Runner(kind="ray", workers=args.workers, address=args.ray)
     else:
         runner = Runner(kind="local", slots=tuple(pick_slots(args.gpus, args.workers, args.device)))

@@ -60,7 +60,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def require_serve_extra() -> None:
+    """The service's packages (the `serve` extra), or one FastRemoverError naming the missing one and the install."""
+    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("python_multipart", "python-multipart")):
+        try:
+            __import__(module)
+        except ImportError:
+            raise FastRemoverError(f"fastremover serve needs {package}, which is not installed: "
+                                   "pip install 'fastremover[serve]'") from None
+
+
 def config_from_args(args):
+    require_serve_extra()
     from fastremover.serve.app import ServeConfig
     from fastremover.worker import ModelSpec
 
