@@ -110,3 +110,20 @@ def test_no_benchmark_entry_points_left_in_the_package(path):
         return
     flags = [f for f in LAB_FLAGS if f in text]
     assert not flags, f"{path.relative_to(REPO)}: a lab entry point ({flags}) belongs in tools/"
+
+
+def test_floor_pins_turn_each_runtime_floor_into_its_minor_series():
+    """CI installs tools/floor_pins.py's pins to run the package at the oldest releases pyproject admits."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from floor_pins import floor_pins
+    finally:
+        sys.path.remove(str(TOOLS))
+    assert floor_pins(["torch>=2.4", "numpy>=1.24", "av>=18", "tqdm>=4.60.1,<5", "x>=1.2; python_version<'3.12'"],
+                      skip={"torch"}) == ["numpy==1.24.*", "av==18.*", "tqdm==4.60.*", "x==1.2.*"]
+    with pytest.raises(ValueError, match="no NAME>=VERSION floor"):
+        floor_pins(["numpy"], skip=set())
+    proc = subprocess.run([sys.executable, str(TOOLS / "floor_pins.py")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pins = proc.stdout.split()
+    assert "av==18.*" in pins and not any(p.startswith("torch") for p in pins)
