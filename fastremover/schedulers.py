@@ -360,7 +360,10 @@ class UniPCScheduler(Scheduler):
 
 
 def _unipc_schedule(options: dict, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """sigmas [N + 1] and timesteps [N], float32, as diffusers' set_timesteps makes them for flow sigmas."""
+    """sigmas [N + 1] and timesteps [N], float32, as diffusers' set_timesteps makes them for flow sigmas since
+    diffusers 0.37 (linspace(1, 1/1000) shifted). diffusers 0.36 and older built another schedule, flip(shift(1 -
+    linspace(1, 1/1000))) without the first-sigma nudge: other sigmas and timesteps, so another sample for the same
+    checkpoint and seed; the reference refuses them (bench.reference.MIN_DIFFUSERS)."""
     n_train, shift = options["num_train_timesteps"], options["flow_shift"]
     sigmas = np.linspace(1, 1 / n_train, num_steps + 1)[:-1]
     sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)

@@ -98,3 +98,22 @@ def test_verify_needs_model(capsys):
         main(["verify", "v.mp4", "--mask", "m.mp4"])
 
 
+
+
+@pytest.mark.parametrize("version, ok", [("0.36.0", False), ("0.37.1", False), ("0.38.0", True), ("0.42.1", True),
+                                         ("1.0.0.dev0", True)])
+def test_reference_refuses_a_diffusers_whose_unipc_schedule_differs(monkeypatch, version, ok):
+    """diffusers 0.36 and older build UniPC's flow schedule differently: the reference would compare schedules, not
+    the engine; bench / verify say so in one line instead of reporting a PSNR gap."""
+    import diffusers
+
+    from fastremover.bench import reference
+    from fastremover.errors import FastRemoverError
+
+    monkeypatch.setattr(diffusers, "__version__", version)
+    if ok:
+        reference._require_diffusers()
+    else:
+        with pytest.raises(FastRemoverError, match=r"needs diffusers >= 0\.38 \(installed: ") as err:
+            reference._require_diffusers()
+        assert version in str(err.value)

@@ -25,14 +25,27 @@ from fastremover.models.transformer import RemoverTransformerConfig
 from fastremover.timing import StageTimer
 
 
+#: The oldest diffusers the reference is checked against (the reference and dev extras' floor). 0.36 and older build
+#: UniPC's flow-sigma schedule differently (fastremover.schedulers._unipc_schedule): a reference run on them would
+#: differ from the engine by the schedule, not by anything the engine computes.
+MIN_DIFFUSERS = (0, 38)
+
+
 def _require_diffusers():
     try:
-        import diffusers  # noqa: F401
+        import diffusers
         import scipy  # noqa: F401
     except ImportError:
         raise FastRemoverError(
             "the reference pipeline needs diffusers and scipy: pip install 'fastremover[reference]'"
         ) from None
+    version = tuple(int(part) for part in diffusers.__version__.split(".")[:2] if part.isdigit())
+    if version < MIN_DIFFUSERS:
+        need = ".".join(map(str, MIN_DIFFUSERS))
+        raise FastRemoverError(
+            f"the reference pipeline needs diffusers >= {need} (installed: {diffusers.__version__}; older releases "
+            f"build UniPC's flow schedule differently): pip install 'diffusers>={need}'"
+        )
 
 
 class _UpstreamAttnProcessor:
