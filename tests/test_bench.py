@@ -98,8 +98,6 @@ def test_verify_needs_model(capsys):
         main(["verify", "v.mp4", "--mask", "m.mp4"])
 
 
-
-
 @pytest.mark.parametrize("version, ok", [("0.36.0", False), ("0.37.1", False), ("0.38.0", True), ("0.42.1", True),
                                          ("1.0.0.dev0", True)])
 def test_reference_refuses_a_diffusers_whose_unipc_schedule_differs(monkeypatch, version, ok):
