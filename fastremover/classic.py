@@ -29,6 +29,8 @@ time at the same position, then Telea) stays available as :func:`classic_remove_
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 
 import cv2
@@ -272,6 +274,28 @@ def _dis(preset: int) -> cv2.DISOpticalFlow:
     return cv2.DISOpticalFlow_create(preset)
 
 
+@functools.lru_cache(maxsize=64)
+def flow_runs(height: int, width: int, preset: int = cv2.DISOPTICAL_FLOW_PRESET_FAST) -> bool:
+    """Whether OpenCV's DIS flow runs on frames of this size (it has a minimum that depends on its version and
+    preset, e.g. 8 px on the short side and 12 on the long one): asked of OpenCV itself, on a blank frame."""
+    blank = np.zeros((height, width), np.uint8)
+    try:
+        _dis(preset).calc(blank, blank, None)
+    except cv2.error:
+        return False
+    return True
+
+
+def flow_scale(height: int, width: int, scale: int = FLOW_SCALE,
+               preset: int = cv2.DISOPTICAL_FLOW_PRESET_FAST) -> int | None:
+    """The downscale factor the flow runs at for frames of ``height x width``: ``scale``, or 1 where the downscaled
+    frames are below DIS's minimum size, or None where even the full-size ones are (no flow: per-frame fill)."""
+    for factor in dict.fromkeys((scale, 1)):
+        if flow_runs(-(-height // factor), -(-width // factor), preset):
+            return factor
+    return None
+
+
 def estimate_flows(
     frames: np.ndarray,
     region: np.ndarray,
@@ -280,8 +304,16 @@ def estimate_flows(
     preset: int = cv2.DISOPTICAL_FLOW_PRESET_FAST,
 ) -> dict[tuple[int, int], FlowField]:
     """Completed flows between neighbouring frames, both directions, for every pair where either frame has `region`
-    pixels (bool [F,H,W], the pixels to fill): ``{(a, b): flow a -> b}`` with |a - b| = 1."""
+    pixels (bool [F,H,W], the pixels to fill): ``{(a, b): flow a -> b}`` with |a - b| = 1. Frames too small for the
+    flow at `scale` get it at full size; frames too small for it at all get none (a warning says so): the remover
+    then fills every frame on its own."""
     num, h, w = region.shape
+    runs_at = flow_scale(h, w, scale, preset)
+    if runs_at is None:
+        warnings.warn(f"frames of {w}x{h} are below the optical flow's minimum size: the classic remover fills each "
+                      "frame on its own (no motion to follow), which may flicker", stacklevel=2)
+        return {}
+    scale = runs_at
     gh, gw = -(-h // scale), -(-w // scale)
     grey: dict[int, np.ndarray] = {}
     small: dict[int, np.ndarray] = {}

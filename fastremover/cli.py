@@ -6,6 +6,8 @@ User-caused problems (`FastRemoverError`) print one line and exit with code 2; n
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
 import errno
 import json
 import os
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastremover import __version__
 from fastremover.batch.cli import add_batch_parser, cmd_batch
 from fastremover.errors import FastRemoverError
 from fastremover.log import logger, setup_cli, teardown_cli
@@ -37,6 +40,12 @@ def _err(message: str) -> None:
 def warn(message: str) -> None:
     """A note for the user (a fallback, a doubt about the inputs): a log record, shown unless -q."""
     logger.warning(message)
+
+
+def _left_behind(command: str) -> str:
+    if command == "batch":
+        return "the clips finished so far are kept; run the same batch again to continue"
+    return "nothing was written"
 
 
 class Terminated(BaseException):
@@ -158,6 +167,7 @@ def _add_window_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastremover", description="Remove objects from videos given a mask video.")
+    parser.add_argument("--version", action="version", version=f"fastremover {__version__}")
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1, default=0,
                            help="also print debug records (the resolved engine configuration, per-stage details)")
@@ -166,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("remove", help="remove the masked object from a video")
-    p.add_argument("video", help="video file (mp4/mov/mkv/webm/gif), folder of numbered frames, or an image")
+    p.add_argument("video", help="video file (mp4/mov/mkv/webm/avi/gif, ...), folder of numbered frames, or an image")
     p.add_argument("--mask", default=None,
                    help="mask video/folder/image: white (> threshold) = remove (or build one with --box)")
     p.add_argument("-o", "--output", required=True, help="output .mp4/.mov/.mkv, a folder for PNG frames, or .png")
@@ -311,21 +321,47 @@ def _run_line(result) -> str:
     return f"[{d.get('model')}, {d.get('device')}, {d.get('precision')}, mode {d.get('mode')}, vae {d.get('vae')}]"
 
 
-def cmd_remove(args) -> int:
-    import tempfile
+def check_unused_flags(args) -> None:
+    """Flags that would change nothing in this run are refused, not ignored: the user meant something by them."""
+    model = getattr(args, "model", None) or "classic"
+    weights = getattr(args, "weights", "dense")
+    if model == "classic" and weights != "dense":
+        raise FastRemoverError(f"--weights {weights} sets how the diffusion model's transformer is stored; the classic "
+                               "remover (no --model) has none: drop --weights, or give --model PATH")
+    if getattr(args, "force_w4a4", False) and weights != "nvfp4-w4a4":
+        raise FastRemoverError("--force-w4a4 applies to --weights nvfp4-w4a4 only: drop it, or add --weights "
+                               "nvfp4-w4a4")
+    boxes = getattr(args, "box", None) or getattr(args, "point", None) or getattr(args, "sam2", None)
+    if getattr(args, "preview_mask", None) and not boxes and getattr(args, "mask", None):
+        raise FastRemoverError("--preview-mask shows the mask built from --box; with --mask nothing is built: drop it")
 
+
+def cmd_remove(args) -> int:
+    from fastremover.options import validate_gib
+    from fastremover.outputs import Wanted, check_outputs, scratch_folder
     from fastremover.worker import Job, RemovalWorker
 
     options = _options_from_args(args)
     spec = _model_spec(args)
-    if args.mask is None and not (args.box or args.point or args.sam2):
+    check_unused_flags(args)
+    validate_gib(args.max_decoded_gib)
+    if args.weights == "nvfp4-w4a4" and not args.force_w4a4 and (options.crop == "off" or options.size != "native"):
+        why = "--crop off" if options.crop == "off" else f"--size {options.size} (no crop)"
+        raise FastRemoverError(f"--weights nvfp4-w4a4 quantizes activations to 4 bits, which collapses on full frames, "
+                               f"and {why} runs every window on full frames: use --crop on or auto, or add "
+                               "--force-w4a4 to run it anyway")
+    boxes = bool(args.box or args.point or args.sam2)
+    if args.mask is None and not boxes:
         raise FastRemoverError("give --mask MASK (white = remove) or --box X,Y,W,H around the object")
     from fastremover.parallel.options import check_parallel_flags
 
     check_parallel_flags(args.parallel, args.gpus, args.sp_transport, args.sp_head_groups, args.parallel_timeout)
-    if args.parallel != "none" and (args.box or args.point or args.sam2) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if args.parallel != "none" and boxes and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise FastRemoverError("--box under torchrun: make the mask first (fastremover mask ...) and pass --mask")
-    with tempfile.TemporaryDirectory(prefix="fastremover-boxmask-") as tmp:
+    # Every path this command writes, against the inputs and each other, before anything is read.
+    check_outputs([Wanted("-o", args.output), Wanted("--preview-mask", args.preview_mask)],
+                  inputs=[args.video, args.mask])
+    with scratch_folder("boxmask") if boxes else contextlib.nullcontext() as tmp:
         mask = box_mask_file(args, tmp) or args.mask  # --box: the tracked mask as lossless frames
         job = Job(video=args.video, mask=mask, output=args.output, options=options,
                   mask_threshold=args.mask_threshold, max_decoded_gib=args.max_decoded_gib, resume=args.resume)
@@ -365,22 +401,16 @@ DEMO_FILES = ("input.mp4", "mask.mp4", "output.mp4", "preview.mp4")
 DEMO_MARKER = ".fastremover-demo"
 
 
-def _check_demo_folder(out: Path) -> None:
+def _demo_folder_rule(out: Path) -> str | None:
     """The demo writes its four files into `out`: a new or empty folder, or one an earlier demo wrote (it holds the
     marker and nothing but the demo's files), so no file of the user's is ever replaced."""
-    from fastremover.outputs import check_output
-
-    if not out.exists():
-        check_output(str(out) + "/")  # name lengths and a writable location
-        return
-    if not out.is_dir():
-        raise FastRemoverError(f"-o {out} is a file; the demo writes a folder")
     try:
         names = set(os.listdir(out))
     except OSError as e:
-        raise FastRemoverError(f"cannot list -o {out}: {e.strerror or e}") from None
+        return f"cannot list it: {e.strerror or e}"
     if names and (DEMO_MARKER not in names or names - set(DEMO_FILES) - {DEMO_MARKER}):
-        raise FastRemoverError(f"-o {out} already holds files the demo did not write; choose a new or empty folder")
+        return "already holds files the demo did not write; choose a new or empty folder"
+    return None
 
 
 def cmd_demo(args) -> int:
@@ -392,9 +422,14 @@ def cmd_demo(args) -> int:
                                    ("--height", args.height, 16, 2160)):
         if not low <= value <= high:
             raise FastRemoverError(f"{name} {value}: must be between {low} and {high}")
+    from fastremover.outputs import Wanted, check_outputs, write_text
+
     out = Path(args.output)
-    _check_demo_folder(out)
-    worker = RemovalWorker(_model_spec(args), note=warn)
+    spec = _model_spec(args)
+    check_unused_flags(args)
+    check_outputs([Wanted("-o", args.output, rule=_demo_folder_rule),
+                   Wanted("--preview-mask", getattr(args, "preview_mask", None))])
+    worker = RemovalWorker(spec, note=warn)
     _announce_model(args)
     video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0)
     built = mask_from_args(args, video)  # --box: the tracked mask instead of the true one
@@ -402,8 +437,7 @@ def cmd_demo(args) -> int:
         iou = (built & mask).sum() / max(1, (built | mask).sum())
         print(f"mask from --box: IoU {iou:.3f} against the true mask")
         mask = built
-    out.mkdir(parents=True, exist_ok=True)
-    (out / DEMO_MARKER).write_text("written by fastremover demo\n")
+    write_text(out / DEMO_MARKER, "written by fastremover demo\n")
     media.write_video(out / "input.mp4", video.frames, video.fps)
     media.write_video(out / "mask.mp4", np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
     bars = _Bars(enabled=not args.quiet)
@@ -542,15 +576,19 @@ def _bench_parallel(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from fastremover import media
     from fastremover.bench.harness import file_inputs, format_table
 
+    if args.json is not None:
+        from fastremover.outputs import Wanted, check_outputs
+
+        check_outputs([Wanted("--json", args.json, endings=(".json",))], inputs=[args.video, args.mask])
     inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
     results = _compare(args, inputs, repeats=0, hash_repeats=0)
     print(format_table(results))
     if args.json:
-        with media.atomic_write_path(args.json) as tmp:
-            Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
+        from fastremover.outputs import write_text
+
+        write_text(args.json, json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
@@ -565,7 +603,28 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _escape_unencodable(exc: UnicodeError):
+    """Encoding error handler of the CLI's stdout / stderr: a name that is not valid UTF-8 (its bytes kept as
+    surrogates) is written back as those bytes, any other character the terminal's encoding lacks as an escape."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    if all("\udc80" <= c <= "\udcff" for c in exc.object[exc.start:exc.end]):
+        return codecs.lookup_error("surrogateescape")(exc)
+    return codecs.backslashreplace_errors(exc)
+
+
+codecs.register_error("fastremover-escape", _escape_unencodable)
+
+
+def _printable_stdio() -> None:
+    """Printing a path never fails: file names are the user's (any bytes) and the locale may be C (ASCII)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors="fastremover-escape")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _printable_stdio()
     args = build_parser().parse_args(argv)
     commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench, "verify": cmd_verify,
                 "mask": cmd_mask, "serve": cmd_serve, "batch": cmd_batch, "h3-decode": cmd_h3_decode}
@@ -580,10 +639,10 @@ def main(argv: list[str] | None = None) -> int:
         _err(f"error: {e}")
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        _err("interrupted; nothing was written")
+        _err(f"interrupted; {_left_behind(args.command)}")
         return 130
     except Terminated:
-        _err("terminated (SIGTERM); nothing was written")
+        _err(f"terminated (SIGTERM); {_left_behind(args.command)}")
         return 143
     except OSError as e:
         if e.errno not in USER_ERRNOS:

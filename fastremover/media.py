@@ -15,13 +15,13 @@ Everything the package reads or writes as media goes through here, so the rules 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fractions
 import itertools
 import json
 import os
 import re
 import shutil
+import struct
 import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -87,10 +87,7 @@ _DECODE_INTERPOLATION = _Interp.BICUBIC | _Interp.ACCURATE_RND | _Interp.FULL_CH
 _ENCODE_INTERPOLATION = _Interp.AREA | _Interp.ACCURATE_RND | _Interp.FULL_CHR_H_INP | _Interp.FULL_CHR_H_INT
 
 # errno values that mean "this location can't be written", i.e. the user's problem, not a bug.
-_USER_ERRNOS = frozenset(
-    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC,
-     errno.EEXIST, getattr(errno, "EDQUOT", errno.ENOSPC), errno.ENAMETOOLONG}
-)
+_USER_ERRNOS = outputs.USER_ERRNOS
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -150,6 +147,85 @@ def _frame_files(folder: Path) -> list[Path]:
         if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
     ]
     return sorted(files, key=lambda p: _natural_key(p.name))
+
+
+#: An image larger than this (pixels, by its header) is not decoded by :func:`probe` to learn its displayed size
+#: (EXIF orientation): its header's size is reported, so a decompression bomb is refused by the caller's size checks
+#: without being decoded. 8192 x 8192; a decode of this size takes 200 MB.
+PROBE_DECODE_PIXELS = 1 << 26
+
+
+def _tiff_size(f, head: bytes) -> tuple[int, int] | None:
+    """(width, height) from the first IFD of a TIFF file (`head`: its first bytes)."""
+    order = "<" if head[:2] == b"II" else ">"
+    (offset,) = struct.unpack_from(order + "I", head, 4)
+    f.seek(offset)
+    (count,) = struct.unpack(order + "H", f.read(2))
+    entries = f.read(12 * min(count, 4096))
+    found: dict[int, int] = {}
+    for i in range(len(entries) // 12):
+        tag, kind, _, value = struct.unpack_from(order + "HHI4s", entries, 12 * i)
+        if tag in (256, 257):
+            found[tag] = struct.unpack_from(order + ("H" if kind == 3 else "I"), value)[0]
+    return (found[256], found[257]) if len(found) == 2 else None
+
+
+def _jpeg_size(f) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's frame header (SOFn), read marker by marker."""
+    f.seek(2)
+    while True:
+        byte = f.read(1)
+        while byte and byte != b"\xff":
+            byte = f.read(1)
+        while byte == b"\xff":
+            byte = f.read(1)
+        if not byte:
+            return None
+        marker = byte[0]
+        if marker in (0x01, *range(0xD0, 0xDA)):  # no length
+            continue
+        length = struct.unpack(">H", f.read(2))[0]
+        if length < 2:
+            return None
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            _, height, width = struct.unpack(">BHH", f.read(5))
+            return width, height
+        f.seek(length - 2, os.SEEK_CUR)
+
+
+def image_size(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(width, height) of a PNG, JPEG, BMP, WebP or TIFF file from its header, without decoding it (as stored: an
+    EXIF orientation is not applied); None when the header is none of these or is cut short."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64 * 1024)
+            if head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR":
+                return struct.unpack_from(">II", head, 16)
+            if head[:2] == b"BM":
+                (size,) = struct.unpack_from("<I", head, 14)
+                if size == 12:
+                    return struct.unpack_from("<HH", head, 18)
+                width, height = struct.unpack_from("<ii", head, 18)
+                return abs(width), abs(height)
+            if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+                chunk = head[12:16]
+                if chunk == b"VP8 ":
+                    width, height = struct.unpack_from("<HH", head, 26)
+                    return width & 0x3FFF, height & 0x3FFF
+                if chunk == b"VP8L":
+                    (bits,) = struct.unpack_from("<I", head, 21)
+                    return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+                if chunk == b"VP8X":
+                    w, h = head[24:27] + b"\0", head[27:30] + b"\0"
+                    return struct.unpack("<I", w)[0] + 1, struct.unpack("<I", h)[0] + 1
+                return None
+            if head[:4] in (b"II*\0", b"MM\0*"):
+                return _tiff_size(f, head)
+            if head[:2] == b"\xff\xd8":
+                return _jpeg_size(f)
+    except (struct.error, ValueError):
+        return None
+    return None
 
 
 def _read_image_rgb(path: Path) -> np.ndarray:
@@ -356,6 +432,35 @@ def _collect(
     return buffer[:count] if count < buffer.shape[0] else buffer
 
 
+def _check_image_budget(path: str | os.PathLike, max_frames: int | None, max_bytes: int | None, what: str,
+                        bytes_per_pixel: int) -> None:
+    """An image, or a folder of them, whose frames would take more than ``max_bytes`` is refused from the first
+    image's header, before anything is decoded (a decoded frame also passes through 3 bytes per pixel)."""
+    if max_bytes is None:
+        return
+    path = Path(path)
+    try:
+        if path.is_dir():
+            files = _frame_files(path)
+            count = len(files) if max_frames is None else min(len(files), max(0, int(max_frames)))
+        elif path.suffix.lower() in IMAGE_EXTENSIONS:
+            files, count = [path], 1
+        else:
+            return
+    except OSError:
+        return  # the reader says what is wrong
+    size = image_size(files[0]) if files else None
+    if size is None:
+        return
+    width, height = size
+    needed = max(count * bytes_per_pixel, 3) * width * height
+    if needed > max_bytes:
+        raise FastRemoverError(
+            f"{what} {path} decodes to more than {max_bytes / 2**30:.1f} GiB ({count} frames of {width}x{height}); "
+            "raise the limit with --max-decoded-gib if this machine has the memory, or use a smaller image"
+        )
+
+
 def read_video(
     path: str | os.PathLike,
     *,
@@ -375,6 +480,7 @@ def read_video(
     ``max_frames`` stops reading after that many frames (useful to preview a long clip); ``max_bytes`` refuses a
     clip whose decoded frames would take more memory (checked before and while decoding).
     """
+    _check_image_budget(path, max_frames, max_bytes, "video", 3)
     frames_iter, fps, source, has_audio, expected = _iter_source(path, max_frames, default_fps)
     frames = _collect(frames_iter, expected, path, "video", max_bytes)
     return Video(frames=frames, fps=fps, source=source, has_audio=has_audio)
@@ -390,6 +496,7 @@ def read_mask(
     of 20 (upstream's value) ignores compression noise around black in lossy mask videos.
     Frames are thresholded as they are decoded, so a long mask costs 1 byte per pixel, not 3.
     """
+    _check_image_budget(path, max_frames, max_bytes, "mask", 1)
     frames_iter, _, _, _, expected = _iter_source(path, max_frames, DEFAULT_FPS)
     masks = (threshold_mask(frame[None], threshold)[0] for frame in frames_iter)
     return _collect(masks, expected, path, "mask", max_bytes)
@@ -458,8 +565,7 @@ def swapped_inputs_warnings(video_path: str | os.PathLike, frames: np.ndarray, m
 
 
 def _user_os_error(path: Path | str, exc: OSError) -> FastRemoverError:
-    reason = exc.strerror or str(exc)
-    return FastRemoverError(f"cannot write {path}: {reason}; choose a writable location or free some space")
+    return outputs.write_error(path, exc)
 
 
 def _ensure_parent(path: Path) -> None:
@@ -474,38 +580,16 @@ def _ensure_parent(path: Path) -> None:
         raise _user_os_error(path, exc) from exc
 
 
-@contextlib.contextmanager
-def atomic_write_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_write_path(path: str | os.PathLike) -> contextlib.AbstractContextManager[Path]:
     """Yield a temporary path next to ``path``; on success rename it over ``path``, on error delete it.
 
-    The temporary file lives in the same folder (so the final ``os.replace`` is an atomic rename on the same
-    filesystem) and is named ``.<name>.fastremover-<host>-<pid>-<random>.tmp`` (hidden, matched by the repo's
-    ``*.tmp`` ignore); temporary files that killed runs left for the same target are removed first
-    (:func:`fastremover.outputs.remove_stale_temps`). It is created empty with mode ``0o666`` minus the umask, so the
-    result gets the same permissions as any ordinarily written file.  A missing parent folder is created.  Writers
-    must say the format explicitly: the temporary name does not end like the target.  Any exception (also
-    KeyboardInterrupt and the CLI's SIGTERM) removes the temporary file.
+    :func:`fastremover.outputs.atomic_path`, the one mechanism every write goes through: the temporary file lives in
+    the same folder (so the final ``os.replace`` is an atomic rename on the same filesystem) and is named
+    ``.<name>.fastremover-<host>-<pid>-<random>.tmp``; temporary files that killed runs left for the same target are
+    removed first. Writers must say the format explicitly: the temporary name does not end like the target.  Any
+    exception (also KeyboardInterrupt and the CLI's SIGTERM) removes the temporary file.
     """
-    path = Path(path)
-    _ensure_parent(path)
-    if path.is_dir():
-        raise FastRemoverError(f"cannot write {path}: it is an existing folder; choose a file name")
-    outputs.remove_stale_temps(path.parent, path.name)
-    tmp = path.with_name(outputs.temp_name(path.name))
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        os.close(fd)
-    except OSError as exc:
-        raise _user_os_error(path, exc) from exc
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.errno in _USER_ERRNOS:
-            raise _user_os_error(path, exc) from exc
-        raise
+    return outputs.atomic_path(path)
 
 
 def _check_frames(frames: np.ndarray) -> np.ndarray:
@@ -926,13 +1010,26 @@ def _trim_audio_frame(frame: av.AudioFrame, samples: int) -> av.AudioFrame:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _probe_image(path: Path) -> tuple[int, int]:
+    """(width, height) of an image as displayed: from its header, decoded only up to PROBE_DECODE_PIXELS (to apply
+    an EXIF orientation), so a small file that decodes huge is never decoded here."""
+    size = image_size(path)
+    if size is not None and size[0] * size[1] > PROBE_DECODE_PIXELS:
+        return size
+    if size is not None and 0 in size:
+        raise FastRemoverError(f"{path} is an image of {size[0]}x{size[1]} pixels; give one with pixels")
+    h, w, _ = _read_image_rgb(path).shape
+    return w, h
+
+
 def probe(path: str | os.PathLike) -> dict:
     """Cheap facts about an input without decoding it (for messages and ``info``-style output).
 
     Returns ``{"kind": "video"|"folder"|"image", "num_frames": int, "fps": Fraction, "height": int,
     "width": int, "has_audio": bool, "duration": float | None}``.  For videos ``num_frames`` is the
     container's count, or duration x fps when the container has none, so treat it as an estimate.
-    Size is the displayed size (rotation applied).
+    Size is the displayed size (rotation applied); images are not decoded beyond ``PROBE_DECODE_PIXELS`` (above it,
+    the size their header states, EXIF orientation not applied).
     """
     path = Path(path)
     _check_exists(path)
@@ -940,12 +1037,12 @@ def probe(path: str | os.PathLike) -> dict:
         files = _frame_files(path)
         if not files:
             raise FastRemoverError(f"folder {path} has no image frames; put numbered png/jpg files in it")
-        h, w, _ = _read_image_rgb(files[0]).shape
+        w, h = _probe_image(files[0])
         return {"kind": "folder", "num_frames": len(files), "fps": DEFAULT_FPS, "height": h, "width": w,
                 "has_audio": False, "duration": float(len(files) / DEFAULT_FPS)}
     suffix = path.suffix.lower()
     if suffix in IMAGE_EXTENSIONS:
-        h, w, _ = _read_image_rgb(path).shape
+        w, h = _probe_image(path)
         return {"kind": "image", "num_frames": 1, "fps": DEFAULT_FPS, "height": h, "width": w,
                 "has_audio": False, "duration": None}
     if suffix not in VIDEO_EXTENSIONS:

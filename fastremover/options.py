@@ -5,6 +5,7 @@ This module imports neither torch nor the media libraries, so a bad flag is repo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fastremover.errors import FastRemoverError
@@ -84,6 +85,17 @@ class RunOptions:
                 f"--crop on runs the model at the source resolution; it cannot be combined with --size {self.size} "
                 "(use --size native, or --crop off)"
             )
+
+
+def validate_gib(value, flag: str = "--max-decoded-gib") -> float:
+    """A memory limit in GiB: a positive, finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise FastRemoverError(f"{flag} {value!r}: must be a positive number of GiB, e.g. 4")
+    return float(value)
+
+
+def validate_seed(value, flag: str = "--seed") -> int:
+    return _int(flag, value, 0, MAX_SEED)
 
 
 def validate_mask_threshold(threshold) -> int:

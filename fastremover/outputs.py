@@ -1,17 +1,22 @@
 """What may be written where: the output rules, checked before anything is decoded or run.
 
-A run never overwrites or deletes a file the user did not name as the output:
+A run never overwrites or deletes a file the user did not name as an output. Every path a command writes (``-o``,
+``--preview-mask``, ``mask --preview``, ``verify --json``, the demo's and the batch's folders) is checked here, all of
+them together and before any work (:func:`check_outputs`), and written through :func:`atomic_path`:
 
-* the output must not be (by any spelling: ``./x``, ``a/../x``, a symlink, a hard link) one of the inputs, and a
-  frame-folder output must not hold an input;
+* an output must not be (by any spelling: ``./x``, ``a/../x``, a symlink, a hard link) one of the inputs, and a
+  folder output must not hold an input;
+* two outputs of one command must not be the same file, and one must not lie inside another's folder;
 * an output needs a supported ending (``.mp4 .mov .mkv``, an image ending for one frame) or a trailing ``/`` for a
   folder of PNG frames: an empty or extension-less ``-o`` is refused rather than guessed;
 * a frame folder may replace only an empty folder or one that fastremover wrote itself (it holds the manifest
   ``MANIFEST_NAME`` listing every file in it and nothing else);
-* names must leave room for the temporary file written beside them, and the location must be writable.
+* names must leave room for the temporary file written beside them, the location must be writable, and a loop of
+  symbolic links is refused by name.
 
 Temporary files and folders are named ``.<name>.fastremover-<host>-<pid>-<random>.tmp`` beside the target, so a later
 run can recognise those of a killed run (same host, process gone) and remove them; see :func:`remove_stale_temps`.
+Scratch folders in the system's temporary folder (:func:`scratch_folder`) carry the host and process id the same way.
 
 This module needs no media libraries and no torch.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import hashlib
 import json
 import os
@@ -31,7 +37,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 from fastremover.errors import FastRemoverError
 
@@ -51,7 +57,8 @@ _TEMP_SUFFIX_LEN = len(".fastremover-000000-4194304-00000000.tmp") + 1  # + the 
 @dataclass(frozen=True)
 class OutputTarget:
     path: Path  # as the user gave it (without a trailing slash for folders)
-    kind: Literal["video", "image", "folder"]
+    kind: Literal["video", "image", "folder", "file", "workdir"]  # folder: of PNG frames; workdir: see Wanted
+    flag: str = "-o"
 
     @property
     def write_path(self) -> str:
@@ -61,7 +68,7 @@ class OutputTarget:
     def check_frames(self, num_frames: int) -> None:
         if self.kind == "image" and num_frames > 1:
             raise FastRemoverError(
-                f"-o {self.path}: a single image holds one frame but the clip has {num_frames}; write a video "
+                f"{self.flag} {self.path}: a single image holds one frame but the clip has {num_frames}; write a video "
                 f"(.mp4) or a folder of frames ({self.path.with_suffix('')}/)"
             )
 
@@ -177,84 +184,280 @@ def replaceable_folder(folder: Path) -> str | None:
     return None
 
 
-def check_output(output: str | os.PathLike, inputs: Sequence[str | os.PathLike] = ()) -> OutputTarget:
-    """The output target for ``-o output``, or FastRemoverError saying why it cannot be written. Touches nothing
-    (a probe file is created and removed in an existing folder to check that it is writable)."""
-    text = os.fspath(output)
-    if not text.strip():
-        raise FastRemoverError("-o is empty; name an output such as out.mp4, or a folder ending in / for PNG frames")
-    if text == "-":
-        raise FastRemoverError("-o -: writing to standard output is not supported; name an output file such as out.mp4")
-    is_folder = text.endswith(("/", os.sep))
-    path = Path(text.rstrip("/" + os.sep) or os.sep)
+def _kind_of(text: str, path: Path, flag: str, endings: Sequence[str] | None) -> str:
+    """What `text` names by its ending: a video, an image, a folder of frames (trailing /), or (``endings``) a file."""
     suffix = path.suffix.lower()
-    if is_folder:
-        kind = "folder"
-    elif suffix in VIDEO_OUTPUTS:
-        kind = "video"
-    elif suffix in IMAGE_OUTPUTS:
-        kind = "image"
-    elif not suffix:
+    if endings is not None:
+        if suffix not in endings or text.endswith(("/", os.sep)):
+            raise FastRemoverError(f"{flag} {text}: name a {' or '.join(endings)} file")
+        return "file"
+    if text.endswith(("/", os.sep)):
+        return "folder"
+    if suffix in VIDEO_OUTPUTS:
+        return "video"
+    if suffix in IMAGE_OUTPUTS:
+        return "image"
+    if not suffix:
         raise FastRemoverError(
-            f"-o {text}: no file ending; use .mp4, .mov or .mkv for a video, or end it with / for a folder of PNG "
+            f"{flag} {text}: no file ending; use .mp4, .mov or .mkv for a video, or end it with / for a folder of PNG "
             f"frames ({text}/)"
         )
-    else:
-        raise FastRemoverError(
-            f"-o {text}: cannot write {suffix!r} files; use .mp4, .mov or .mkv, .png for one frame, or a folder/"
-        )
-    if path.name in ("", ".", ".."):
-        raise FastRemoverError(f"-o {text}: name a new folder (e.g. {text.rstrip('/')}/frames/), not the current one")
+    raise FastRemoverError(
+        f"{flag} {text}: cannot write {suffix!r} files; use .mp4, .mov or .mkv, .png for one frame, or a folder/"
+    )
+
+
+def _refuse_loops(path: Path, flag: str, text: str) -> None:
+    """A loop of symbolic links on the way to `path` (or at it) is said by name, not met later as a traceback."""
+    for where in (path, path.parent):
+        try:
+            os.stat(where)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise FastRemoverError(f"{flag} {text}: {where} is a loop of symbolic links; choose another path") \
+                    from None
+        except ValueError:  # an embedded NUL
+            raise FastRemoverError(f"{flag} {text!r}: a path cannot hold a NUL character") from None
+
+
+def check_output(output: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *, flag: str = "-o",
+                 endings: Sequence[str] | None = None,
+                 rule: Callable[[Path], str | None] | None = None) -> OutputTarget:
+    """The output target for ``flag output``, or FastRemoverError saying why it cannot be written. Touches nothing
+    (a probe file is created and removed in an existing folder to check that it is writable).
+
+    By default the ending says what is written (a video, an image, or a folder of PNG frames for a trailing ``/``);
+    ``endings`` (e.g. ``(".json",)``) names a data file instead; ``rule`` makes the path a folder a command fills by
+    its own rule (the demo's, a batch's): ``rule(folder)`` returns why an existing folder may not be used, or None.
+    One output only: :func:`check_outputs` checks several against each other."""
+    text = os.fspath(output)
+    if not text.strip():
+        raise FastRemoverError(f"{flag} is empty; name an output such as out.mp4, or a folder ending in / for PNG "
+                               "frames")
+    if text == "-":
+        raise FastRemoverError(f"{flag} -: writing to standard output is not supported; name an output file such as "
+                               "out.mp4")
+    path = Path(text.rstrip("/" + os.sep) or os.sep)
+    kind = "workdir" if rule is not None else _kind_of(text, path, flag, endings)
+    if path.name in ("", ".", "..") and kind != "workdir":
+        raise FastRemoverError(f"{flag} {text}: name a new folder (e.g. {text.rstrip('/')}/frames/), not the current "
+                               "one")
+    _refuse_loops(path, flag, text)
     for source in inputs:
         source = Path(source)
         if _same_path(path, source):
-            raise FastRemoverError(f"-o {text} is the input {source}; write the result to a new file")
-        if kind == "folder" and _inside(source, path):
-            raise FastRemoverError(f"-o {text} holds the input {source}; write the frames to another folder")
+            where = "to another folder" if kind in ("folder", "workdir") else "the result to a new file"
+            raise FastRemoverError(f"{flag} {text} is the input {source}; write {where}")
+        if kind in ("folder", "workdir") and _inside(source, path):
+            raise FastRemoverError(f"{flag} {text} holds the input {source}; write to another folder")
 
     for part in path.parts[:-1]:
-        if len(part.encode()) > 255:  # NAME_MAX of every common filesystem
-            raise FastRemoverError(f"-o: the folder name {part[:40]}... is longer than 255 bytes; choose a shorter one")
+        if len(os.fsencode(part)) > 255:  # NAME_MAX of every common filesystem
+            raise FastRemoverError(f"{flag}: the folder name {part[:40]}... is longer than 255 bytes; choose a "
+                                   "shorter one")
     name_max = _name_max(_existing_ancestor(path.parent))
-    if len(path.name.encode()) + _TEMP_SUFFIX_LEN > name_max:
+    size = len(os.fsencode(path.name))
+    if size + _TEMP_SUFFIX_LEN > name_max:
         fits = name_max - _TEMP_SUFFIX_LEN
         raise FastRemoverError(
-            f"-o: the name {path.name[:40]}... is {len(path.name.encode())} bytes long; at most {fits} fit here "
+            f"{flag}: the name {path.name[:40]}... is {size} bytes long; at most {fits} fit here "
             "(fastremover writes a temporary file beside it first); choose a shorter name"
         )
     if len(os.fsencode(path.absolute())) + _TEMP_SUFFIX_LEN >= 4096:
-        raise FastRemoverError("-o: the output path is too long; choose a shorter one")
+        raise FastRemoverError(f"{flag}: the output path is too long; choose a shorter one")
 
     try:
         is_dir = path.is_dir()
     except OSError as exc:
-        raise FastRemoverError(f"cannot use -o {text}: {exc.strerror or exc}") from None
+        raise FastRemoverError(f"cannot use {flag} {text}: {exc.strerror or exc}") from None
     if kind == "folder":
         reason = replaceable_folder(path)
         if reason is not None:
-            raise FastRemoverError(f"-o {text}: {reason}")
+            raise FastRemoverError(f"{flag} {text}: {reason}")
+    elif kind == "workdir":
+        if path.exists() and not is_dir:
+            raise FastRemoverError(f"{flag} {text} is a file; name a folder")
+        reason = rule(path) if is_dir else None
+        if reason is not None:
+            raise FastRemoverError(f"{flag} {text}: {reason}")
     elif is_dir:
-        raise FastRemoverError(f"-o {text} is an existing folder; name a file, or end it with / for PNG frames")
-    _check_writable(path if kind == "folder" and is_dir else path.parent, text)
-    return OutputTarget(path=path, kind=kind)
+        raise FastRemoverError(f"{flag} {text} is an existing folder; name a file"
+                               + ("" if kind == "file" else ", or end it with / for PNG frames"))
+    if kind in ("video", "folder") and (store := resume_path(path)).exists() and not store.is_dir():
+        raise FastRemoverError(f"{flag} {text}: {store} is a file where fastremover keeps a run's resume state; "
+                               "move it away")
+    _check_writable(path if kind in ("folder", "workdir") and is_dir else path.parent, f"{flag} {text}")
+    return OutputTarget(path=path, kind=kind, flag=flag)
 
 
-def _check_writable(folder: Path, text: str) -> None:
+@dataclass(frozen=True)
+class Wanted:
+    """One path a command will write, for :func:`check_outputs`: the flag that names it (for messages), the path,
+    and what it is (see :func:`check_output`: ``endings`` for a data file, ``rule`` for a command's own folder)."""
+
+    flag: str
+    path: str | os.PathLike | None  # None: not asked for (skipped)
+    endings: tuple[str, ...] | None = None
+    rule: Callable[[Path], str | None] | None = None
+
+
+def check_outputs(wanted: Sequence[Wanted], inputs: Sequence[str | os.PathLike | None] = ()) -> list[OutputTarget]:
+    """Every path a command writes, checked once, before any work: each one as :func:`check_output` does against
+    all the inputs, then against each other: two outputs that are the same file (by any spelling), or one inside
+    another's folder, are refused. Returns the targets of the outputs asked for (``path`` not None), in order."""
+    sources = [s for s in inputs if s is not None and os.fspath(s) != ""]
+    targets = [check_output(w.path, sources, flag=w.flag, endings=w.endings, rule=w.rule)
+               for w in wanted if w.path is not None]
+    for i, a in enumerate(targets):
+        for b in targets[i + 1:]:
+            if _same_path(a.path, b.path):
+                raise FastRemoverError(f"{b.flag} {b.path} and {a.flag} {a.path} are the same file; give each its own "
+                                       "path")
+            for outer, inner in ((a, b), (b, a)):
+                if outer.kind in ("folder", "workdir") and _inside(inner.path, outer.path):
+                    raise FastRemoverError(f"{inner.flag} {inner.path} is inside the folder {outer.flag} "
+                                           f"{outer.write_path} that fastremover writes; put it somewhere else")
+    return targets
+
+
+def _check_writable(folder: Path, what: str) -> None:
     base = _existing_ancestor(folder)
     if not base.is_dir():
-        raise FastRemoverError(f"cannot write the output -o {text}: {base} is a file, not a folder")
+        raise FastRemoverError(f"cannot write the output {what}: {base} is a file, not a folder")
     try:
         fd, probe = tempfile.mkstemp(prefix=".fastremover-probe-", dir=base)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
         raise FastRemoverError(
-            f"cannot write the output -o {text}: {base}: {exc.strerror or exc}; choose another location"
+            f"cannot write the output {what}: {base}: {exc.strerror or exc}; choose another location"
         ) from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+#: OSErrors of a write that the user can act on (a full disk, permissions, a path that is not a folder): said in one
+#: line naming the path (:func:`write_error`).
+USER_ERRNOS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC, errno.EEXIST,
+     getattr(errno, "EDQUOT", errno.ENOSPC), errno.ENAMETOOLONG, errno.ELOOP, errno.EFBIG}
+)
+
+
+def write_error(path: str | os.PathLike, exc: OSError) -> FastRemoverError:
+    """The one-line error for a failed write of ``path``."""
+    reason = exc.strerror or str(exc)
+    return FastRemoverError(f"cannot write {os.fspath(path)}: {reason}; choose a writable location or free some "
+                            "space")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` (created empty, mode 0o666 minus the umask); on success it is renamed
+    over ``path``, on any exception (KeyboardInterrupt and the CLI's SIGTERM too) it is removed. Temporary files
+    that killed runs left for the same target are removed first (:func:`remove_stale_temps`). A missing parent
+    folder is created. An OSError the user can act on becomes a one-line FastRemoverError naming ``path``.
+    Every file fastremover writes goes through here (``media.atomic_write_path`` is this for media files)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise FastRemoverError(f"cannot write {path}: {path.parent} is not a folder (a file is in the way); choose "
+                               "another output path") from None
+    except OSError as exc:
+        raise write_error(path, exc) from None
+    if path.is_dir():
+        raise FastRemoverError(f"cannot write {path}: it is an existing folder; choose a file name")
+    remove_stale_temps(path.parent, path.name)
+    tmp = path.with_name(temp_name(path.name))
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        os.close(fd)
+    except OSError as exc:
+        raise write_error(path, exc) from None
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in USER_ERRNOS:
+            raise write_error(path, exc) from exc
+        raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Scratch folders
+
+_SCRATCH = re.compile(r"^fastremover-(?P<purpose>[a-z0-9]+)-(?P<host>[0-9a-f]{6})-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def remove_stale_scratch(folder: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the scratch folders (:func:`scratch_folder`) that killed runs on this host left in ``folder`` (the
+    system's temporary folder by default): those whose process is gone. Returns what was removed."""
+    base = Path(folder or tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _SCRATCH.match(entry.name)
+        if not m or m["host"] != _HOST or _process_alive(int(m["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+@contextlib.contextmanager
+def scratch_folder(purpose: str) -> Iterator[Path]:
+    """A new private folder ``fastremover-<purpose>-<host>-<pid>-<random>`` in the system's temporary folder, removed
+    when the block ends; those of killed runs (process gone) are removed first, so a SIGKILL leaves at most one."""
+    base = Path(tempfile.gettempdir())
+    remove_stale_scratch(base)
+    path = base / f"fastremover-{purpose}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        path.mkdir(mode=0o700)
+    except OSError as exc:
+        raise FastRemoverError(f"cannot make a scratch folder in {base}: {exc.strerror or exc}; set TMPDIR to a "
+                               "writable folder") from None
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def resume_path(output: str | os.PathLike) -> Path:
+    """Where a run keeps what a killed run needs to continue (``stream.ResumeStore``): ``.<name>.fastremover-resume``
+    beside the output."""
+    path = Path(os.fspath(output).rstrip("/" + os.sep))
+    return path.with_name(f".{path.name}.fastremover-resume")
+
+
+def is_ours_by_name(name: str) -> bool:
+    """Whether a file name is one fastremover gives its transient files beside an output: a temporary file or
+    folder of a write (:func:`temp_name`) or a resume store (``.<name>.fastremover-resume``)."""
+    return bool(_TEMP.match(name)) or (name.startswith(".") and name.endswith(".fastremover-resume"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Inputs
+
+
+#: A mask may be at most this many times the video's width or height (it is scaled to the video's size, nearest
+#: neighbour): anything larger is the wrong file, or a small file that decodes huge (a decompression bomb).
+MAX_MASK_SCALE = 8
 
 
 @dataclass(frozen=True)
@@ -282,14 +485,21 @@ def _check_readable(path: str | os.PathLike, what: str) -> Path:
 
 
 def check_inputs(video: str | os.PathLike, mask: str | os.PathLike) -> InputProbe:
-    """Both inputs readable and probed as media (from the container, not decoded); the video's frame count and size.
-    What memory the run needs is the worker's to check (it depends on the window, not on the clip's length)."""
+    """Both inputs readable and probed as media (from the container or the image header, not decoded); the video's
+    frame count and size. A mask more than MAX_MASK_SCALE times the video's width or height is refused. What memory
+    the run needs is the worker's to check (it depends on the window, not on the clip's length)."""
     video_path = _check_readable(video, "video")
     mask_path = _check_readable(mask, "mask")
     from fastremover import media
 
-    v = media.probe(video_path)
-    media.probe(mask_path)  # a corrupt or unsupported mask fails here, before anything runs
+    v = media.probe(video_path)  # sizes from headers: nothing is decoded that a check below would refuse
+    m = media.probe(mask_path)  # a corrupt or unsupported mask fails here, before anything runs
+    side = max(m["width"] / max(1, v["width"]), m["height"] / max(1, v["height"]))
+    if side > MAX_MASK_SCALE:
+        raise FastRemoverError(
+            f"the mask {mask_path} is {m['width']}x{m['height']}, far larger than the video ({v['width']}x"
+            f"{v['height']}); it would be decoded only to be scaled down: give a mask at the video's size"
+        )
     return InputProbe(num_frames=int(v["num_frames"]), width=int(v["width"]), height=int(v["height"]))
 
 

@@ -673,7 +673,7 @@ class RemovalPipeline:
         if self.weights == "nvfp4-w4a4" and box is None and window_mask.any() and not self.force_w4a4:
             from fastremover.fast.nvfp4_linear import check_w4a4_allowed
 
-            check_w4a4_allowed(crop_active=False, force=False)  # FastRemoverError: full frames collapse (FlashRT)
+            check_w4a4_allowed(crop_active=False, force=False, crop_mode=crop_mode)  # full frames collapse (FlashRT)
         if not window_mask.any():  # nothing new to remove: `out` already holds the input / previous output
             return WindowRun(win.start, win.stop, win.overlap, None, None, ran=False), None
         if self.models is None and window_mask.all() and not clip_all_masked:

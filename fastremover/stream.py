@@ -24,6 +24,8 @@ import os
 import queue
 import threading
 import time
+import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -278,8 +280,9 @@ STORE_VERSION = 1
 def resume_dir(output: str | os.PathLike) -> Path:
     """The resume store of an output path: ``.<name>.fastremover-resume`` beside it (not a name that
     `fastremover.outputs.remove_stale_temps` matches, so a new run's cleanup leaves it for --resume)."""
-    path = Path(os.fspath(output).rstrip("/" + os.sep))
-    return path.with_name(f".{path.name}.fastremover-resume")
+    from fastremover.outputs import resume_path
+
+    return resume_path(output)
 
 
 def fingerprint_frames(frames: Iterable[np.ndarray]) -> str:
@@ -319,7 +322,10 @@ class ResumeStore:
     model does not run for those), encodes the whole output again from frame 0, and runs the model from the first
     unfinished window on: the file is byte-identical to an uninterrupted run.
 
-    Only files this class writes are ever deleted (`clear`), and the folder itself only when it is then empty.
+    A store that cannot be used as it is (unreadable or empty state, a record without what the pipeline reads, a window
+    file that is missing, truncated or not what its record says) is discarded when the run starts, and `note` says
+    why: the run starts over rather than failing. Only files this class writes are ever deleted (`clear`), and the
+    folder itself only when it is then empty.
     """
 
     def __init__(self, folder: str | os.PathLike, identity: dict, *, resume: bool):
@@ -347,6 +353,8 @@ class ResumeStore:
                 self.note = "--resume: the input's first frames changed since the saved run; starting from the beginning"
             elif not all((self.folder / _window_name(k)).is_file() for k in range(len(previous["windows"]))):
                 self.note = "--resume: the saved windows are incomplete; starting from the beginning"
+            elif (damaged := self._damaged(previous["windows"])) is not None:
+                self.note = f"--resume: the saved window {damaged} is damaged; starting from the beginning"
             else:
                 self.windows = previous["windows"]
                 self.first_frames = first_frames
@@ -364,9 +372,24 @@ class ResumeStore:
         except (OSError, ValueError):
             return None
         if not isinstance(state, dict) or state.get("version") != STORE_VERSION or not isinstance(
-                state.get("windows"), list):
+                state.get("windows"), list) or not all(_valid_record(r) for r in state["windows"]):
             return None
         return state
+
+    def _damaged(self, windows: list[dict]) -> int | None:
+        """The first saved window whose file does not hold what its record says (read in full: a truncated or
+        foreign file is found here, not in the middle of the run), or None."""
+        for index, record in enumerate(windows):
+            try:
+                with np.load(self.folder / _window_name(index), allow_pickle=False) as data:
+                    boxes, pixels = data["boxes"], data["pixels"]
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error):
+                return index
+            if (boxes.ndim != 2 or boxes.shape != (record["stop"] - record["start"], 4) or boxes.dtype.kind not in "iu"
+                    or pixels.ndim != 1 or pixels.dtype != np.uint8 or (boxes < 0).any()
+                    or int(((boxes[:, 1] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 2])).sum()) * 3 != pixels.size):
+                return index
+        return None
 
     # -- saving and loading windows ----------------------------------------------------------------------------------
 
@@ -376,18 +399,18 @@ class ResumeStore:
         if index != len(self.windows):
             raise RuntimeError(f"window {index} saved after {len(self.windows)} finished windows")
         boxes, pixels = _diff_boxes(output, inputs)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise FastRemoverError(f"{self.folder} is in the way of the resume state (a file, not fastremover's "
+                                   "folder); move it away") from None
         name = _window_name(index)
-        tmp = self.folder / (name + ".part")
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, boxes=boxes, pixels=pixels)
-        os.replace(tmp, self.folder / name)
-        self.windows.append(record)
+        _write_replace(self.folder / name, lambda f: np.savez_compressed(f, boxes=boxes, pixels=pixels))
         state = {"version": STORE_VERSION, "identity": self.identity, "first_frames": self.first_frames,
-                 "windows": self.windows}
-        tmp = self.folder / (STATE_NAME + ".part")
-        tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, self.folder / STATE_NAME)
+                 "windows": [*self.windows, record]}
+        text = (json.dumps(state, indent=1, sort_keys=True) + "\n").encode()
+        _write_replace(self.folder / STATE_NAME, lambda f: f.write(text))
+        self.windows.append(record)
 
     def load(self, index: int, inputs: np.ndarray) -> np.ndarray:
         """The output of finished window `index`, rebuilt from its input frames uint8 [F,H,W,3]."""
@@ -419,6 +442,36 @@ class ResumeStore:
                     os.unlink(entry.path)
         with contextlib.suppress(OSError):
             self.folder.rmdir()
+
+
+def _write_replace(path: Path, write: Callable) -> None:
+    """`write(file)` into ``path``.part, then rename it over ``path``; the part file never outlives an error (a full
+    disk, an interruption), which is said in one line naming ``path``."""
+    tmp = path.with_name(path.name + ".part")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        from fastremover.outputs import USER_ERRNOS, write_error
+
+        if isinstance(exc, OSError) and exc.errno in USER_ERRNOS:
+            raise write_error(path, exc) from None
+        raise
+
+
+def _valid_record(record) -> bool:
+    """A saved window's record has what a resumed run reads (RemovalPipeline.remove_stream)."""
+    def ints(value, n):
+        return isinstance(value, list) and len(value) == n and all(type(v) is int and v >= 0 for v in value)
+
+    return (isinstance(record, dict) and all(type(record.get(k)) is int and record[k] >= 0
+                                             for k in ("start", "stop", "overlap"))
+            and record["stop"] > record["start"] and isinstance(record.get("ran"), bool)
+            and (record.get("box") is None or ints(record["box"], 4))
+            and (record.get("run_hw") is None or ints(record["run_hw"], 2)))
 
 
 def _window_name(index: int) -> str:

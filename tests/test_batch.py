@@ -131,7 +131,7 @@ def test_folder_plan_refusals(tmp_path):
         plan_batch(inputs, tmp_path / "out", masks=masks)
     with pytest.raises(FastRemoverError, match="--masks"):
         plan_batch(inputs, tmp_path / "out")
-    with pytest.raises(FastRemoverError, match="is the input folder"):
+    with pytest.raises(FastRemoverError, match="is the input .*; write to another folder"):
         plan_batch(inputs, inputs, masks=masks)
     with pytest.raises(FastRemoverError, match="--steps"):
         plan_batch(inputs, tmp_path / "out", masks=masks, options=RunOptions(steps=0))
@@ -242,7 +242,7 @@ def test_ray_missing_is_a_user_error(tmp_path, monkeypatch, capsys):
     inputs, masks = make_clips(tmp_path, count=1)
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     assert batch_main([str(inputs), "--masks", str(masks), "-o", str(tmp_path / "out"), "--ray", "--quiet"]) == 2
-    assert "pip install 'fastremover[cluster]'" in capsys.readouterr().err
+    assert 'pip install "fastremover[cluster]"' in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -372,13 +372,13 @@ def test_commands_run_without_triton(tmp_path):
 
 
 @pytest.mark.parametrize("missing, argv, says", [
-    ("fastapi", ["serve", "--port", "0"], "pip install 'fastremover[serve]'"),
-    ("uvicorn", ["serve", "--port", "0"], "pip install 'fastremover[serve]'"),
+    ("fastapi", ["serve", "--port", "0"], 'pip install -e ".[serve]"'),
+    ("uvicorn", ["serve", "--port", "0"], 'pip install -e ".[serve]"'),
     ("python_multipart", ["serve", "--port", "0"], "needs python-multipart"),
     ("ray", ["batch", "{clips}", "--masks", "{clips}", "-o", "{out}/", "--ray", "127.0.0.1:1"],
-     "pip install 'fastremover[cluster]'"),
+     'pip install -e ".[cluster]"'),
     ("diffusers", ["bench", "--workload", "w1", "--modes", "eager", "--preset", "tiny"],
-     "pip install 'fastremover[reference]'"),
+     'pip install -e ".[reference]"'),
 ])
 def test_a_command_without_its_extra_says_so_before_any_work(tmp_path, missing, argv, says):
     """A command whose optional packages are not installed prints one line naming the extra and exits 2 before it

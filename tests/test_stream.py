@@ -285,7 +285,7 @@ def test_store_load_rebuilds_the_window(tmp_path):
     output[2:4, 4:11, 6:9] = 0
     s = stream.ResumeStore(tmp_path / "store", {"a": 1}, resume=False)
     s.start("hash")
-    s.save(0, {"start": 0, "stop": 5}, output, inputs)
+    s.save(0, {"start": 0, "stop": 5, "overlap": 0, "box": None, "run_hw": None, "ran": True}, output, inputs)
     again = stream.ResumeStore(tmp_path / "store", {"a": 1}, resume=True)
     assert again.start("hash") == 1
     np.testing.assert_array_equal(again.load(0, inputs), output)

@@ -22,7 +22,8 @@ def add_batch_parser(subparsers, add_model_args: Callable[[argparse.ArgumentPars
         "batch", help="remove objects from a folder (or manifest) of clips, on every GPU of a host or a Ray cluster",
         description="Run `remove` on every clip of INPUTS: a folder (masks matched by name in --masks) or a manifest "
         "(.csv / .jsonl: video, mask, output and per-clip options). Outputs mirror the input names in OUT_DIR; "
-        "clips already done with the same inputs and options are skipped; OUT_DIR/report.jsonl has one line per clip.",
+        "clips already done with the same inputs and options are skipped; OUT_DIR/report.jsonl has one line per clip. "
+        "OUT_DIR is new, empty, or a folder earlier batches wrote (nothing else in it is ever overwritten).",
     )
     p.add_argument("inputs", metavar="INPUTS", help="folder of clips (videos, or folders of numbered frames), or a "
                    "manifest .csv/.jsonl with columns video[,mask,output,steps,seed,dilate,size,window,overlap,crop,"
@@ -103,10 +104,13 @@ def cmd_batch(args) -> int:
     """Plan, run and report a batch; returns the exit code (FastRemoverError for a problem with the batch itself)."""
     from fastremover.batch.driver import Runner, run_batch
     from fastremover.batch.plan import plan_batch
-    from fastremover.cli import _announce_model, _model_spec, _options_from_args
+    from fastremover.cli import _announce_model, _model_spec, _options_from_args, check_unused_flags
+    from fastremover.options import validate_gib
 
     options = _options_from_args(args)  # the same flags -> the same options and model as `remove`
     spec = _model_spec(args)
+    check_unused_flags(args)
+    validate_gib(args.max_decoded_gib)
     if args.ray is not None:
         if args.gpus is not None:
             raise FastRemoverError("--gpus is for one host; with --ray each actor takes one GPU of the cluster "
@@ -128,17 +132,8 @@ def cmd_batch(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fastremover.batch ARGS`` = ``fastremover batch ARGS`` (same flags, same exit codes)."""
-    from fastremover.cli import EXIT_USER_ERROR, _add_model_args, _err
+    """``python -m fastremover.batch ARGS`` = ``fastremover batch ARGS`` (same flags, same exit codes, same handling
+    of SIGTERM and of a user's OSError)."""
+    from fastremover.cli import main as cli_main
 
-    parser = argparse.ArgumentParser(prog="fastremover")
-    add_batch_parser(parser.add_subparsers(dest="command", required=True), _add_model_args)
-    args = parser.parse_args(["batch", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return cmd_batch(args)
-    except FastRemoverError as e:
-        _err(f"error: {e}")
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        _err("interrupted")
-        return 130
+    return cli_main(["batch", *(sys.argv[1:] if argv is None else argv)])

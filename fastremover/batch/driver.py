@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from fastremover.batch.plan import BatchPlan, ClipTask, finished_result, record_key, write_record
+from fastremover.batch.plan import (REPORT_NAME, BatchPlan, ClipTask, finished_result, mark_written, record_key,
+                                    write_record)
 from fastremover.batch.report import BatchBars, ReportWriter, Summary
 from fastremover.worker import ModelSpec
 
@@ -43,6 +44,7 @@ def run_batch(plan: BatchPlan, spec: ModelSpec, runner: Runner = Runner(), *, fo
 
     A failing clip is reported and the others go on; ``on_line`` gets each report line as it is written. Raises
     FastRemoverError only for the batch as a whole (the model cannot be loaded, Ray is missing or unreachable)."""
+    mark_written(plan, [REPORT_NAME])  # the folder is ours from now on (plan.batch_folder_rule)
     report = ReportWriter(plan)
     summary = Summary(total=len(plan.tasks), report=str(plan.report_path))
     keys: dict[int, dict] = {}  # what each clip's record will say it was made from, taken before it runs
@@ -73,6 +75,7 @@ def run_batch(plan: BatchPlan, spec: ModelSpec, runner: Runner = Runner(), *, fo
 
         def on_done(task: ClipTask, entry: dict) -> None:
             if entry["status"] == "ok":  # the record first: a batch killed after it has the clip done
+                mark_written(plan, [task.job.output])
                 write_record(plan, task, keys[task.index], {k: entry.get(k) for k in RECORDED})
             summary.wall_s = time.perf_counter() - start
             bars.done(task, entry)

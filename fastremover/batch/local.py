@@ -20,11 +20,13 @@ import queue
 import signal
 import time
 import traceback
+from pathlib import Path
 from typing import Callable, Sequence
 
 from fastremover.batch.execute import failed, note, run_clip, where
 from fastremover.batch.plan import ClipTask
 from fastremover.errors import FastRemoverError
+from fastremover.outputs import remove_stale_temps
 from fastremover.worker import ModelSpec, RemovalWorker
 
 OnStart = Callable[[ClipTask, str], None]  # (task, worker)
@@ -38,10 +40,27 @@ def slot_spec(spec: ModelSpec, gpu: str | None) -> ModelSpec:
     return spec if gpu is None else dataclasses.replace(spec, device="cuda")
 
 
+class _Stopped(BaseException):
+    """SIGTERM in a worker process (the driver stopping it): raised in its main thread, so the write in progress
+    removes its temporary output on the way out, as the CLI's own SIGTERM does."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Stopped()
+
+
 def _worker_main(slot: int, gpu: str | None, spec: ModelSpec, tasks, events, parent: int) -> None:
     """A worker process: load the model, then run clips from ``tasks`` until its end marker. CUDA_VISIBLE_DEVICES
-    is already ``gpu`` (set in the environment the process was spawned with)."""
+    is already ``gpu`` (set in the environment the process was spawned with). SIGTERM stops it cleanly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it stops the workers
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        _serve(slot, gpu, spec, tasks, events, parent)
+    except _Stopped:
+        pass
+
+
+def _serve(slot: int, gpu: str | None, spec: ModelSpec, tasks, events, parent: int) -> None:
     try:
         worker = RemovalWorker(slot_spec(spec, gpu), note=note)
         worker.pipeline  # noqa: B018 - one model load per worker, before the first clip
@@ -209,3 +228,12 @@ def run_pool(tasks: Sequence[ClipTask], spec: ModelSpec, slots: Sequence[int | N
         events.close()
         task_q.cancel_join_thread()
         events.cancel_join_thread()
+        remove_leftovers(tasks)
+
+
+def remove_leftovers(tasks: Sequence[ClipTask]) -> None:
+    """The temporary outputs that stopped or killed workers left beside the clips' outputs (their processes are
+    gone now; a live process's files are never touched)."""
+    for task in tasks:
+        output = Path(task.job.output.rstrip("/" + os.sep))
+        remove_stale_temps(output.parent, output.name)

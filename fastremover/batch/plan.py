@@ -14,6 +14,14 @@ ending, the frame folder ``street/take1/``, or the same with a ``_mask``, ``-mas
 may match. Outputs mirror the names: ``take1.mov`` -> ``OUT/take1.mov`` (other video endings become ``.mp4``), a frame
 folder -> a frame folder, an image -> ``.png``.
 
+The output folder follows the rule of a frame-folder output: it is new, empty, or one that earlier batches wrote
+(``OUT/.fastremover-batch.json`` lists the report and every output they finished; anything else in it, such
+as a file of the user's, makes the batch refuse to start). Nothing in it is overwritten that a batch did not write.
+
+When the masks sit beside the clips (``--masks`` is the input folder), a file that is the mask of another clip is a
+mask, not a clip; a file that is both (it is named like another clip's mask and has a mask of its own beside it) is
+refused before anything runs, since no name can say which it is: keep the masks in a folder of their own.
+
 Resume: after a clip succeeds the driver writes a record (``OUT/.fastremover-batch/<clip>.json``) of its inputs
 (path, size and modification time of the file, or of every file of a frame folder), its options, the model, and the
 output's size and modification time. A later run skips the clip when the record matches all of these; anything else
@@ -34,7 +42,7 @@ from pathlib import Path
 
 from fastremover.errors import FastRemoverError
 from fastremover.options import RunOptions, validate_mask_threshold
-from fastremover.outputs import VIDEO_OUTPUTS
+from fastremover.outputs import VIDEO_OUTPUTS, is_ours_by_name
 from fastremover.worker import DEFAULT_MAX_DECODED_GIB, Job, ModelSpec
 
 #: Endings read as videos and as images (= fastremover.media.VIDEO_EXTENSIONS / IMAGE_EXTENSIONS, kept here so
@@ -47,6 +55,7 @@ IMAGE_ENDINGS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".t
 MASK_SUFFIXES = ("", "_mask", "-mask", ".mask")
 RECORDS_DIR = ".fastremover-batch"
 REPORT_NAME = "report.jsonl"
+MANIFEST = ".fastremover-batch.json"  # what the batches that used this folder wrote into it
 RECORD_VERSION = 1
 
 #: Per-clip manifest columns -> (RunOptions field or "mask_threshold", parser of a CSV cell).
@@ -280,12 +289,21 @@ def _folder_entries(inputs: Path, masks: Path | None, out: Path, options: RunOpt
         raise FastRemoverError(f"-o {out} is the input folder; write the outputs to another folder")
     clips = _walk_clips(inputs, exclude=[out, masks])
     if masks == inputs:  # masks beside their clips: a file used as a mask is not a clip
-        used = set()
+        used: dict[Path, str] = {}
         for name, path in clips:
-            try:
-                used.add(find_mask(masks, name, clip=path))
-            except FastRemoverError:
-                pass
+            with contextlib.suppress(FastRemoverError):
+                used[find_mask(masks, name, clip=path)] = name
+        for name, path in clips:
+            if path in used:
+                try:
+                    own = find_mask(masks, name, clip=path)
+                except FastRemoverError:
+                    continue
+                raise FastRemoverError(
+                    f"{path.name} is the mask of the clip {used[path]} and also a clip with a mask of its own "
+                    f"({own.name}); with the masks beside the clips a name cannot say which it is: put the masks "
+                    "in a folder of their own (--masks DIR)"
+                )
         clips = [(name, path) for name, path in clips if path not in used]
     entries = []
     for name, path in clips:
@@ -363,8 +381,9 @@ def plan_batch(
         raise FastRemoverError(f"{inputs} does not exist; give a folder of clips or a .csv/.jsonl manifest")
     if masks_path is not None and not masks_path.is_dir():
         raise FastRemoverError(f"--masks {masks}: not a folder; give the folder that holds the masks")
-    if out.exists() and not out.is_dir():
-        raise FastRemoverError(f"-o {out_dir}: is a file; give a folder for the outputs")
+    from fastremover.outputs import check_output
+
+    check_output(out_dir, [inputs_path] + ([masks_path] if masks_path is not None else []), rule=batch_folder_rule)
     if inputs_path.is_dir():
         entries = _folder_entries(inputs_path, masks_path, out, options, mask_threshold)
     else:
@@ -391,6 +410,89 @@ def plan_batch(
         frames = 0 if entry.error else _probe_frames(entry.video)
         plan.tasks.append(ClipTask(index=index, name=entry.name, job=job, frames=frames, error=entry.error))
     return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The output folder
+
+
+def _read_listed(out: Path) -> set[str] | None:
+    """What earlier batches wrote into ``out`` (relative paths; a frame folder ends in "/"), or None when no batch
+    wrote there. A folder from before the manifest existed: the outputs its resume records name, and the report."""
+    records = out / RECORDS_DIR
+    try:
+        data = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        files = data.get("files") if isinstance(data, dict) else None
+        if isinstance(files, list) and all(isinstance(f, str) for f in files):
+            return set(files)
+    except (OSError, ValueError):
+        pass
+    if not records.is_dir():
+        return None
+    listed = {REPORT_NAME}
+    for path in records.rglob("*.json"):
+        try:
+            output = json.loads(path.read_text())["key"]["output"]
+            listed.add(_relative_output(out, output))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return listed
+
+
+def _relative_output(out: Path, output: str) -> str:
+    rel = os.path.relpath(output.rstrip("/" + os.sep), out)
+    return Path(rel).as_posix() + ("/" if output.endswith(("/", os.sep)) else "")
+
+
+def _foreign(folder: Path, prefix: str, listed: set[str]) -> str | None:
+    """The first file under ``folder`` that no batch wrote (relative to the output folder), or None."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return prefix or "."
+    for entry in entries:
+        rel = prefix + entry.name
+        if (not prefix and entry.name in (RECORDS_DIR, MANIFEST)) or is_ours_by_name(entry.name) or rel in listed:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            if rel + "/" in listed:
+                continue  # a frame-folder output: its own manifest governs it
+            found = _foreign(Path(entry.path), rel + "/", listed)
+            if found is not None:
+                return found
+        else:
+            return rel
+    return None
+
+
+def batch_folder_rule(out: Path) -> str | None:
+    """None when a batch may write into the existing folder ``out`` (empty, or written by earlier batches and
+    holding nothing else); otherwise why not."""
+    try:
+        names = sorted(os.listdir(out))
+    except OSError as exc:
+        return f"cannot list it: {exc.strerror or exc}"
+    if not names:
+        return None
+    listed = _read_listed(out)
+    if listed is None:
+        return (f"already holds files that fastremover did not write (e.g. {names[0]!r}); a batch writes into a new or "
+                "empty folder, or one an earlier batch wrote: choose another folder")
+    found = _foreign(out, "", listed)
+    if found is not None:
+        return (f"holds files besides the ones earlier batches wrote (e.g. {found!r}); move them away or choose "
+                "another folder")
+    return None
+
+
+def mark_written(plan: BatchPlan, written: list[str]) -> None:
+    """Add ``written`` (paths inside the output folder; absolute, or relative to it) to the folder's manifest."""
+    from fastremover.outputs import write_text
+
+    listed = _read_listed(plan.out_dir) or set()
+    listed |= {_relative_output(plan.out_dir, w) if os.path.isabs(w.rstrip("/")) else w for w in written}
+    data = {"fastremover": "batch folder", "files": sorted(listed)}
+    write_text(plan.out_dir / MANIFEST, json.dumps(data, indent=1) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -434,19 +536,10 @@ def _output_target(output: str) -> Path:
 def write_record(plan: BatchPlan, task: ClipTask, key: dict, result: dict) -> None:
     """Record a finished clip (atomically): ``key`` (`record_key` taken before it ran), the output's identity now and
     the report fields to repeat when it is skipped."""
-    from fastremover.outputs import temp_name
+    from fastremover.outputs import write_text
 
-    path = plan.record_path(task)
     data = {"key": key, "output": _stat_identity(_output_target(task.job.output)), "result": result}
-    tmp = path.with_name(temp_name(path.name))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise FastRemoverError(f"cannot write the batch record {path}: {exc.strerror or exc}") from None
+    write_text(plan.record_path(task), json.dumps(data, sort_keys=True) + "\n")
 
 
 def finished_result(plan: BatchPlan, task: ClipTask, spec: ModelSpec) -> dict | None:

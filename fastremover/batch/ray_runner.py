@@ -7,7 +7,8 @@ and writes the report and resume records itself. Inputs and outputs travel as pa
 every node sees at the same path (the plan's paths are absolute). An actor that dies costs its clip (reported
 failed) and is replaced.
 
-``ray`` is imported only here, and only when the batch runs with ``--ray`` (``pip install 'fastremover[cluster]'``).
+``ray`` is imported only here, and only when the batch runs with ``--ray`` (``pip install "fastremover[cluster]"``;
+``pip install -e ".[cluster]"`` in a source checkout).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastremover.batch.execute import failed, note, run_clip, where
 from fastremover.batch.local import OnDone, OnStart, _raise_init_error
 from fastremover.batch.plan import ClipTask
 from fastremover.errors import FastRemoverError
+from fastremover.extras import install_hint
 from fastremover.worker import ModelSpec, RemovalWorker
 
 
@@ -50,7 +52,7 @@ def import_ray():
         import ray
     except ImportError:
         raise FastRemoverError(
-            "--ray needs the ray package on every node: pip install 'fastremover[cluster]' (or pip install ray)"
+            f"--ray needs the ray package on every node: {install_hint('cluster')}"
         ) from None
     return ray
 

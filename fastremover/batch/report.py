@@ -10,8 +10,8 @@ atomically, one line per clip in plan order.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,26 +60,34 @@ class ReportWriter:
         line = report_line(task, entry)
         self.lines[task.index] = line
         if self._file is not None:
-            self._file.write(json.dumps(line) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(line) + "\n")
+                self._file.flush()
+            except OSError as exc:  # a full disk: said naming the report; the batch stops (finish tries once more)
+                from fastremover.outputs import USER_ERRNOS, write_error
+
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
+                if exc.errno in USER_ERRNOS:
+                    raise write_error(self.plan.report_path, exc) from None
+                raise
         return line
 
     def finish(self) -> Path:
-        from fastremover.outputs import temp_name
+        """The whole report in plan order, written atomically (fastremover.outputs.write_text)."""
+        from fastremover.outputs import write_text
 
         self.close()
         path = self.plan.report_path
-        tmp = path.with_name(temp_name(path.name))
-        with open(tmp, "w", encoding="utf-8") as f:
-            for index in sorted(self.lines):
-                f.write(json.dumps(self.lines[index]) + "\n")
-        os.replace(tmp, path)
+        write_text(path, "".join(json.dumps(self.lines[index]) + "\n" for index in sorted(self.lines)))
         return path
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):  # the lines are written again by finish
+                file.close()
 
 
 @dataclass

@@ -6,7 +6,8 @@ It is the oracle of our parity tests and the baseline of `fastremover bench` / `
   RoPE applied on [B, H, S, D], SDPA. Loads our checkpoint names unchanged.
 - `reference_remove`: the upstream pipeline call order with diffusers' `AutoencoderKLWan` and diffusers' scheduler,
   scipy mask dilation, bilinear resize, fp16 (or the given dtype) everywhere upstream uses it.
-diffusers and scipy are imported lazily: they are only needed for the reference (`pip install fastremover[reference]`).
+diffusers and scipy are imported lazily: they are only needed for the reference (`pip install "fastremover[reference]"`,
+or `pip install -e ".[reference]"` in a source checkout).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastremover.errors import FastRemoverError
+from fastremover.extras import install_hint
 from fastremover.models.loading import RemoverModels
 from fastremover.models.transformer import RemoverTransformerConfig
 from fastremover.timing import StageTimer
@@ -37,7 +39,7 @@ def _require_diffusers():
         import scipy  # noqa: F401
     except ImportError:
         raise FastRemoverError(
-            "the reference pipeline needs diffusers and scipy: pip install 'fastremover[reference]'"
+            f"the reference pipeline needs diffusers and scipy: {install_hint('reference')}"
         ) from None
     version = tuple(int(part) for part in diffusers.__version__.split(".")[:2] if part.isdigit())
     if version < MIN_DIFFUSERS:

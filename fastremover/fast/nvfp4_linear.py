@@ -222,10 +222,18 @@ def quantize_linears_nvfp4(module: nn.Module, *, w4a4: bool = False, gemm: str =
                        resident_bytes(module))
 
 
-def check_w4a4_allowed(crop_active: bool, force: bool) -> None:
-    """W4A4 runs on crops; on full frames only with force (raises FastRemoverError otherwise)."""
-    if not crop_active and not force:
-        raise FastRemoverError(W4A4_FULL_FRAME_REFUSAL)
+def check_w4a4_allowed(crop_active: bool, force: bool, crop_mode: str = "auto") -> None:
+    """W4A4 runs on crops; on full frames only with force (raises FastRemoverError otherwise). ``crop_mode``: the
+    run's --crop, so that a window whose crop is the whole frame under --crop on is told so, not to use --crop on."""
+    if crop_active or force:
+        return
+    if crop_mode == "on":
+        raise FastRemoverError(
+            "--weights nvfp4-w4a4 quantizes activations to 4 bits too, which collapses on full frames (FlashRT "
+            "measured ~7 dB over 12 steps); with --crop on, the box around this window's mask is the whole frame: "
+            "use a mask that leaves the frame's edges free, or add --force-w4a4 to run it on full frames anyway"
+        )
+    raise FastRemoverError(W4A4_FULL_FRAME_REFUSAL)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -46,11 +46,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _load_latents(path: str, key: str | None):
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the floating-point dtypes
+
+
+def _latent_shape(path: str, key: str | None) -> tuple[str, list[int]]:
+    """(key, shape [1, C, T, h, w]) of the latents tensor, read from the safetensors header alone (no torch, nothing
+    decoded); FastRemoverError for a missing or unreadable file, a missing key, a wrong rank, dtype or empty axis."""
     from safetensors import safe_open
 
+    if not os.path.exists(path):
+        raise FastRemoverError(f"no such file: {path}")
+    if os.path.isdir(path):
+        raise FastRemoverError(f"{path} is a folder; give the .safetensors file of the latents")
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="numpy") as f:
             keys = list(f.keys())
             if key is None:
                 if len(keys) != 1:
@@ -58,78 +67,96 @@ def _load_latents(path: str, key: str | None):
                 key = keys[0]
             if key not in keys:
                 raise FastRemoverError(f"{path} has no tensor {key!r} (it has {keys[:5]})")
-            z = f.get_tensor(key)
+            view = f.get_slice(key)
+            shape, dtype = list(view.get_shape()), view.get_dtype()
     except FastRemoverError:
         raise
-    except FileNotFoundError:
-        raise FastRemoverError(f"no such file: {path}") from None
-    except Exception as e:  # not a safetensors file, truncated, ...
+    except Exception as e:  # not a safetensors file, truncated, unreadable, ...
         raise FastRemoverError(f"cannot read {path} as safetensors: {e}") from None
-    if z.dim() == 4:
-        z = z[None]
-    if z.dim() != 5 or z.shape[0] != 1:
-        raise FastRemoverError(f"the latents must be [C, T, h, w] or [1, C, T, h, w], got {list(z.shape)}")
-    if not z.is_floating_point():
-        raise FastRemoverError(f"the latents must be floating point, got {z.dtype}")
-    return z.float()
+    if len(shape) == 4:
+        shape = [1, *shape]
+    if len(shape) != 5 or shape[0] != 1:
+        raise FastRemoverError(f"the latents must be [C, T, h, w] or [1, C, T, h, w], got {list(shape)}")
+    if dtype not in FLOAT_DTYPES:
+        raise FastRemoverError(f"the latents must be floating point, got {dtype}")
+    if 0 in shape:
+        names = ["batch", "channels", "frames", "height", "width"]
+        raise FastRemoverError(f"the latents {shape[1:]} have no {names[shape.index(0)]}: every axis needs at least 1")
+    return key, shape
+
+
+def _load_latents(path: str, key: str):
+    """The checked tensor (see _latent_shape) as fp32 [1, C, T, h, w]."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            z = f.get_tensor(key)
+    except Exception as e:  # changed since it was checked, truncated data, ...
+        raise FastRemoverError(f"cannot read {path} as safetensors: {e}") from None
+    return (z[None] if z.dim() == 4 else z).float()
 
 
 def _check_args(args) -> None:
+    """Every flag, without importing torch."""
+    from fastremover.options import validate_device, validate_gib, validate_seed
+
     if not isinstance(args.tiles_per_call, int) or args.tiles_per_call < 1:
         raise FastRemoverError(f"--tiles-per-call must be >= 1, got {args.tiles_per_call}")
-    if not (0 < args.fps <= 1000):
+    if not (0 < args.fps <= 1000):  # nan fails this too
         raise FastRemoverError(f"--fps must be in (0, 1000], got {args.fps}")
-    if args.max_decoded_gib <= 0:
-        raise FastRemoverError("--max-decoded-gib must be positive")
+    validate_gib(args.max_decoded_gib)
+    validate_seed(args.weights_seed, "--weights-seed")
+    validate_device(args.device)
     if args.cuda_graphs and args.blocks != "nvfp4-fused":
         raise FastRemoverError("--cuda-graphs applies to the fused NVFP4 blocks; add --blocks nvfp4-fused")
+    if args.cuda_graphs and (args.device or "cuda").startswith("cpu"):
+        raise FastRemoverError("--cuda-graphs needs a CUDA device")
+    if args.weights != "random" and not os.path.exists(args.weights):
+        raise FastRemoverError(f"--weights {args.weights}: no such file or folder (or use --weights random)")
 
 
 def _device(args):
     import torch
 
-    if args.device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(args.device)
-    except RuntimeError:
-        raise FastRemoverError(f"--device {args.device!r} is not a device (cpu, cuda, cuda:N)") from None
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise FastRemoverError("--device cuda: no CUDA GPU is visible")
-    if dev.type not in ("cpu", "cuda"):
-        raise FastRemoverError(f"--device {args.device}: only cpu and cuda are supported")
     return dev
 
 
 def run(args) -> int:
-    """The h3-decode command (raises FastRemoverError for user errors; fastremover.cli turns it into exit 2)."""
+    """The h3-decode command (raises FastRemoverError for user errors; fastremover.cli turns it into exit 2). Every
+    check that needs neither torch nor the model (flags, the output path, the latents' header) runs first."""
+    from fastremover.outputs import Wanted, check_outputs
+
+    _check_args(args)
+    weights = None if args.weights == "random" else args.weights
+    (target,) = check_outputs([Wanted("-o", args.output)], inputs=[args.latents, weights])
+    key, shape = _latent_shape(args.latents, args.key)
+
     import numpy as np
     import torch
 
     from fastremover import media
     from fastremover.models import h3_decoder as h3
-    from fastremover.outputs import check_output
 
-    _check_args(args)
-    target = check_output(args.output, inputs=[args.latents])
     device = _device(args)
     if args.cuda_graphs and device.type != "cuda":
         raise FastRemoverError("--cuda-graphs needs a CUDA device")
     if args.blocks == "nvfp4-fused" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise FastRemoverError("--blocks nvfp4-fused needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 for tests)")
-    if args.weights != "random" and not os.path.exists(args.weights):
-        raise FastRemoverError(f"--weights {args.weights}: no such file or folder (or use --weights random)")
-    z = _load_latents(args.latents, args.key)
     cfg = h3.preset(args.preset) if args.weights == "random" else h3.checkpoint_config(args.weights)
-    if z.shape[1] != cfg.latent_channels:
-        raise FastRemoverError(f"the latents have {z.shape[1]} channels; this decoder takes {cfg.latent_channels}")
-    _, _, frames = h3.temporal_plan(cfg, z.shape[2])
-    height, width = z.shape[3] * cfg.patch_size, z.shape[4] * cfg.patch_size
+    if shape[1] != cfg.latent_channels:
+        raise FastRemoverError(f"the latents have {shape[1]} channels; this decoder takes {cfg.latent_channels}")
+    _, _, frames = h3.temporal_plan(cfg, shape[2])
+    height, width = shape[3] * cfg.patch_size, shape[4] * cfg.patch_size
     target.check_frames(frames)
     gib = frames * height * width * 3 / 2**30
     if gib > args.max_decoded_gib:
         raise FastRemoverError(f"the video would be {frames} frames of {width}x{height} = {gib:.1f} GiB, over "
                                f"--max-decoded-gib {args.max_decoded_gib:g}")
+    z = _load_latents(args.latents, key)
     if args.weights == "random":
         print(f"note: random weights ({args.preset} preset): the video shows what a random decoder makes",
               file=sys.stderr)
@@ -159,14 +186,9 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (python -m fastremover.h3.cli ...): the same command and exit codes as `fastremover`."""
-    parser = argparse.ArgumentParser(prog="fastremover")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["h3-decode", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return run(args)
-    except FastRemoverError as e:
-        print(f"fastremover: error: {e}", file=sys.stderr)
-        return 2
+    from fastremover.cli import main as cli_main
+
+    return cli_main(["h3-decode", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -141,13 +141,14 @@ def box_mask_file(args, folder) -> str | None:
     from pathlib import Path
 
     from fastremover import media
-    from fastremover.outputs import check_output
+    from fastremover.outputs import Wanted, check_outputs
 
     if not (getattr(args, "box", None) or getattr(args, "point", None) or getattr(args, "sam2", None)):
         return None
     if getattr(args, "mask", None):
         raise FastRemoverError("give either --mask MASK or --box X,Y,W,H, not both")
-    check_output(args.output, inputs=[args.video])
+    check_outputs([Wanted("-o", args.output), Wanted("--preview-mask", getattr(args, "preview_mask", None))],
+                  inputs=[args.video])
     budget = getattr(args, "max_decoded_gib", None)
     video = media.read_video(args.video, max_bytes=None if budget is None else int(budget * 2**30))
     mask = mask_from_args(args, video)
@@ -160,15 +161,14 @@ def cmd_mask(args) -> int:
     """``fastremover mask``: read the video, build the mask, write it (white = object) and the preview."""
     from fastremover import media
     from fastremover.masks import dilate_masks
-    from fastremover.outputs import check_output
+    from fastremover.outputs import Wanted, check_outputs
 
     if args.dilate < 0:
         raise FastRemoverError(f"--dilate must be >= 0, got {args.dilate}")
     if not args.box and not args.point:
         raise FastRemoverError("give at least one --box X,Y,W,H around the object (or --point X,Y with --sam2)")
-    check_output(args.output, inputs=[args.video])
-    if args.preview_mask:
-        check_output(args.preview_mask, inputs=[args.video, args.output])
+    # Both paths this command writes, against the input and each other, before anything is read.
+    check_outputs([Wanted("-o", args.output), Wanted("--preview", args.preview_mask)], inputs=[args.video])
     video = media.read_video(args.video)
     result = mask_result_from_args(args, video.frames, video.fps)
     mask = dilate_masks(result.mask, args.dilate) if args.dilate else result.mask

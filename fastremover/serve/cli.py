@@ -12,6 +12,7 @@ import socket
 import sys
 
 from fastremover.errors import FastRemoverError
+from fastremover.extras import install_hint
 
 EXIT_USER_ERROR = 2
 API_KEY_ENV = "FASTREMOVER_API_KEY"
@@ -67,7 +68,7 @@ def require_serve_extra() -> None:
             __import__(module)
         except ImportError:
             raise FastRemoverError(f"fastremover serve needs {package}, which is not installed: "
-                                   "pip install 'fastremover[serve]'") from None
+                                   f"{install_hint('serve')}") from None
 
 
 def config_from_args(args):
@@ -116,7 +117,7 @@ def serve(config, host: str, port: int, *, log_level: str = "info", workers=None
         from fastremover.serve.app import create_app
     except ImportError as e:
         raise FastRemoverError(f"the service needs the serve extra ({e.name} is missing): "
-                               "pip install 'fastremover[serve]'") from None
+                               f"{install_hint('serve')}") from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config, workers=workers)
     sock = bind(host, port)
