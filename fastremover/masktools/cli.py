@@ -52,6 +52,8 @@ def add_mask_parser(subparsers) -> argparse.ArgumentParser:
     _box_options(p, "--preview")
     p.add_argument("--dilate", type=int, default=0,
                    help="grow the written mask by this many pixels (L1 diamond; default 0: remove dilates it itself)")
+    p.add_argument("--max-decoded-gib", type=float, default=4.0,
+                   help="host memory for the clip's decoded frames (the whole clip is held; default 4)")
     p.add_argument("--device", default=None, help="--sam2 only: cpu | cuda (default: cuda if available)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_mask)
@@ -161,6 +163,7 @@ def cmd_mask(args) -> int:
     """``fastremover mask``: read the video, build the mask, write it (white = object) and the preview."""
     from fastremover import media
     from fastremover.masks import dilate_masks
+    from fastremover.options import validate_gib
     from fastremover.outputs import Wanted, check_outputs
 
     if args.dilate < 0:
@@ -168,8 +171,9 @@ def cmd_mask(args) -> int:
     if not args.box and not args.point:
         raise FastRemoverError("give at least one --box X,Y,W,H around the object (or --point X,Y with --sam2)")
     # Both paths this command writes, against the input and each other, before anything is read.
+    validate_gib(args.max_decoded_gib)
     check_outputs([Wanted("-o", args.output), Wanted("--preview", args.preview_mask)], inputs=[args.video])
-    video = media.read_video(args.video)
+    video = media.read_video(args.video, max_bytes=int(args.max_decoded_gib * 2**30))
     result = mask_result_from_args(args, video.frames, video.fps)
     mask = dilate_masks(result.mask, args.dilate) if args.dilate else result.mask
     media.write_video(args.output, np.repeat(mask[..., None], 3, axis=-1).astype(np.uint8) * np.uint8(255), video.fps)
