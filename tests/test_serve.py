@@ -26,7 +26,7 @@ from fastremover import media
 from fastremover.errors import FastRemoverError
 from fastremover.serve import security
 from fastremover.serve.app import ServeConfig, create_app
-from fastremover.serve.jobs import JobStore
+from fastremover.serve.jobs import JobStore, new_id
 from fastremover.serve.runner import Cleaner
 from fastremover.worker import ModelSpec, RemovalWorker
 
@@ -182,7 +182,8 @@ def clips(tmp_path_factory):
 
 
 class _Files(http.server.BaseHTTPRequestHandler):
-    """/clip.mp4 and /mask.mp4 from the media folder; /redirect?to=URL; /big (4 MiB); /slow (answers after 1.5 s)."""
+    """/clip.mp4 and /mask.mp4 from the media folder; /redirect?to=URL; /big (4 MiB); /slow (answers after 1.5 s);
+    /short (10 of the 1000 bytes its Content-Length says); /empty (no bytes)."""
 
     folder: Path
 
@@ -195,6 +196,12 @@ class _Files(http.server.BaseHTTPRequestHandler):
             time.sleep(1.5)
             self.send_response(200)
             self.end_headers()
+        elif self.path in ("/short", "/empty"):
+            self.send_response(200)
+            if self.path == "/short":
+                self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"\x00" * 10 if self.path == "/short" else b"")
         elif self.path == "/big":
             self.send_response(200)
             self.end_headers()
@@ -255,7 +262,7 @@ def service(clips, http_server, tmp_path_factory):
     config = ServeConfig(data_dir=str(data), media_roots=[str(clips["root"])], max_upload_bytes=512 * 1024,
                          max_queue=2, allow_urls=True, poll_after_ms=20, sync_timeout_s=30)
     app = create_app(config, workers=[worker], fetcher=fake_fetcher(http_server))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, raise_server_exceptions=False, base_url="http://localhost") as client:
         yield {"client": client, "gate": gate, "data": data, "app": app}
     gate.release.set()
 
@@ -558,7 +565,7 @@ def test_job_that_fails_while_running_reports_the_reason(service, clips, tmp_pat
 
 def test_api_key(tmp_path, clips):
     config = ServeConfig(data_dir=str(tmp_path / "data"), api_key="s3cret-key")
-    with TestClient(create_app(config, workers=[gated_worker()[0]])) as c:
+    with TestClient(create_app(config, workers=[gated_worker()[0]]), base_url="http://localhost") as c:
         assert c.get("/health").status_code == 200
         assert c.get("/").status_code == 200 and c.get("/static/app.js").status_code == 200  # the page: no data
         for method, path in [("GET", "/v1/models"), ("GET", "/v1/videos"), ("POST", "/v1/videos"),
@@ -631,14 +638,15 @@ def test_store_recovery_and_retention(tmp_path):
         store.job_dir(vid).mkdir(parents=True, exist_ok=True)
     store.finish(ids[0], "failed", "x", "y")
     store._exec("UPDATE videos SET completed_at = completed_at - 7200 WHERE id = ?", (ids[0],))
-    (tmp_path / "files" / "file-old").mkdir()
-    store.add_file("file-old", "a.mp4", 1, "user_data", tmp_path / "files" / "file-old" / "upload.mp4")
+    old_file = new_id("file-")
+    store.file_dir(old_file).mkdir()
+    store.add_file(old_file, "a.mp4", 1, "user_data", store.file_dir(old_file) / "upload.mp4")
     store._exec("UPDATE files SET created_at = created_at - 7200")
     assert Cleaner(store, keep_hours=1).sweep() == (1, 1)  # ids[1] failed just now: kept
     assert store.get_video(ids[0]) is None and not store.job_dir(ids[0]).exists()
     assert store.get_video(ids[1]).status == "failed" and store.job_dir(ids[1]).exists()
     assert store.get_video(ids[2]).status == "in_progress" and store.job_dir(ids[2]).exists()
-    assert store.get_file("file-old") is None
+    assert store.get_file(old_file) is None and not store.file_dir(old_file).exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -657,6 +665,8 @@ def test_url_fetcher_rules(http_server, tmp_path):
         ("http://media.test/redirect?to=http://[::1]:80/", "non-public"),
         ("http://media.test/redirect?to=file:///etc/passwd", "only http(s)"),
         ("http://media.test/missing.mp4", "HTTP 404"),
+        ("http://media.test/short", "ended after 10 of 1000 bytes"),
+        ("http://media.test/empty", "file is empty"),
         ("http://user:pw@media.test/clip.mp4", "credentials"),
         ("data:video/mp4;base64,AAAA", "data: URLs"),
         ("ftp://media.test/clip.mp4", "only http(s)"),
@@ -668,7 +678,7 @@ def test_url_fetcher_rules(http_server, tmp_path):
     # The time cap: a host that does not answer within timeout_s.
     slow = fake_fetcher(http_server)
     slow.timeout_s = 0.3
-    with pytest.raises(FastRemoverError, match="cannot download the URL"):
+    with pytest.raises(FastRemoverError, match="took longer than 0.3 s"):
         slow.fetch("http://media.test/slow", dest, "video")
     assert not dest.exists()
     # With private addresses allowed (tests only) the system resolver's loopback answer is fetched for real;
