@@ -607,6 +607,14 @@ def test_cli_bind_rules_and_flags(tmp_path):
         config("--model", str(tmp_path / "missing"))
     with pytest.raises(FastRemoverError, match="--keep-hours"):
         config("--keep-hours", "0")
+    assert config("--allowed-host", "media.example", "--allowed-host", "*.lan").allowed_hosts == ["media.example",
+                                                                                                 "*.lan"]
+    for bad in ("foo*", "*foo.lan", "a/b", ""):
+        with pytest.raises(FastRemoverError, match="--allowed-host"):
+            config("--allowed-host", bad)
+    assert config("--url-timeout", "5").url_timeout_s == 5
+    with pytest.raises(FastRemoverError, match="--url-timeout"):
+        config("--url-timeout", "0")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -736,3 +744,26 @@ def test_box_instead_of_a_mask(service, clips):
                           ({"box": box, "mask": "mask.mp4"}, "not both"),
                           ({"box_frame": 2, "mask": "mask.mp4"}, "needs a box")]:
         assert words in error_of(c.post("/v1/videos", json={"input_reference": "clip.mp4", **fields}), 400)
+
+
+def test_host_rules_with_a_key_and_allowed_hosts(tmp_path):
+    """Without a key only loopback names, --host and --allowed-host are answered; with a key any Host is (a page
+    elsewhere has no key), unless --allowed-host names them; an Origin of an allowed host may post."""
+    from fastremover.serve.app import allowed_hosts, same_origin
+
+    assert allowed_hosts(ServeConfig(data_dir="d")) == ["localhost", "127.0.0.1", "[::1]"]
+    assert allowed_hosts(ServeConfig(data_dir="d", bind_host="192.168.1.5"))[-1] == "192.168.1.5"
+    assert allowed_hosts(ServeConfig(data_dir="d", bind_host="0.0.0.0")) == ["localhost", "127.0.0.1", "[::1]"]
+    assert allowed_hosts(ServeConfig(data_dir="d", bind_host="fd00::5"))[-1] == "[fd00::5]"
+    assert allowed_hosts(ServeConfig(data_dir="d", api_key="k")) == ["*"]
+    assert "media.lan" in allowed_hosts(ServeConfig(data_dir="d", api_key="k", allowed_hosts=["media.lan"]))
+    assert same_origin("http://127.0.0.1:8000", "127.0.0.1:8000", []) and not same_origin("null", "x", [])
+    assert not same_origin("http://127.0.0.1:8001", "127.0.0.1:8000", ["*"])
+    assert same_origin("https://media.lan", "127.0.0.1:8000", ["media.lan"])
+    assert same_origin("https://a.media.lan", "127.0.0.1:8000", ["*.media.lan"])
+    assert not same_origin("https://amedia.lan", "127.0.0.1:8000", ["*.media.lan"])
+    for hosts, expected in ((None, 200), (["media.lan"], 400)):
+        config = ServeConfig(data_dir=str(tmp_path / "data"), api_key="k", allowed_hosts=hosts)
+        with TestClient(create_app(config, workers=[gated_worker()[0]]), base_url="http://elsewhere.example") as c:
+            assert c.get("/health").status_code == expected
+            assert c.get("/health", headers={"Host": "media.lan"}).status_code == 200

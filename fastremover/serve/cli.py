@@ -87,6 +87,10 @@ def config_from_args(args):
     for name in ("keep_hours", "max_upload_mb", "max_decoded_gib", "sync_timeout", "url_timeout"):
         if not getattr(args, name) > 0:
             raise FastRemoverError(f"--{name.replace('_', '-')} must be positive")
+    for name in args.allowed_host or []:
+        if not name or "/" in name or "*" in name[1:] or (name.startswith("*") and name != "*"
+                                                          and not name.startswith("*.")):
+            raise FastRemoverError(f"--allowed-host {name!r}: give a host name, '*.example.com' or '*'")
     if args.max_queue < 1 or args.shutdown_grace < 0 or not 0 <= args.port <= 65535:
         raise FastRemoverError("--max-queue must be >= 1, --shutdown-grace >= 0 and --port in 0..65535")
     spec = ModelSpec(model=args.model, preset=args.preset, weights_seed=args.weights_seed, device=args.device,
