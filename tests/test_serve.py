@@ -28,7 +28,8 @@ from fastremover.serve import security
 from fastremover.serve.app import ServeConfig, create_app
 from fastremover.serve.jobs import JobStore
 from fastremover.serve.runner import Cleaner
-from fastremover.worker import ModelSpec, RemovalWorker
+from fastremover.config import ModelSource
+from fastremover.worker import RemovalWorker
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,7 +89,7 @@ class GatedPipeline:
 
 def gated_worker() -> tuple[RemovalWorker, GatedPipeline]:
     pipe = GatedPipeline()
-    return RemovalWorker(ModelSpec(), pipeline=pipe), pipe
+    return RemovalWorker(ModelSource(), pipeline=pipe), pipe
 
 
 def wait_status(client, video_id: str, statuses=("completed", "failed", "cancelled"), timeout_s: float = 60) -> dict:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastremover.config import EngineConfig
 from fastremover import media
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import random_models
@@ -20,7 +21,7 @@ from fastremover.windows import STREAM_PREFETCH, plan_windows
 @pytest.fixture(scope="module")
 def tiny_pipe():
     torch.set_num_threads(1)
-    return RemovalPipeline(random_models("tiny", seed=0), device="cpu", precision="fp32")
+    return RemovalPipeline(random_models("tiny", seed=0), EngineConfig(device="cpu", precision="fp32"))
 
 
 def _clip(frames, height=32, width=48, seed=3):
