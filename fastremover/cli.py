@@ -1,6 +1,10 @@
-"""`fastremover` command line: a thin layer over `RemovalPipeline` and the media functions.
+"""`fastremover` command line: thin layers over the worker (`remove`, `batch`, `serve`), the pipeline (`demo`), the
+bench harness (`bench`, `verify`) and the mask tools.
 
-User-caused problems (`FastRemoverError`) print one line and exit with code 2; no tracebacks for bad input.
+The model and engine flags of every command come from one definition (fastremover/config.py: add_model_args /
+add_engine_args); a command builds its ModelSource and EngineConfig from them (`model_and_config`). Notes go to the
+package logger, which `main` prints on stderr at the -v / -q level. User-caused problems (`FastRemoverError`) print
+one line and exit with code 2; no tracebacks for bad input.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from fastremover.batch.cli import add_batch_parser, cmd_batch
 from fastremover.config import EngineConfig, ModelSource, add_engine_args, add_model_args, torchrun_env
 from fastremover.errors import FastRemoverError
 from fastremover.log import logger, setup_cli, teardown_cli
+from fastremover.windows import CROP_MODES, DEFAULT_WINDOW
 from fastremover.masktools.cli import add_box_args, add_mask_parser, box_mask_file, cmd_mask, mask_from_args
 from fastremover.serve.cli import add_serve_parser, cmd_serve
 from fastremover.h3.cli import add_parser as add_h3_parser, run as cmd_h3_decode
@@ -86,10 +91,7 @@ class _Bars:
             bar.close()
 
 
-# = fastremover.windows.CROP_MODES and DEFAULT_WINDOW (literals: importing the package's numerical modules pulls in
-# OpenCV, and building the parser should stay light); tests/test_windows.py checks they agree.
-CROP_CHOICES = ["auto", "on", "off"]
-DEFAULT_WINDOW = 81
+CROP_CHOICES = list(CROP_MODES)
 NO_MODEL_NOTE = "no --model given: using the weightless classic remover (pass --model PATH for MiniMax-Remover)"
 
 
@@ -371,8 +373,10 @@ def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> l
         raise FastRemoverError(f"--modes {args.modes!r}: choose from {list(MODES)}")
     crop = getattr(args, "crop", None)  # bench only
     RunOptions(window=args.window, overlap=args.overlap, crop=crop or "off").validate()  # before loading the model
+    from fastremover.pipeline import load_source
+
     source, config = model_and_config(args)
-    return compare(source.load(), inputs, config, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
+    return compare(load_source(source), inputs, config, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
                    hash_repeats=hash_repeats, count_flops=not args.no_flops, window=args.window,
                    overlap=args.overlap, crop=crop, on_result=on_result,
                    nvfp4_rows=getattr(args, "nvfp4_fidelity", False))

@@ -1,7 +1,7 @@
 """The engine's typed input, and every flag and environment variable that sets it, read in ONE place (this module).
 
     ModelSource             which weights: "classic" (no model), "random" (a preset config with deterministic random
-                            weights) or a checkpoint folder; `load()` is the one place a model name becomes modules
+                            weights) or a checkpoint folder (fastremover.pipeline.load_source loads it)
     EngineConfig            frozen; how the model runs: device, precision, mode and the nested options
       .attention            AttentionOptions  backend
       .linears              LinearOptions     weights (dense / nvfp4 / nvfp4-w4a4), force_w4a4, fused_ffn1
@@ -127,15 +127,6 @@ class ModelSource:
                 f"--model {self.name}: not 'classic', 'random' or an existing checkpoint folder "
                 "(with transformer/ vae/ scheduler/)"
             )
-
-    def load(self):
-        """The models (fastremover.models.loading.RemoverModels, fp32 on the CPU), None for classic: the one place a
-        model name becomes modules."""
-        if self.kind == "classic":
-            return None
-        from fastremover.models.loading import load_models
-
-        return load_models(self.name, self.preset, self.weights_seed)
 
     def describe(self) -> dict:
         return asdict(self)

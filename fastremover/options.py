@@ -1,4 +1,5 @@
-"""Per-request options and their limits, checked before anything is read, loaded or run.
+"""Per-request options (RunOptions) and their limits, checked before anything is read, loaded or run. The engine's
+options (how the model runs) are fastremover/config.py's EngineConfig.
 
 This module imports neither torch nor the media libraries, so a bad flag is reported in well under a second.
 """

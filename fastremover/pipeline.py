@@ -42,7 +42,7 @@ from fastremover.errors import FastRemoverError
 from fastremover.fast.engine import build
 from fastremover.log import logger
 from fastremover.masks import composite, dilate_masks
-from fastremover.models.loading import RemoverModels
+from fastremover.models.loading import RemoverModels, load_models
 from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
 from fastremover.timing import StageTimer
 from fastremover.windows import (
@@ -65,6 +65,15 @@ if TYPE_CHECKING:
 CROP_FEATHER = 4
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def load_source(source: ModelSource) -> RemoverModels | None:
+    """The models of a source (fp32 on the CPU; None for the classic remover), checked first: the one place a model
+    name becomes modules (`models.loading.load_models` turns a name into a checkpoint folder or random weights)."""
+    source.validate()
+    if source.kind == "classic":
+        return None
+    return load_models(source.name, source.preset, source.weights_seed)
 
 
 def crop_feather(dilate: int) -> int:
@@ -232,9 +241,8 @@ class RemovalPipeline:
                    parallel=None) -> "RemovalPipeline":
         """`model`: a ModelSource, or its name - "classic" (no weights), "random" (the `preset` config with
         deterministic random weights from `weights_seed`) or a checkpoint folder."""
-        source = ModelSource.of(model, preset=preset, weights_seed=weights_seed)
-        source.validate()
-        return cls(source.load(), config, parallel=parallel)
+        return cls(load_source(ModelSource.of(model, preset=preset, weights_seed=weights_seed)), config,
+                   parallel=parallel)
 
     def follow(self) -> None:
         """A rank other than 0 of a parallel run: run the stages rank 0's requests announce, until it stops."""

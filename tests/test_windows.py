@@ -371,12 +371,6 @@ def test_crop_feather_never_blends_the_object_back_in():
         assert (alpha[obj[0]] == 1).all(), dilate
 
 
-def test_cli_literals_match_the_package():
-    from fastremover import cli, windows
-
-    assert cli.CROP_CHOICES == list(windows.CROP_MODES) and cli.DEFAULT_WINDOW == windows.DEFAULT_WINDOW
-
-
 def test_cli_long_clip_and_window_errors(tmp_path, capsys):
     video, mask = media.synthetic_clip(45, 48, 64, seed=3)
     media.write_video(tmp_path / "in.mp4", video.frames, 24)

@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from fastremover.config import MODES  # (re-exported: the one list of engine modes)
 from fastremover.errors import FastRemoverError
 
 if TYPE_CHECKING:
