@@ -25,28 +25,7 @@ from fastremover.batch.plan import IMAGE_ENDINGS, RECORDS_DIR, VIDEO_ENDINGS
 from fastremover.errors import FastRemoverError
 from fastremover.options import RunOptions
 from fastremover.worker import Job, RemovalWorker
-
-CLIPS = 12
-HEIGHT, WIDTH, OBJECT = 48, 64, 0.15  # tiny clips: the test's time goes to starting workers, not to removing
-
-
-def synthetic(frames: int, seed: int):
-    return media.synthetic_clip(frames, HEIGHT, WIDTH, seed=seed, object_fraction=OBJECT)
-
-
-def frames_of(i: int) -> int:
-    return (5, 9, 13)[i % 3]
-
-
-def make_clips(root: Path, count: int = CLIPS) -> tuple[Path, Path]:
-    """``count`` clips clip00.mp4 ... in root/in and their masks (same names) in root/masks."""
-    inputs, masks = root / "in", root / "masks"
-    for i in range(count):
-        video, mask = synthetic(frames_of(i), seed=i)
-        name = f"clip{i:02d}.mp4"
-        media.write_video(inputs / name, video.frames, video.fps)
-        media.write_video(masks / name, np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
-    return inputs, masks
+from helpers import CLIPS, frames_of, make_clips, synthetic
 
 
 def read_report(out: Path) -> list[dict]:

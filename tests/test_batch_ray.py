@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (the dev extra ins
 
 from fastremover.batch.cli import EXIT_CLIPS_FAILED, main as batch_main
 from fastremover.worker import Job, RemovalWorker
-from test_batch import CLIPS, frames_of, make_clips
+from helpers import CLIPS, frames_of, make_clips
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import warnings
 
 import openai  # in the dev extra: no skip
 import pytest
-from test_serve import live_server, write_clip
+from helpers import live_server, write_clip
 
 KEY = "test-key-0123456789"
 

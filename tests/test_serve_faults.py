@@ -8,14 +8,14 @@ import signal
 import time
 
 import httpx
-from test_serve import live_server, write_clip
+from helpers import live_server, write_clip
 
 # A server whose (real, classic) worker holds every job at its first progress report until the file named by
 # $GATE exists: the test decides when a job may finish.
 GATED_SERVER = """
 import os, sys, threading, time
 sys.path.insert(0, "tests")
-from test_serve import GatedPipeline
+from helpers import GatedPipeline
 from fastremover.serve.cli import add_serve_parser, config_from_args, serve
 from fastremover.config import ModelSource
 from fastremover.worker import RemovalWorker

@@ -33,7 +33,7 @@ if one is visible, else the CPU; no precision means fp16 on a GPU, fp32 on the C
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
