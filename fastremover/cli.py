@@ -24,11 +24,11 @@ import numpy as np
 from fastremover.batch.cli import add_batch_parser, cmd_batch
 from fastremover.config import EngineConfig, ModelSource, add_engine_args, add_model_args, torchrun_env
 from fastremover.errors import FastRemoverError
+from fastremover.h3.cli import add_parser as add_h3_parser, run as cmd_h3_decode
 from fastremover.log import logger, setup_cli, teardown_cli
-from fastremover.windows import CROP_MODES, DEFAULT_WINDOW
 from fastremover.masktools.cli import add_box_args, add_mask_parser, box_mask_file, cmd_mask, mask_from_args
 from fastremover.serve.cli import add_serve_parser, cmd_serve
-from fastremover.h3.cli import add_parser as add_h3_parser, run as cmd_h3_decode
+from fastremover.windows import CROP_MODES, DEFAULT_WINDOW
 
 EXIT_USER_ERROR = 2
 # OSErrors a user causes (permissions, missing or too-long paths, a full disk): one line, never a traceback.

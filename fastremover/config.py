@@ -253,8 +253,8 @@ class ParallelOptions:
                      help="split one clip over several processes: sequence-parallel denoise + parallel VAE "
                      "(docs/parallel.md)")
     world_size: int | None = _opt(None, flag="gpus", parse=int, metavar="N",
-                                  help="--parallel ulysses: start this many ranks here (rank r on cuda:r; CPU processes "
-                                  "with --device cpu); omit under torchrun")
+                                  help="--parallel ulysses: start this many ranks here (rank r on cuda:r; CPU "
+                                  "processes with --device cpu); omit under torchrun")
     transport: str = _opt("fp16", choices=TRANSPORTS, flag="sp_transport",
                           help="how q/k/v travel between ranks: fp16 (exact) or fp8 (e4m3 + one scale per row and "
                           "head)")

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastremover.config import EngineConfig, ModelSource
 from fastremover import media
 from fastremover.batch import Runner, plan_batch, run_batch
 from fastremover.batch.cli import EXIT_CLIPS_FAILED, main as batch_main, pick_slots
 from fastremover.batch.driver import dispatch_order
 from fastremover.batch.plan import IMAGE_ENDINGS, RECORDS_DIR, VIDEO_ENDINGS
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.errors import FastRemoverError
 from fastremover.options import RunOptions
 from fastremover.worker import Job, RemovalWorker

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from fastremover.config import EngineConfig
 from fastremover import media
 from fastremover.bench.harness import BenchInputs, compare, dit_flops_per_step, format_table, save_results
 from fastremover.bench.metrics import fidelity, psnr_per_frame, ssim_per_frame
 from fastremover.cli import main
+from fastremover.config import EngineConfig
 from fastremover.models.loading import PRESETS, random_models
 from fastremover.models.transformer import RemoverTransformerConfig
 

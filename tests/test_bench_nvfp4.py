@@ -4,9 +4,9 @@ preset, CPU fp32: `--weights nvfp4` end to end with its PSNR against the dense r
 import json
 import math
 
-from fastremover.config import EngineConfig
 from fastremover import media
 from fastremover.bench.harness import BenchInputs, compare, format_table, nvfp4_fidelity, save_results
+from fastremover.config import EngineConfig
 from fastremover.models.loading import random_models
 
 CPU32 = EngineConfig(device="cpu", precision="fp32")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fastremover.config import EngineConfig
 from fastremover import media
+from fastremover.config import EngineConfig
 from fastremover.lru import LRUCache
 from fastremover.models.loading import random_init_, random_models
 from fastremover.models.transformer import ROPE_CACHE_SIZE, RemoverTransformer, RemoverTransformerConfig

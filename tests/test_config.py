@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastremover.config import ModelSource
 from fastremover.cli import build_parser
+from fastremover.config import ModelSource
 from fastremover.config import (
     AttentionOptions,
     EngineConfig,
@@ -32,8 +32,9 @@ def test_defaults_are_frozen_and_nested():
     c = EngineConfig()
     assert (c.mode, c.attention.backend, c.linears.weights, c.linears.fused_ffn1, c.vae.precision) == (
         "auto", "auto", "dense", "auto", "auto")
-    assert (c.graphs.cuda_graphs, c.graphs.max_graphs, c.parallel.mode, c.parallel.world_size, c.parallel.transport) == (
-        "auto", 4, "none", None, "fp16")
+    p = c.parallel
+    assert (c.graphs.cuda_graphs, c.graphs.max_graphs, p.mode, p.world_size, p.transport) == ("auto", 4, "none", None,
+                                                                                                 "fp16")
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.mode = "fast"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -270,8 +271,9 @@ def test_parallel_options_default_to_one_process():
     assert ParallelOptions() == ParallelOptions(mode="none", world_size=None, transport="fp16")
     changed = EngineConfig().with_(parallel__mode="ulysses", parallel__world_size=4, parallel__transport="fp8")
     assert changed.parallel.world_size == 4
-    args = build_parser().parse_args(["remove", "v", "--mask", "m", "-o", "o.mp4", "--parallel", "ulysses", "--gpus",
-                                      "2", "--sp-transport", "fp8", "--sp-head-groups", "3", "--parallel-timeout", "60"])
+    args = build_parser().parse_args(["remove", "v", "--mask", "m", "-o", "o.mp4", "--parallel", "ulysses",
+                                      "--gpus", "2", "--sp-transport", "fp8", "--sp-head-groups", "3",
+                                      "--parallel-timeout", "60"])
     assert EngineConfig.from_args(args, environ={}).parallel == ParallelOptions("ulysses", 2, "fp8", 3, 60.0)
 
 
@@ -324,7 +326,8 @@ def test_model_source():
     assert ModelSource().kind == "classic" and ModelSource.of(None) == ModelSource()
     random = ModelSource.of("random", preset="tiny", weights_seed=3)
     assert (random.kind, random.preset, random.weights_seed, random.label) == ("random", "tiny", 3, "random")
-    assert ModelSource.of(random) is random and ModelSource.of(random, preset="minimax-remover").preset == "minimax-remover"
+    assert ModelSource.of(random) is random
+    assert ModelSource.of(random, preset="minimax-remover").preset == "minimax-remover"
     with pytest.raises(FastRemoverError, match="not 'classic', 'random' or an existing checkpoint folder"):
         ModelSource("/no/such/folder").validate()
     assert ModelSource(str(REPO)).kind == "folder" and ModelSource(str(REPO)).label == REPO.name

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastremover.config import EngineConfig
 from fastremover.bench.reference import ReferencePipeline
+from fastremover.config import EngineConfig
 from fastremover.errors import FastRemoverError
 from fastremover.masks import dilate_masks
 from fastremover.media import synthetic_clip

@@ -25,7 +25,7 @@ from fastremover.serve import security
 from fastremover.serve.app import ServeConfig, create_app
 from fastremover.serve.jobs import JobStore
 from fastremover.serve.runner import Cleaner
-from helpers import REPO, GatedPipeline, gated_worker, live_server, thread_server, wait_healthy, write_clip  # noqa: F401
+from helpers import REPO, gated_worker, write_clip
 
 
 # ----------------------------------------------------------------------------------------------------------------------

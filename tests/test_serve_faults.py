@@ -16,8 +16,8 @@ GATED_SERVER = """
 import os, sys, threading, time
 sys.path.insert(0, "tests")
 from helpers import GatedPipeline
-from fastremover.serve.cli import add_serve_parser, config_from_args, serve
 from fastremover.config import ModelSource
+from fastremover.serve.cli import add_serve_parser, config_from_args, serve
 from fastremover.worker import RemovalWorker
 import argparse
 parser = argparse.ArgumentParser()

@@ -18,8 +18,8 @@ import av
 import numpy as np
 import pytest
 
-from fastremover.config import EngineConfig, ModelSource
 from fastremover import media, stream
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.errors import FastRemoverError
 from fastremover.models.loading import random_models
 from fastremover.options import RunOptions

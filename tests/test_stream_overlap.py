@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastremover.config import EngineConfig
 from fastremover import media
+from fastremover.config import EngineConfig
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import random_models
 from fastremover.options import RunOptions

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastremover.config import EngineConfig
 from fastremover import media
 from fastremover.bench.harness import BenchInputs, compare
 from fastremover.cli import main
+from fastremover.config import EngineConfig
 from fastremover.errors import FastRemoverError
 from fastremover.masks import composite, dilate_masks, feather_alpha
 from fastremover.models.loading import random_models

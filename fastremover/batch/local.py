@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 
 from fastremover.batch.execute import failed, run_clip, where
 from fastremover.batch.plan import ClipTask
-from fastremover.errors import FastRemoverError
 from fastremover.config import EngineConfig, ModelSource, visible_cuda_devices
+from fastremover.errors import FastRemoverError
 from fastremover.log import setup_cli
 from fastremover.worker import RemovalWorker
 

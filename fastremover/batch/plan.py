@@ -32,10 +32,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.errors import FastRemoverError
 from fastremover.options import RunOptions, validate_mask_threshold
 from fastremover.outputs import VIDEO_OUTPUTS
-from fastremover.config import EngineConfig, ModelSource
 from fastremover.worker import DEFAULT_MAX_DECODED_GIB, Job
 
 #: Endings read as videos and as images (= fastremover.media.VIDEO_EXTENSIONS / IMAGE_EXTENSIONS, kept here so

@@ -19,8 +19,8 @@ from typing import Sequence
 from fastremover.batch.execute import failed, run_clip, where
 from fastremover.batch.local import OnDone, OnStart, _raise_init_error
 from fastremover.batch.plan import ClipTask
-from fastremover.errors import FastRemoverError
 from fastremover.config import EngineConfig, ModelSource
+from fastremover.errors import FastRemoverError
 from fastremover.log import setup_cli
 from fastremover.worker import RemovalWorker
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from fastremover.lru import LRUCache
 from fastremover.log import logger
+from fastremover.lru import LRUCache
 from fastremover.models.transformer import RemoverTransformer
 from fastremover.schedulers import build_scheduler
 

@@ -65,11 +65,11 @@ import torch.nn.functional as F
 from fastremover.config import TransformerOptions
 from fastremover.fast import linear_methods
 from fastremover.fast.linear_methods import Fp8Activation, concat_linears, gelu_linear  # noqa: F401 (re-exported)
-from fastremover.lru import LRUCache
 from fastremover.fast.kernels.qk_norm_rope import rope_amax_bound
+from fastremover.lru import LRUCache
 from fastremover.models.transformer import RemoverTransformer
-from fastremover.parallel.context import SINGLE
 from fastremover.ops import attention as attention_backends
+from fastremover.parallel.context import SINGLE
 
 
 def kernel_ops(use_triton: bool) -> SimpleNamespace:

@@ -1,8 +1,8 @@
 """`bench --parallel` and `info`'s parallel lines: a parallel denoise timed against the one-process reference in
 the same command, and what this machine offers for parallel runs.
 
-`bench_denoise(config, ...)` starts the config's `parallel.world_size` ranks (launch.spawn), builds the same random-weight model on each, and
-on every rank runs (1) the reference: the denoise loop on rank 0 alone, the other ranks waiting at a barrier, and
+`bench_denoise(config, ...)` starts the config's `parallel.world_size` ranks (launch.spawn), builds the same
+random-weight model on each, and on every rank runs (1) the reference: the denoise loop on rank 0 alone, the other ranks waiting at a barrier, and
 (2) the same loop under Ulysses on all ranks. It returns one JSON-able record (rank 0's view):
 
     world_size, sp_transport, head_groups, mode, device, latent_shape, steps, repeats

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from fastremover.errors import FastRemoverError
 from fastremover.config import DEFAULT_PARALLEL_TIMEOUT_S, TRANSPORTS
+from fastremover.errors import FastRemoverError
 
 ERROR_KEY = "fastremover/error"
 
@@ -106,7 +106,8 @@ class ParallelContext:
 
     @classmethod
     def initialize(cls, rank: int, world_size: int, *, master_addr: str = "127.0.0.1", master_port: int,
-                   device: str | torch.device = "cpu", backend: str | None = None, timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S,
+                   device: str | torch.device = "cpu", backend: str | None = None,
+                   timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S,
                    use_existing_store: bool = False, **options) -> "ParallelContext":
         """Join (or start, on rank 0) the rendezvous store at master_addr:master_port and create the process group:
         NCCL for CUDA devices, gloo otherwise. use_existing_store: every rank connects as a client (torchrun's agent

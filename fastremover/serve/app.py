@@ -38,8 +38,8 @@ from fastremover.serve import security
 from fastremover.serve.jobs import FINISHED, FileRow, JobStore, VideoRow, new_id
 from fastremover.serve.runner import (BOX_MASK_NAME, OUTPUT_NAME, PREVIEW_NAME, THUMBNAIL_NAME, Cleaner, Runner,
                                       RunnerConfig, write_preview)
-from fastremover.serve.uploads import BadBody, Form, Upload, UploadTooLarge, read_body
 from fastremover.config import EngineConfig, ModelSource
+from fastremover.serve.uploads import BadBody, Form, Upload, UploadTooLarge, read_body
 from fastremover.worker import Job, RemovalWorker
 
 log = logging.getLogger("fastremover.serve")
