@@ -346,6 +346,27 @@ def test_size_one_context_changes_nothing():
 # A whole removal, and its failures
 
 
+def test_the_engine_builds_the_parallel_denoiser_and_vae():
+    """A context of several ranks given to the pipeline: the engine's build makes the sequence-parallel denoiser and
+    VAE around the modules (no proxies swapped onto a built pipeline) and records the run's parallel shape. Building
+    communicates nothing (this context has no process group)."""
+    from fastremover.models.loading import random_models
+    from fastremover.parallel.engine import ParallelDenoiser, ParallelVAE
+    from fastremover.pipeline import RemovalPipeline
+
+    ctx = ParallelContext(rank=0, world_size=2)
+    pipe = RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cpu", mode="eager"), parallel=ctx)
+    assert isinstance(pipe.denoiser, ParallelDenoiser) and isinstance(pipe.vae, ParallelVAE)
+    assert pipe.denoiser is pipe.engine.denoiser and pipe.engine.parallel.inner_denoiser.transformer.parallel is ctx
+    assert pipe.engine.parallel.decoder is not None  # the eager VAE decodes by rows
+    assert (pipe.config.parallel, pipe.config.world_size, pipe.config.sp_transport) == ("ulysses", 2, "fp16")
+    assert pipe.vae.describe() == "eager (parallel over 2 ranks)"
+    with pytest.raises(FastRemoverError, match="needs a model"):
+        RemovalPipeline(None, EngineConfig(device="cpu"), parallel=ctx)
+    one = RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cpu", mode="eager"), parallel=SINGLE)
+    assert one.engine.parallel is None and one.config.parallel == "none"
+
+
 def _clip(tmp: Path) -> tuple[str, str]:
     from PIL import Image
 
