@@ -2,7 +2,7 @@
 pipeline; a gate in the progress callback holds a job running where a test needs that), plus the URL fetcher against a
 local HTTP server on 127.0.0.1 with an injected resolver.
 
-The helpers at the top are shared with test_serve_client.py, test_serve_browser.py and test_serve_faults.py.
+The helpers these and test_serve_client.py, test_serve_browser.py and test_serve_faults.py share are in helpers.py.
 """
 
 from __future__ import annotations
@@ -10,11 +10,8 @@ from __future__ import annotations
 import hashlib
 import http.server
 import os
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,67 +25,11 @@ from fastremover.serve import security
 from fastremover.serve.app import ServeConfig, create_app
 from fastremover.serve.jobs import JobStore, new_id
 from fastremover.serve.runner import Cleaner
-from fastremover.worker import ModelSpec, RemovalWorker
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, gated_worker, write_clip
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Shared helpers
-
-
-def write_clip(folder: Path, frames: int = 9, height: int = 48, width: int = 64, seed: int = 0) -> tuple[Path, Path]:
-    """A synthetic clip and its mask as mp4 files in `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    video, mask = media.synthetic_clip(frames, height, width, seed=seed)
-    media.write_video(folder / "clip.mp4", video.frames, video.fps)
-    media.write_video(folder / "mask.mp4", np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
-    return folder / "clip.mp4", folder / "mask.mp4"
-
-
-class GatedPipeline:
-    """The real classic pipeline, held at a progress report (`hold_at`, default its first) while `release` is clear
-    (the hold keeps calling the worker's callback, so cancel and stop take effect there exactly as in a long run)."""
-
-    def __init__(self):
-        from fastremover.pipeline import RemovalPipeline
-
-        self.inner = RemovalPipeline.from_model("classic")
-        self.config = self.inner.config
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.release.set()
-        self.hold_at = ("window", 0)  # the (stage, done) report to hold at
-        self.fail: Exception | None = None  # raised there instead, once (an internal error inside the run)
-
-    def _gate(self, progress):
-        def gated(stage: str, done: int, total: int) -> None:
-            if progress is not None:
-                progress(stage, done, total)
-            if (stage, done) == self.hold_at:
-                if self.fail is not None:
-                    error, self.fail = self.fail, None
-                    raise error
-                self.entered.set()
-                while not self.release.wait(0.02):
-                    if progress is not None:
-                        progress(stage, done, total)
-
-        return gated
-
-    def remove(self, frames, mask, options=None, *, progress=None, **kwargs):
-        return self.inner.remove(frames, mask, options, progress=self._gate(progress), **kwargs)
-
-    def remove_stream(self, pairs, emit, options=None, *, progress=None, **kwargs):
-        return self.inner.remove_stream(pairs, emit, options, progress=self._gate(progress), **kwargs)
-
-    def __getattr__(self, name):  # everything else (close, closed, ...) is the real pipeline's
-        return getattr(self.inner, name)
-
-
-def gated_worker() -> tuple[RemovalWorker, GatedPipeline]:
-    pipe = GatedPipeline()
-    return RemovalWorker(ModelSpec(), pipeline=pipe), pipe
+# Helpers
 
 
 def wait_status(client, video_id: str, statuses=("completed", "failed", "cancelled"), timeout_s: float = 60) -> dict:
@@ -105,65 +46,6 @@ def files_outside(data_dir: Path, before: set[Path], roots: list[Path]) -> list[
     """Files under `roots` that are new since `before` and not under `data_dir`."""
     now = {p for root in roots for p in root.rglob("*") if p.is_file()}
     return sorted(p for p in now - before if not p.is_relative_to(data_dir))
-
-
-@contextmanager
-def live_server(data_dir: Path, *extra: str, env: dict | None = None, script: str | None = None):
-    """`python -m fastremover.serve --port 0 ...` (or `python -c script ...`) on 127.0.0.1; yields (process, url)."""
-    args = [sys.executable, "-c", script] if script else [sys.executable, "-m", "fastremover.serve"]
-    cmd = args + ["--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    try:
-        line = proc.stdout.readline()
-        if "listening on http://" not in line:
-            proc.kill()
-            raise AssertionError(f"server did not start: {line!r} {proc.stderr.read()}")
-        url = line.split("listening on ", 1)[1].split()[0]
-        wait_healthy(url, proc)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-        proc.stdout.close()
-        proc.stderr.close()
-
-
-@contextmanager
-def thread_server(app):
-    """uvicorn serving `app` on 127.0.0.1 (a random port) in a thread of this process; yields the base URL."""
-    import uvicorn
-
-    from fastremover.serve.cli import bind
-
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        wait_healthy(url)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
-
-
-def wait_healthy(url: str, proc=None, timeout_s: float = 60) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc is None or proc.poll() is None, f"server exited: {proc.stderr.read()}"
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -727,7 +609,6 @@ def test_load_tool_20_concurrent_requests(capsys):
 
 def test_box_instead_of_a_mask(service, clips):
     """A box on one frame instead of a mask: the worker thread builds the mask (fastremover.masktools) and removes."""
-    pytest.importorskip("fastremover.masktools", reason="the mask tool is not in this tree")
     c = service["client"]
     video, mask = media.synthetic_clip(9, 48, 64, seed=0)
     ys, xs = np.nonzero(mask[4])

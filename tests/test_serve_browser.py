@@ -16,7 +16,7 @@ import pytest
 
 import numpy as np
 from playwright import sync_api  # in the dev extra: no skip (only a missing browser binary skips, outside CI)
-from test_serve import gated_worker, thread_server, write_clip
+from helpers import gated_worker, thread_server, write_clip
 
 from fastremover import media
 from fastremover.serve.app import ServeConfig, create_app

@@ -8,7 +8,7 @@ import signal
 import warnings
 
 import pytest
-from test_serve import live_server, write_clip
+from helpers import live_server, write_clip
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (it is in the dev extra)")
 

@@ -46,8 +46,9 @@ from fastremover.serve import limits, security
 from fastremover.serve.jobs import FILE_ID, FINISHED, VIDEO_ID, FileRow, JobStore, QueueFull, VideoRow, new_id
 from fastremover.serve.runner import (BOX_MASK_NAME, OUTPUT_NAME, PREVIEW_NAME, THUMBNAIL_NAME, Cleaner, Runner,
                                       RunnerConfig, write_preview)
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.serve.uploads import BadBody, Form, Upload, UploadTooLarge, read_body
-from fastremover.worker import Job, ModelSpec, RemovalWorker
+from fastremover.worker import Job, RemovalWorker
 
 log = logging.getLogger("fastremover.serve")
 
@@ -80,7 +81,8 @@ SAFE_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".gif", ".png", ".jpg"
 @dataclass
 class ServeConfig:
     data_dir: str
-    model: ModelSpec = field(default_factory=ModelSpec)
+    model: ModelSource = field(default_factory=ModelSource)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     media_roots: list[str] = field(default_factory=list)
     api_key: str | None = None
     max_upload_bytes: int = 2 << 30
@@ -123,10 +125,9 @@ class Service:
                  fetcher: security.UrlFetcher | None):
         self.config = config
         self.roots = security.resolve_roots(config.media_roots)
-        self.model_name = config.model.model if config.model.model in ("classic", "random") else \
-            Path(config.model.model).name
+        self.model_name = config.model.label
         self._workers = workers
-        self.checker = RemovalWorker(config.model)  # check() only: it never loads the pipeline
+        self.checker = RemovalWorker(config.model, config.engine)  # check() only: it never loads the pipeline
         self.fetcher = fetcher or security.UrlFetcher(max_bytes=config.max_upload_bytes,
                                                       timeout_s=config.url_timeout_s,
                                                       allow_private=config.allow_private_urls)
@@ -147,7 +148,9 @@ class Service:
             log.warning("job %s was running when the server stopped; queued again", video_id)
         for video_id in failed:
             log.warning("job %s was interrupted again; failed", video_id)
-        workers = self._workers if self._workers is not None else default_workers(self.config.model)
+        workers = self._workers
+        if workers is None:
+            workers = default_workers(self.config.model, self.config.engine)
         self.runner = Runner(self.store, workers, RunnerConfig(max_decoded_gib=self.config.max_decoded_gib,
                                                                mask_threshold=self.config.mask_threshold),
                              roots=self.roots)
@@ -360,17 +363,16 @@ async def wait_finished(service: Service, video_id: str, timeout_s: float) -> Vi
         interval = min(interval * 1.5, 0.25)
 
 
-def default_workers(spec: ModelSpec) -> list[RemovalWorker]:
-    """One worker per CUDA GPU for a diffusion model, one on the CPU for the classic remover (or without GPUs)."""
-    if spec.model != "classic" and spec.device is None:
-        import dataclasses
-
+def default_workers(source: ModelSource, engine: EngineConfig) -> list[RemovalWorker]:
+    """One worker per CUDA GPU for a diffusion model when no device is given, else one (for the classic remover: on
+    the CPU)."""
+    if source.kind != "classic" and engine.device is None:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.device_count() > 1:
-            return [RemovalWorker(dataclasses.replace(spec, device=f"cuda:{i}"), note=log.warning)
+            return [RemovalWorker(source, engine.with_(device=f"cuda:{i}"))
                     for i in range(torch.cuda.device_count())]
-    return [RemovalWorker(spec, note=log.warning)]
+    return [RemovalWorker(source, engine)]
 
 
 def safe_suffix(name: str) -> str:

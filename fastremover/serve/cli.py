@@ -6,27 +6,21 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 import signal
 import socket
 import sys
 
+from fastremover.config import API_KEY_ENV, EngineConfig, ModelSource, add_engine_args, add_model_args, serve_api_key
 from fastremover.errors import FastRemoverError
 
 EXIT_USER_ERROR = 2
-API_KEY_ENV = "FASTREMOVER_API_KEY"
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the HTTP removal service (OpenAI-style /v1/videos API + a web page)")
-    p.add_argument("--model", default="classic",
-                   help="classic (weightless, default) | random (preset config, random weights) | PATH to a "
-                   "MiniMax-Remover checkpoint folder")
-    p.add_argument("--preset", default="minimax-remover", help="config for --model random: minimax-remover | tiny")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights for --model random")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: one worker per GPU, else the CPU)")
-    p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None)
-    p.add_argument("--mode", choices=["auto", "eager", "exact", "fast"], default="auto")
+    add_model_args(p, default="classic")
+    # the engine flags of `remove` (fastremover/config.py); without --device, one worker per GPU
+    add_engine_args(p, help={"device": "cpu | cuda | cuda:N (default: one worker per GPU, else the CPU)"})
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
     p.add_argument("--data-dir", default="fastremover-data",
@@ -78,9 +72,9 @@ def require_serve_extra() -> None:
 def config_from_args(args):
     require_serve_extra()
     from fastremover.serve.app import ServeConfig
-    from fastremover.worker import ModelSpec
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    source, engine = ModelSource.from_args(args), EngineConfig.from_args(args)  # checked before anything loads
+    api_key = args.api_key or serve_api_key()
     if not is_loopback(args.host) and api_key is None and not args.insecure_public:
         raise FastRemoverError(f"--host {args.host}: without --api-key the server binds to loopback only; give "
                                "--api-key KEY (or --insecure-public to serve everyone)")
@@ -93,11 +87,8 @@ def config_from_args(args):
             raise FastRemoverError(f"--allowed-host {name!r}: give a host name, '*.example.com' or '*'")
     if args.max_queue < 1 or args.shutdown_grace < 0 or not 0 <= args.port <= 65535:
         raise FastRemoverError("--max-queue must be >= 1, --shutdown-grace >= 0 and --port in 0..65535")
-    spec = ModelSpec(model=args.model, preset=args.preset, weights_seed=args.weights_seed, device=args.device,
-                     precision=args.precision, mode=args.mode)
-    spec.validate()
     return ServeConfig(
-        data_dir=args.data_dir, model=spec, media_roots=list(args.media_root), api_key=api_key,
+        data_dir=args.data_dir, model=source, engine=engine, media_roots=list(args.media_root), api_key=api_key,
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_queue=args.max_queue,
         max_decoded_gib=args.max_decoded_gib, allow_urls=args.allow_urls, keep_hours=args.keep_hours,
         sync_timeout_s=args.sync_timeout, shutdown_grace_s=args.shutdown_grace, url_timeout_s=args.url_timeout,
