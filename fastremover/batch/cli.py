@@ -104,12 +104,12 @@ def cmd_batch(args) -> int:
     """Plan, run and report a batch; returns the exit code (FastRemoverError for a problem with the batch itself)."""
     from fastremover.batch.driver import Runner, run_batch
     from fastremover.batch.plan import plan_batch
-    from fastremover.cli import _announce_model, _model_spec, _options_from_args, check_unused_flags
+    from fastremover.cli import _announce_model, _options_from_args, check_unused_flags, model_and_config
     from fastremover.options import validate_gib
 
     options = _options_from_args(args)  # the same flags -> the same options and model as `remove`
-    spec = _model_spec(args)
-    check_unused_flags(args)
+    source, config = model_and_config(args)
+    check_unused_flags(args, source, config)
     validate_gib(args.max_decoded_gib)
     if args.ray is not None:
         if args.gpus is not None:
@@ -126,7 +126,7 @@ def cmd_batch(args) -> int:
     plan = plan_batch(args.inputs, args.output_dir, masks=args.masks, options=options,
                       mask_threshold=args.mask_threshold, max_decoded_gib=args.max_decoded_gib)
     _announce_model(args)
-    summary = run_batch(plan, spec, runner, force=args.force, progress=not args.quiet)
+    summary = run_batch(plan, source, config, runner, force=args.force, progress=not args.quiet)
     print(summary.table())
     return 0 if summary.all_succeeded else EXIT_CLIPS_FAILED
 

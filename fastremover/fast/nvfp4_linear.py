@@ -10,7 +10,8 @@ the GEMM's load path, 16-bit MMAs - not FP4 speed. docs/nvfp4.md has the numbers
                        math in torch (nvfp4.w4a16_linear_reference: fp32, W_unit dequantized per call)
         mode "w4a4"    activations quantized to NVFP4 too (per-16 block scales along K, a dynamic per-tensor global
                        scale) and dequantized before the same GEMM: an emulation of an FP4 x FP4 GEMM's numerics
-                       (FlashRT's transformer path), not a speed path. Crop mode only (check_w4a4_allowed).
+                       (FlashRT's transformer path), not a speed path. Crop mode only (fast/engine.py's
+                       Plan.check_window refuses full frames unless --force-w4a4).
     quantize_linears_nvfp4(transformer, w4a4=False) -> Nvfp4Report
                                     replaces to_q / to_k / to_v / to_out.0 / ffn.net.0.proj / ffn.net.2 of every block
                                     (patch_embedding, condition_embedder and proj_out stay dense) and reports resident
@@ -39,6 +40,11 @@ W4A4_FULL_FRAME_REFUSAL = (
     "--weights nvfp4-w4a4 quantizes activations to 4 bits too, which collapses on full frames (FlashRT measured "
     "~7 dB over 12 steps; it holds on small crops, ~52 dB): use --crop on, or add --force-w4a4 to run it on full frames "
     "anyway"
+)
+W4A4_WHOLE_CROP_REFUSAL = (  # the same rule under --crop on, where the box around the window's mask is the whole frame
+    "--weights nvfp4-w4a4 quantizes activations to 4 bits too, which collapses on full frames (FlashRT measured "
+    "~7 dB over 12 steps); with --crop on, the box around this window's mask is the whole frame: use a mask that "
+    "leaves the frame's edges free, or add --force-w4a4 to run it on full frames anyway"
 )
 
 
@@ -220,20 +226,6 @@ def quantize_linears_nvfp4(module: nn.Module, *, w4a4: bool = False, gemm: str =
     targets.clear()
     return Nvfp4Report(mode, len(blocks) * len(BLOCK_LINEARS), linear_before, linear_after, model_before,
                        resident_bytes(module))
-
-
-def check_w4a4_allowed(crop_active: bool, force: bool, crop_mode: str = "auto") -> None:
-    """W4A4 runs on crops; on full frames only with force (raises FastRemoverError otherwise). ``crop_mode``: the
-    run's --crop, so that a window whose crop is the whole frame under --crop on is told so, not to use --crop on."""
-    if crop_active or force:
-        return
-    if crop_mode == "on":
-        raise FastRemoverError(
-            "--weights nvfp4-w4a4 quantizes activations to 4 bits too, which collapses on full frames (FlashRT "
-            "measured ~7 dB over 12 steps); with --crop on, the box around this window's mask is the whole frame: "
-            "use a mask that leaves the frame's edges free, or add --force-w4a4 to run it on full frames anyway"
-        )
-    raise FastRemoverError(W4A4_FULL_FRAME_REFUSAL)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

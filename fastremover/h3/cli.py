@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 
+from fastremover.config import triton_interpret
 from fastremover.errors import FastRemoverError
 
 BLOCKS = ("dense", "nvfp4", "nvfp4-fused")
@@ -99,7 +100,8 @@ def _load_latents(path: str, key: str):
 
 def _check_args(args) -> None:
     """Every flag, without importing torch."""
-    from fastremover.options import validate_device, validate_gib, validate_seed
+    from fastremover.config import validate_device
+    from fastremover.options import validate_gib, validate_seed
 
     if not isinstance(args.tiles_per_call, int) or args.tiles_per_call < 1:
         raise FastRemoverError(f"--tiles-per-call must be >= 1, got {args.tiles_per_call}")
@@ -117,12 +119,11 @@ def _check_args(args) -> None:
 
 
 def _device(args):
-    import torch
+    """The torch device of --device (checked by _check_args; None: a CUDA GPU if one is visible, else the CPU)."""
+    from fastremover.config import validate_device
+    from fastremover.fast.engine import resolve_device
 
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FastRemoverError("--device cuda: no CUDA GPU is visible")
-    return dev
+    return resolve_device(validate_device(args.device))
 
 
 def run(args) -> int:
@@ -144,7 +145,7 @@ def run(args) -> int:
     device = _device(args)
     if args.cuda_graphs and device.type != "cuda":
         raise FastRemoverError("--cuda-graphs needs a CUDA device")
-    if args.blocks == "nvfp4-fused" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if args.blocks == "nvfp4-fused" and device.type != "cuda" and not triton_interpret():
         raise FastRemoverError("--blocks nvfp4-fused needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 for tests)")
     cfg = h3.preset(args.preset) if args.weights == "random" else h3.checkpoint_config(args.weights)
     if shape[1] != cfg.latent_channels:
