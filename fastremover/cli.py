@@ -138,8 +138,15 @@ def _add_attention_arg(p: argparse.ArgumentParser) -> None:
                    "sdpa in fp16, with a note saying why) or one explicitly (an error if it cannot run here). "
                    "flashinfer-fa3 / flashinfer-fa3-fp8: FlashInfer's FA3 Hopper kernels (pip install "
                    "flashinfer-python); cudnn-fp8: cuDNN's FP8 attention (the cudnn extra); flashattn3-fp8: "
-                   "FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh). Old names fa3, fp8-fa3, "
-                   "fp8, fp8-flash3 work too")
+                   "FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh); sparse-sta / sparse-vsa: "
+                   "tile-sparse attention (sliding window / top-k tiles; lossy, off unless asked for: check it with "
+                   "verify --attention-keeps first). Old names fa3, fp8-fa3, fp8, fp8-flash3 work too")
+    p.add_argument("--attention-keep", type=float, default=None, metavar="R",
+                   help="sparse-sta / sparse-vsa: fraction of key tiles each query tile attends to, in (0, 1] "
+                   "(default 0.25)")
+    p.add_argument("--attention-window", default=None, metavar="T,H,W",
+                   help="sparse-sta: the window in 4x4x4-token tiles per axis (default: the one that keeps "
+                   "--attention-keep of the tiles)")
 
 
 def _add_vae_precision_arg(p: argparse.ArgumentParser) -> None:
@@ -239,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_args(p, default_model=None)
     p.add_argument("--max-frames", type=int, default=None, help="use only the first N frames")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--attention-keeps", default=None, metavar="R,R,...",
+                   help="with --attention sparse-sta / sparse-vsa: instead of the reference comparison, the sparse "
+                   "attention at each of these keep rates against the same mode's dense attention (PSNR, SSIM, "
+                   "latent cosine, denoise time); --modes defaults to fast here")
 
     add_batch_parser(sub, _add_model_args)
     add_mask_parser(sub)
@@ -282,13 +293,19 @@ def engine_config(args):
     return config
 
 
+def _attention(config):
+    """The attention a pipeline is built with: the backend's name, or all its options when the sparse ones are set."""
+    a = config.attention
+    return a.backend if (a.keep, a.window) == (None, None) else a
+
+
 def _model_spec(args):
     from fastremover.worker import ModelSpec
 
     config = engine_config(args)
     spec = ModelSpec(model=args.model or "classic", preset=args.preset, weights_seed=args.weights_seed,
                      device=config.device, precision=config.precision, mode=config.mode,
-                     attention=config.attention.backend, vae_precision=config.vae.precision,
+                     attention=_attention(config), vae_precision=config.vae.precision,
                      weights=config.linears.weights, force_w4a4=config.linears.force_w4a4)
     spec.validate()
     return spec
@@ -443,7 +460,7 @@ def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> l
     return compare(models, inputs, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
                    hash_repeats=hash_repeats, device=config.device, precision=config.precision,
                    count_flops=not args.no_flops, window=args.window, overlap=args.overlap, crop=crop,
-                   vae_precision=config.vae.precision, attention=config.attention.backend, on_result=on_result,
+                   vae_precision=config.vae.precision, attention=_attention(config), on_result=on_result,
                    nvfp4_rows=getattr(args, "nvfp4_fidelity", False))
 
 
@@ -545,12 +562,51 @@ def cmd_verify(args) -> int:
     from fastremover import media
     from fastremover.bench.harness import file_inputs, format_table
 
+    if args.attention_keeps is not None:
+        return _verify_sparse(args)
     inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
     results = _compare(args, inputs, repeats=0, hash_repeats=0)
     print(format_table(results))
     if args.json:
         with media.atomic_write_path(args.json) as tmp:
             Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _verify_sparse(args) -> int:
+    """`verify --attention-keeps`: fastremover.bench.sparse_fidelity (flags checked before the model loads)."""
+    import torch
+
+    from fastremover import media
+    from fastremover.bench.harness import file_inputs
+    from fastremover.bench.sparse_fidelity import format_sparse_table, parse_keeps, sparse_fidelity
+    from fastremover.fast.engine import resolve_mode
+    from fastremover.models.loading import load_models
+    from fastremover.ops.attention import get
+
+    keeps = parse_keeps(args.attention_keeps)
+    config = engine_config(args)
+    if config.attention.backend == "auto" or get(config.attention.backend).token_layout is None:
+        raise FastRemoverError("--attention-keeps needs --attention sparse-sta or sparse-vsa")
+    if config.attention.keep is not None:
+        raise FastRemoverError("give the keep rates with --attention-keeps only (not --attention-keep too)")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes != "eager" else ["fast"]
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for mode in modes:
+        ran = resolve_mode(mode, device)[0] if mode in ("exact", "fast") else mode
+        if ran not in ("exact", "fast"):
+            raise FastRemoverError(f"--attention {config.attention.backend} runs in the exact and fast modes on a "
+                                   f"CUDA GPU; --modes {mode} runs {ran} here")
+    inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
+    models = load_models(args.model, args.preset, args.weights_seed)
+    rows = sparse_fidelity(models, inputs, modes=modes, attention=config.attention, keeps=keeps, steps=args.steps,
+                           seed=args.seed, device=config.device, precision=config.precision,
+                           vae_precision=config.vae.precision)
+    print(format_sparse_table(rows))
+    if args.json:
+        with media.atomic_write_path(args.json) as tmp:
+            Path(tmp).write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -1,7 +1,7 @@
 """EngineConfig: the one typed input that says how the model runs, and ResolvedEngine: what runs.
 
     EngineConfig            frozen; nested options, one field per option
-      .attention            AttentionOptions  backend
+      .attention            AttentionOptions  backend, keep, window (sparse backends)
       .linears              LinearOptions     weights (dense / nvfp4 / nvfp4-w4a4), force_w4a4, fused_ffn1
       .vae                  VAEOptions        precision
       .graphs               GraphOptions      cuda_graphs, max_graphs
@@ -55,6 +55,10 @@ class AttentionOptions:
     # auto: the runnable backend of highest priority for the mode (fastremover/ops/attention/registry.py); a name or
     # an alias: that backend, an error if it cannot run here
     backend: str = _opt("auto", flag="attention", help="attention backend of the exact / fast modes")
+    # the sparse backends (fastremover/ops/attention/sparse.py): fraction of key tiles per query tile (None: 0.25),
+    # and sparse-sta's window in 4x4x4 tiles "T,H,W" (None: from keep)
+    keep: float | None = _opt(None, flag="attention_keep", help="sparse attention: fraction of key tiles kept")
+    window: str | None = _opt(None, flag="attention_window", help="sparse-sta: window T,H,W in tiles")
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,10 @@ class EngineConfig:
             from fastremover.ops import attention  # the registry (no torch at import)
 
             attention.canonical(self.attention.backend)  # FastRemoverError for an unknown name
+        if self.attention.keep is not None or self.attention.window is not None:
+            from fastremover.ops.attention.sparse import check_options  # no torch
+
+            check_options(self.attention.backend, self.attention.keep, self.attention.window)
         if self.linears.weights != "dense" and self.mode in ("exact", "fast"):
             raise FastRemoverError(f"--weights {self.linears.weights} runs in --mode eager only (the fused "
                                    "transformer reads dense weights)")

@@ -212,7 +212,7 @@ class RemovalPipeline:
         device: str | None = None,
         precision: str | None = None,
         mode: str = "auto",
-        attention: str = "auto",
+        attention: "str | AttentionOptions" = "auto",
         vae_precision: str = "auto",
         weights: str = "dense",
         force_w4a4: bool = False,
@@ -224,7 +224,9 @@ class RemovalPipeline:
         refused on full-frame windows unless force_w4a4). NVFP4 runs in the eager mode (the fused transformer reads
         dense weights): an explicit exact / fast mode is an error. `self.config` is the ResolvedEngine: what runs."""
         if config is None:
-            config = EngineConfig(device=device, precision=precision, mode=mode, attention=AttentionOptions(attention),
+            if not isinstance(attention, AttentionOptions):  # a backend name, or the options (sparse keep rates)
+                attention = AttentionOptions(attention)
+            config = EngineConfig(device=device, precision=precision, mode=mode, attention=attention,
                                   linears=LinearOptions(weights=weights, force_w4a4=force_w4a4),
                                   vae=VAEOptions(vae_precision)).with_env()
         self.engine_config = config
@@ -251,7 +253,7 @@ class RemovalPipeline:
         device: str | None = None,
         precision: str | None = None,
         mode: str = "auto",
-        attention: str = "auto",
+        attention: "str | AttentionOptions" = "auto",
         vae_precision: str = "auto",
         weights: str = "dense",
         force_w4a4: bool = False,

@@ -38,7 +38,7 @@ class ModelSpec:
     device: str | None = None
     precision: str | None = None
     mode: str = "auto"
-    attention: str = "auto"
+    attention: "str | AttentionOptions" = "auto"  # a backend name, or the config's options (sparse keep rates)
     vae_precision: str = "auto"
     weights: str = "dense"  # dense | nvfp4 | nvfp4-w4a4 (RemovalPipeline's `weights`)
     force_w4a4: bool = False

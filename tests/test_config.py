@@ -37,7 +37,7 @@ def test_defaults_are_frozen_and_nested():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.attention.backend = "sdpa"
     d = c.describe()
-    assert d["attention"] == {"backend": "auto"} and d["parallel"] == {"world_size": 1, "transport": "fp16"}
+    assert d["attention"] == {"backend": "auto", "keep": None, "window": None} and d["parallel"] == {"world_size": 1, "transport": "fp16"}
     changed = c.with_(mode="fast", attention__backend="fp8", graphs__max_graphs=2)
     assert (changed.mode, changed.attention.backend, changed.graphs.max_graphs) == ("fast", "fp8", 2)
     assert c.mode == "auto" and c.attention.backend == "auto"  # the original is untouched

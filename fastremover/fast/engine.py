@@ -113,7 +113,8 @@ def _denoiser(plan: Plan, transformer: RemoverTransformer, scheduler_config: dic
         return EagerDenoiser(transformer, scheduler_config), []
     from fastremover.fast.transformer_fast import FastTransformer  # needs Triton: only for the exact / fast modes
 
-    fast = FastTransformer(transformer, fp8=plan.mode == "fast", attention=plan.attention, fused_ffn1=plan.fused_ffn1)
+    fast = FastTransformer(transformer, fp8=plan.mode == "fast", attention=plan.attention, fused_ffn1=plan.fused_ffn1,
+                           attention_options=plan.config.attention)
     notes = []
     if plan.config.linears.fused_ffn1 == "on" and plan.mode == "fast" and not fast.fused_ffn1:
         notes.append("FASTREMOVER_FUSED_FFN1=1 (linears.fused_ffn1 on): the fused FFN GEMM needs an sm_90 GPU with "
