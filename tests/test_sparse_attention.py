@@ -436,6 +436,28 @@ def test_fast_transformer_fast_mode_feeds_sparse_codes_to_the_fp8_o_projection()
         assert (diag - dense).abs().max() / scale > (full - dense).abs().max() / scale
 
 
+def test_kernel_compiles_for_sm90_offline():
+    """The kernel compiled for sm_90 with the bundled ptxas (no GPU): the e4m3 path builds with fp8 wgmma (QGMMA),
+    TMA loads and no register spills (what the interpreter cannot show: e.g. a non-constexpr global). Subprocess:
+    this one imported the kernels for the interpreter."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tool = Path(__file__).resolve().parents[1] / "tools" / "bench_sparse_attention.py"
+    r = subprocess.run([sys.executable, str(tool), "--codegen", "--configs", "m64n64w4s3t1ws0vt1", "--dtypes", "fp8"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas available for an offline sm_90 compile")
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0 and len(rows) == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    for row in rows:
+        assert row["QGMMA"] > 0 and row["UTMALDG"] > 0 and row["LDL/STL"] == 0, row
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # GPU (the compiled kernel at the real shapes)
 

@@ -71,7 +71,7 @@ except ImportError:  # pragma: no cover - triton < 3.4: pointer loads only
 
 FP8 = torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
-P_SHIFT = 8  # codes: p = exp2(x - m + 8) in [0, 256], rounded to e4m3
+P_SHIFT = tl.constexpr(8)  # codes: p = exp2(x - m + 8) in [0, 256], rounded to e4m3
 HEAD_DIMS = (16, 32, 64, 128, 256)
 SEQ_ALIGN = 16  # the sequence-contiguous V copy's row length is padded to 16 elements (TMA's 16-byte strides)
 CONFIG_ENV = "FASTREMOVER_SPARSE_ATTN_CONFIG"
