@@ -512,3 +512,25 @@ def test_gpu_selection_and_kernel_capture_in_a_cuda_graph(graph_replays_new_inpu
     q16, k16, v16 = (t.to(torch.float16) for t in (q, k, v))
     replayed = graph_replays_new_inputs(fn, q16, k16, v16)
     assert torch.equal(replayed, fn(q16, k16, v16))
+
+
+@pytest.mark.gpu
+def test_gpu_verify_reports_psnr_per_keep_rate(tmp_path, capsys):
+    """`verify --attention-keeps` end to end on a tiny random model: one row per (mode, keep) with PSNR against the
+    same mode's dense run; keep 1.0 (every tile) is far closer to dense than keep 0.25."""
+    import json
+
+    from fastremover.cli import main
+
+    assert main(["demo", "-o", str(tmp_path / "d"), "--frames", "9", "--width", "128", "--height", "128",
+                 "--quiet"]) == 0
+    out = tmp_path / "sparse.json"
+    rc = main(["verify", str(tmp_path / "d" / "input.mp4"), "--mask", str(tmp_path / "d" / "mask.mp4"), "--model",
+               "random", "--preset", "tiny", "--steps", "2", "--modes", "exact,fast", "--attention", "sparse-vsa",
+               "--attention-keeps", "1,0.25", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["keep"]) for r in rows] == [("exact", 1.0), ("exact", 0.25), ("fast", 1.0), ("fast", 0.25)]
+    for full, quarter in (rows[:2], rows[2:]):
+        assert full["attention"] == "sparse-vsa" and full["kept_fraction"] == 1.0
+        assert full["psnr_mean_db"] > quarter["psnr_mean_db"]
