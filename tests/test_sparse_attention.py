@@ -197,7 +197,9 @@ def test_cube_order_round_trips_exactly_and_makes_cubes_contiguous(grid):
     for i in range(order.full_cubes):
         assert (cube[i * 64:(i + 1) * 64] == cube[i * 64]).all()
     assert order.n_tiles == -(-S // 64)
-    assert (order.boxes[:, :, 0] <= order.boxes[:, :, 1]).all()
+    per_tile = order.incidence.sum(1)
+    assert (per_tile[:order.full_cubes] == 1).all() and (per_tile >= 1).all()
+    assert (order.incidence.sum(0) >= 1).all()  # every cube lands in some tile
 
 
 def test_w2_layout_packs_the_edge_cubes_without_padding():
@@ -278,6 +280,18 @@ def test_vsa_keeps_the_top_tiles_plus_the_forced_ones():
     assert (low_kept >= high_dropped).all()
 
 
+def test_vsa_keeps_the_keep_fraction_at_w2_and_more_only_where_forced():
+    """W2's grid: packs of edge cubes have more temporal neighbours than a full cube, and only those rows keep more
+    than ceil(keep * NK) tiles; every row keeps its forced tiles."""
+    from fastremover.ops.attention.sparse_layout import forced_mask
+
+    layout = vsa_layout(W2_GRID, 0.125)
+    cnt = layout._cnt.flatten()
+    forced = forced_mask(layout.order).sum(1)
+    assert (cnt == np.maximum(64, forced)).all() and layout.count == int(cnt.max())
+    assert layout.density == pytest.approx(cnt.float().mean().item() / 512)
+
+
 def test_vsa_selection_is_deterministic_with_ties():
     layout = vsa_layout((12, 8, 8), 0.5)
     q = torch.ones(1, 768, 1, 16, dtype=torch.float16)  # every score equal: ties everywhere
@@ -288,7 +302,7 @@ def test_vsa_selection_is_deterministic_with_ties():
     f = forced_mask(layout.order)
     for i in range(12):  # the forced tiles, then the lowest other indices
         forced = set(np.flatnonzero(f[i]).tolist())
-        others = [j for j in range(12) if j not in forced][:layout.count - len(forced)]
+        others = [j for j in range(12) if j not in forced][:int(cnt[0, 0, i]) - len(forced)]
         assert kept[0, 0, i].nonzero().flatten().tolist() == sorted(forced | set(others))
     gen = torch.Generator().manual_seed(8)
     q, k = (torch.randn(2, 768, 2, 16, generator=gen).half() for _ in range(2))

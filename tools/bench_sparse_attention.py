@@ -248,9 +248,9 @@ def table_rows(best: dict, shapes: dict, keeps, dtypes) -> list[dict]:
                            "vs_scaled_dense": round(ms / (layout.density * fp8_ms), 3),
                            "dense_fp8_backend": fp8_name}
                     if source == "vsa-topk":
-                        forced = layout._forced
+                        forced, counts = layout._forced, layout._cnt[0, 0]
                         row["selection_ms"] = round(cuda_time_ms(
-                            lambda: vsa_lists(q, k, layout.tile, layout.count, forced), iters=10), 4)
+                            lambda: vsa_lists(q, k, layout.tile, counts, layout.count, forced), iters=10), 4)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             del q, k, v

@@ -6,8 +6,9 @@ cubes come first (in (t, h, w) cube order), then the partial ones (same order), 
 run of `tile = 64` consecutive tokens of that order: a full cube, or a pack of neighbouring partial cubes (W2's grid
 21 x 30 x 52: 455 full cubes, then 3640 edge tokens in 57 tiles, the last one 56 tokens long; nothing computed
 twice, nothing padded). FastVideo pads each partial cube to 64 slots instead, which at W2 is 22 % more tokens
-(6 x 8 x 13 cubes of 64 for 32760 tokens), paid in every tile pass. Each tile's geometry is the bounding box of
-its cubes in cube coordinates; the masks below are defined on those boxes (a full cube's box is the cube itself).
+(6 x 8 x 13 cubes of 64 for 32760 tokens), paid in every tile pass. A tile's geometry is the set of cubes it holds
+(one for a full cube, up to eight for a pack of edge cubes); the masks below are defined on cubes: a key tile is kept
+for a query tile when one of its cubes lies in the window of one of the query tile's cubes.
 The permutation is applied once per transformer call: everything in a DiT block except the attention is row-wise
 (norms, linears, the per-token RoPE), so the residual stream runs in cube order from the patch embedding to the
 output projection, with RoPE's tables permuted the same way (qk_norm_rope reads table row s for token s, so
@@ -17,16 +18,17 @@ the output projection's (B, S, 64) result per transformer call, none per layer.
 
 Mask sources (lists sorted ascending, as fastremover.fast.kernels.block_sparse_attention requires):
   * `sta`: a static window of W_t x W_h x W_w tiles around each query tile (Sliding Tile Attention): per axis the
-    window covers (W - 1) // 2 cubes before the query box and W // 2 after, shifted inward at the grid's edges so it
-    keeps its width (NATTEN / STA's clamped window); a key tile is kept when its box meets the window on every axis.
-    Built once per grid on the host, the same for every batch and head.
+    window covers (W - 1) // 2 cubes before the query cube and W // 2 after, shifted inward at the grid's edges so
+    it keeps its width (NATTEN / STA's clamped window). Built once per grid on the host, the same for every batch
+    and head.
   * `vsa-topk` (VSA's coarse stage): q and k mean-pooled per tile (fp32), coarse scores q_tile . k_tile per (batch,
     head), and the top `keep` fraction of key tiles per query tile, which always includes the query's own tile and
-    its temporal neighbours (boxes overlapping in h and w, at most one cube apart in t). All on the device with torch
+    its temporal neighbours (the cubes at the same (h, w) one cube earlier and later). All on the device with torch
     ops, no host sync (graph-capturable). Ties are impossible by construction: each score's float bits are mapped to
     an order-preserving integer and extended with the reversed key index, so the keys are distinct int64 values and
     the top-k SET is unique (the lower index wins between equal scores); the kept indices are then sorted. `keep`
-    counts the forced tiles: a row keeps exactly max(ceil(keep * NK), forced tiles) tiles.
+    counts the forced tiles: query tile i keeps max(ceil(keep * NK), its forced tiles) key tiles (a pack of edge
+    cubes has more neighbours than a full cube; each row's count goes to the kernel).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ CUBE = (4, 4, 4)
 
 
 class CubeOrder:
-    """The cube-order permutation of a (T, H, W) token grid and its tiles' boxes (see the module docstring).
+    """The cube-order permutation of a (T, H, W) token grid and which cubes each tile holds (see the module
+    docstring).
 
     perm[i] = the original (f-major) index of the token at cube-order position i; inverse = its inverse. Both are
-    int64 tensors on `device`; `boxes` [n_tiles, 3, 2] int (numpy): per tile and axis the first and last cube
-    coordinate it touches; `cube_grid`: cubes per axis (partial ones included)."""
+    int64 tensors on `device`. Host (numpy): `cubes` [NC, 3] each cube's coordinates (partial ones included),
+    `incidence` [NT, NC] bool (tile t holds tokens of cube c), `cube_grid` cubes per axis."""
 
     def __init__(self, grid: tuple[int, int, int], cube: tuple[int, int, int] = CUBE, device="cpu"):
         grid = tuple(int(g) for g in grid)
@@ -69,12 +72,12 @@ class CubeOrder:
         # lexsort: the last key is the primary one
         perm = np.lexsort((inner[2], inner[1], inner[0], cubes[2], cubes[1], cubes[0], partial))
         self.perm_host = perm
-        pos_cubes = np.stack([a[perm] for a in cubes], axis=1)  # [S, 3] cube coordinates in cube order
-        starts = np.arange(0, self.tokens, self.tile)
-        self.n_tiles = len(starts)
-        lo = np.minimum.reduceat(pos_cubes, starts, axis=0)
-        hi = np.maximum.reduceat(pos_cubes, starts, axis=0)
-        self.boxes = np.stack([lo, hi], axis=2)  # [n_tiles, 3, 2]
+        nt, nh, nw = self.cube_grid
+        cube_id = ((cubes[0] * nh + cubes[1]) * nw + cubes[2])[perm]  # each position's cube
+        self.cubes = np.stack(np.unravel_index(np.arange(nt * nh * nw), self.cube_grid), axis=1)
+        self.n_tiles = -(-self.tokens // self.tile)
+        self.incidence = np.zeros((self.n_tiles, nt * nh * nw), dtype=bool)
+        self.incidence[np.arange(self.tokens) // self.tile, cube_id] = True
         self.full_cubes = int((~partial).sum()) // self.tile
         device = torch.device(device)
         self.perm = torch.from_numpy(perm).to(device)
@@ -90,20 +93,21 @@ class CubeOrder:
 
 
 def window_mask(order: CubeOrder, before, after, clamp: bool) -> np.ndarray:
-    """[NT, NT] bool: query tile i keeps key tile j when j's box meets, on every axis, the query box widened by
-    before[a] cubes below and after[a] above (clamp: shifted inward at the grid's edges, keeping its width)."""
-    boxes = order.boxes
-    keep = np.ones((order.n_tiles, order.n_tiles), dtype=bool)
+    """[NT, NT] bool: query tile i keeps key tile j when a cube of j lies in the window of a cube of i: per axis
+    before[a] cubes below the query cube to after[a] above (clamp: shifted inward at the grid's edges, keeping its
+    width)."""
+    cubes = order.cubes
+    keep = np.ones((len(cubes), len(cubes)), dtype=bool)
     for axis in range(3):
         n = order.cube_grid[axis]
-        a = boxes[:, axis, 0] - before[axis]
-        b = boxes[:, axis, 1] + after[axis]
+        c = cubes[:, axis]
+        a, b = c - before[axis], c + after[axis]
         if clamp:
             shift = np.maximum(0, -a) - np.maximum(0, b - (n - 1))
             a, b = np.maximum(a + shift, 0), np.minimum(b + shift, n - 1)
-        k_lo, k_hi = boxes[:, axis, 0], boxes[:, axis, 1]
-        keep &= (k_lo[None, :] <= b[:, None]) & (k_hi[None, :] >= a[:, None])
-    return keep
+        keep &= (c[None, :] >= a[:, None]) & (c[None, :] <= b[:, None])
+    inc = order.incidence.astype(np.float32)
+    return (inc @ keep.astype(np.float32) @ inc.T) > 0
 
 
 def sta_mask(order: CubeOrder, window: tuple[int, int, int]) -> np.ndarray:
@@ -117,15 +121,23 @@ def forced_mask(order: CubeOrder) -> np.ndarray:
 
 
 def sta_window_for_keep(cube_grid: tuple[int, int, int], keep: float) -> tuple[int, int, int]:
-    """The window (cubes per axis, each <= the grid's) whose volume is the `keep` fraction of the grid's as closely
-    as any (ties: the most even relative size over the axes, then the longer temporal extent)."""
+    """The window (cubes per axis, each <= the grid's) of about the `keep` fraction of the grid's volume: among the
+    windows within 10 % of it, the most even (the smallest spread of the per-axis fractions w / n; then the closest
+    volume, then the longer temporal extent); the closest volume if none is within 10 %."""
     total = math.prod(cube_grid)
+    windows = list(itertools.product(*(range(1, n + 1) for n in cube_grid)))
 
-    def cost(w):
+    def miss(w):
+        return abs(math.prod(w) / total - keep)
+
+    def spread(w):
         rel = [wi / ni for wi, ni in zip(w, cube_grid)]
-        return (abs(math.prod(w) / total - keep), round(max(rel) - min(rel), 12), -w[0], -w[1])
+        return round(max(rel) - min(rel), 12)
 
-    return min(itertools.product(*(range(1, n + 1) for n in cube_grid)), key=cost)
+    near = [w for w in windows if miss(w) <= 0.1 * keep]
+    if not near:
+        return min(windows, key=lambda w: (miss(w), spread(w), -w[0]))
+    return min(near, key=lambda w: (spread(w), miss(w), -w[0]))
 
 
 def lists_from_mask(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -171,15 +183,19 @@ def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
     return ordered * (1 << 32) + tie
 
 
-def vsa_lists(q: torch.Tensor, k: torch.Tensor, tile: int, count: int, forced: torch.Tensor) -> torch.Tensor:
-    """The `count` key tiles of highest coarse score per query tile and (batch, head), forced tiles first: kv_idx
-    [B, H, NQ, count] int32, ascending. q, k [B, S, H, D] (codes or 16-bit: the ranking does not depend on a
-    positive scale, nor on a centre subtracted from every key); forced [NQ, NK] bool on the device."""
+def vsa_lists(q: torch.Tensor, k: torch.Tensor, tile: int, counts: torch.Tensor, width: int,
+              forced: torch.Tensor) -> torch.Tensor:
+    """Per query tile i and (batch, head), the counts[i] key tiles of highest coarse score, forced tiles first:
+    kv_idx [B, H, NQ, width] int32, the first counts[i] entries ascending (the rest NK, unused). q, k [B, S, H, D]
+    (codes or 16-bit: the ranking does not depend on a positive scale, nor on a centre subtracted from every key);
+    counts [NQ] int32 and forced [NQ, NK] bool on the device; width = max(counts)."""
     qm = tile_means(q, tile).permute(0, 2, 1, 3)  # [B, H, NQ, D]
     km = tile_means(k, tile).permute(0, 2, 3, 1)  # [B, H, D, NK]
     scores = torch.matmul(qm, km)  # [B, H, NQ, NK] fp32
     scores = scores.masked_fill(forced, float("inf"))
-    top = torch.topk(ordered_keys(scores), count, dim=-1, sorted=False).indices
+    top = torch.topk(ordered_keys(scores), width, dim=-1, sorted=True).indices  # best first
+    used = torch.arange(width, device=q.device) < counts.unsqueeze(-1)
+    top = torch.where(used, top, scores.shape[-1])
     return torch.sort(top, dim=-1).values.to(torch.int32)
 
 
@@ -217,10 +233,12 @@ class SparseLayout:
         elif options.source == "vsa-topk":
             self.window = None
             forced = forced_mask(self.order)
-            self.count = min(n, max(math.ceil(options.keep * n - 1e-9), int(forced.sum(axis=1).max())))
+            keep_count = math.ceil(options.keep * n - 1e-9)
+            counts = np.minimum(n, np.maximum(keep_count, forced.sum(axis=1))).astype(np.int32)
+            self.count = int(counts.max())  # the top-k width; each row keeps its own count of them
             self._forced = torch.from_numpy(forced).to(device)
-            self._cnt = torch.full((1, 1, n), self.count, dtype=torch.int32, device=device)
-            self.density = self.count / n
+            self._cnt = torch.from_numpy(counts).to(device)[None, None]
+            self.density = float(counts.mean() / n)
         else:
             raise ValueError(f"unknown sparse mask source {options.source!r}")
 
@@ -243,7 +261,7 @@ class SparseLayout:
         cnt = self._cnt.expand(B, H, n)
         if self.options.source == "sta":
             return self._idx.expand(B, H, *self._idx.shape[2:]), cnt
-        return vsa_lists(q, k, self.tile, self.count, self._forced), cnt
+        return vsa_lists(q, k, self.tile, self._cnt[0, 0], self.count, self._forced), cnt
 
     def tensors(self) -> tuple:
         """The device tensors a captured graph reads (kept referenced by the graph cache)."""
