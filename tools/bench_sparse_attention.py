@@ -1,6 +1,6 @@
 """Tile-sparse attention on the GPU: the block-sparse kernel against dense attention at the DiT's shapes.
 
-    python tools/bench_sparse_attention.py [--out PATH] [--quick]      # one H200 (a few minutes)
+    python tools/bench_sparse_attention.py [--out PATH] [--quick] [--dtypes fp8]   # one H200 (~5 min per dtype)
     python tools/bench_sparse_attention.py --codegen                   # no GPU: compile every config for sm_90
 
 Rows (12 heads x 128, one batch; W2 = 21 x 30 x 52 = 32760 tokens, W3 = 21 x 45 x 80 = 75600):
@@ -120,7 +120,7 @@ def time_config(name: str, dtype: str, tile: int, grid=SHAPES["W2"], keep: float
     fn = lambda: bsa.block_sparse_attention(q, k, v, idx, cnt, tile_q=tile, tile_k=tile, scales=scales,  # noqa
                                             config=name)
     fn()
-    ms = cuda_time_ms(fn, iters=20, warmup=3)
+    ms = cuda_time_ms(fn, iters=10, warmup=2)
     S = math.prod(grid)
     flop = 4.0 * S * S * layout.density * HEADS * HEAD_DIM
     return {"ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1), "kept": round(layout.density, 4)}
