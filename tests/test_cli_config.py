@@ -33,7 +33,7 @@ def test_info_prints_the_engine_config_with_its_sources(monkeypatch, capsys):
     assert "linears.fused_ffn1: off  (FASTREMOVER_FUSED_FFN1)" in out
     assert "tuning.upconv_tune: False  (FASTREMOVER_UPCONV_TUNE)" in out
     assert "attention.backend: auto  (--attention)" in out
-    assert "parallel.world_size: 1" in out
+    assert "parallel.world_size: None  (--gpus)" in out and "parallel.mode: none  (--parallel)" in out
 
 
 @pytest.mark.slow
@@ -49,4 +49,5 @@ def test_verbose_remove_logs_the_engine_config(tmp_path, capsys):
     assert rc == 0, err
     line = next(l for l in err.splitlines() if l.startswith("fastremover: debug: engine config: "))
     config = json.loads(line.split("engine config: ", 1)[1])
-    assert config["attention"] == {"backend": "sdpa", "keep": None, "window": None} and config["device"] == "cpu" and config["mode"] == "auto"
+    assert config["attention"] == {"backend": "sdpa", "keep": None, "window": None}
+    assert config["device"] == "cpu" and config["mode"] == "auto"

@@ -339,18 +339,20 @@ def test_options_fail_fast_with_one_line():
     from fastremover.config import AttentionOptions, EngineConfig
 
     good = EngineConfig(attention=AttentionOptions("sparse-sta", 0.3, "3,5,5"))
-    assert good.attention.keep == 0.3
-    for options, words in [
-        (AttentionOptions("sparse-vsa", 0.0), "(0, 1]"),
-        (AttentionOptions("sparse-vsa", 1.5), "(0, 1]"),
-        (AttentionOptions("sdpa", 0.5), "sparse attention backends"),
-        (AttentionOptions("auto", 0.5), "sparse attention backends"),
-        (AttentionOptions("sparse-vsa", None, "3,3,3"), "sparse-sta"),
-        (AttentionOptions("sparse-sta", None, "3,3"), "three positive"),
-        (AttentionOptions("sparse-sta", None, "3,0,3"), "three positive"),
+    assert good.attention.keep == 0.3 and good.attention.window == (3, 5, 5)  # the window's text, parsed
+    assert AttentionOptions("sparse-sta", 0.3, [3, 5, 5]) == good.attention  # a list (the config's JSON) too
+    for args, words in [
+        (("sparse-vsa", 0.0), "(0, 1]"),
+        (("sparse-vsa", 1.5), "(0, 1]"),
+        (("sdpa", 0.5), "sparse attention backends"),
+        (("auto", 0.5), "sparse attention backends"),
+        (("sparse-vsa", None, "3,3,3"), "sparse-sta"),
+        (("sparse-sta", None, "3,3"), "three positive"),
+        (("sparse-sta", None, "3,0,3"), "three positive"),
+        (("sparse-sta", None, (3, 2.5, 3)), "three positive"),
     ]:
         with pytest.raises(FastRemoverError, match=words.replace("(", r"\(").replace("]", r"\]")) as info:
-            EngineConfig(attention=options)
+            EngineConfig(attention=AttentionOptions(*args))
         assert "\n" not in str(info.value)
 
 
@@ -360,7 +362,7 @@ def test_cli_flags_reach_the_config_and_bad_ones_exit_2(capsys):
     args = build_parser().parse_args(["verify", "v.mp4", "--mask", "m.mp4", "--model", "random", "--attention",
                                       "sparse-sta", "--attention-keep", "0.2", "--attention-window", "3,5,5"])
     config = engine_config(args)
-    assert (config.attention.backend, config.attention.keep, config.attention.window) == ("sparse-sta", 0.2, "3,5,5")
+    assert (config.attention.backend, config.attention.keep, config.attention.window) == ("sparse-sta", 0.2, (3, 5, 5))
     rc = main(["verify", "v.mp4", "--mask", "m.mp4", "--model", "random", "--attention", "sdpa",
                "--attention-keeps", "0.5"])
     err = capsys.readouterr().err
@@ -368,6 +370,23 @@ def test_cli_flags_reach_the_config_and_bad_ones_exit_2(capsys):
     rc = main(["verify", "v.mp4", "--mask", "m.mp4", "--model", "random", "--attention", "sparse-vsa",
                "--attention-keeps", "0.5,2"])
     assert rc == 2 and "--attention-keeps '0.5,2'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernel (GPU or interpreter)")
+def test_sequence_parallelism_refuses_sparse_attention_before_building(monkeypatch):
+    """The engine's build refuses a sparse backend for a context of several ranks (the layout permutes the whole
+    sequence; the ranks hold slices of it) before it moves or builds anything, not at the first denoise step."""
+    from fastremover.config import AttentionOptions, EngineConfig
+    from fastremover.fast import engine
+    from fastremover.models.loading import random_models
+    from fastremover.parallel.context import ParallelContext
+
+    monkeypatch.setattr(engine, "resolve_mode", lambda mode, device: (mode, []))  # exact on the interpreter's CPU
+    config = EngineConfig(device=DEV, mode="exact", attention=AttentionOptions("sparse-vsa"))
+    models = random_models("tiny", 0)
+    with pytest.raises(FastRemoverError, match="sequence parallelism"):
+        engine.build(models, config, ParallelContext(rank=0, world_size=2))
+    assert next(models.transformer.parameters()).dtype == torch.float32  # nothing was moved or cast
 
 
 def test_validator_reasons():
@@ -439,7 +458,7 @@ def test_fast_transformer_fast_mode_feeds_sparse_codes_to_the_fp8_o_projection()
     with attention_fakes.registered("test-fp8-dense", codes_call=attention_fakes.fake_cudnn_codes, output="fp8-codes"):
         outs = {}
         for name, window in (("test-fp8-dense", None), ("sparse-sta", "9,9,9"), ("sparse-sta", "1,1,1")):
-            fast = FastTransformer(model, fp8=True, attention=name, use_triton=False,
+            fast = FastTransformer(model, linear_method="fp8-rowwise", attention=name, use_triton=False,
                                    attention_options=AttentionOptions(name, None, window))
             assert fast.fp8_attention_codes
             cond = fast.conditioning(torch.tensor([999.0], device=DEV), batch=1)

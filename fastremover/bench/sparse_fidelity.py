@@ -19,7 +19,7 @@ import torch
 
 from fastremover.bench.harness import BenchInputs, run_engine
 from fastremover.bench.metrics import fidelity
-from fastremover.config import AttentionOptions
+from fastremover.config import AttentionOptions, EngineConfig
 from fastremover.errors import FastRemoverError
 from fastremover.masks import dilate_masks
 from fastremover.models.loading import RemoverModels
@@ -38,27 +38,26 @@ def parse_keeps(text: str) -> list[float]:
     return keeps
 
 
-def sparse_fidelity(models: RemoverModels, inputs: BenchInputs, *, modes: list[str], attention: AttentionOptions,
-                    keeps: list[float], steps: int = 12, seed: int = 42, device: str | None = None,
-                    precision: str | None = None, vae_precision: str = "auto") -> list[dict]:
+def sparse_fidelity(models: RemoverModels, inputs: BenchInputs, config: EngineConfig, *, modes: list[str],
+                    keeps: list[float], steps: int = 12, seed: int = 42) -> list[dict]:
     """One row per (mode, keep): the sparse run's fidelity against the dense run of the same mode (see the module
-    docstring), with both runs' denoise and total seconds, the layout's kept fraction and window."""
+    docstring), with both runs' denoise and total seconds, the layout's kept fraction and window. `config`: the
+    engine config with the sparse backend (and sparse-sta's window, if any); each mode runs it at each keep rate, and
+    with the default attention (auto) for the dense run."""
     rows = []
     mask = torch.from_numpy(dilate_masks(inputs.mask, 6))
+    backend = config.attention.backend
     with tempfile.TemporaryDirectory(prefix="fastremover-sparse-") as workdir:
         for mode in modes:
-            dense_pipe = RemovalPipeline(models, device=device, precision=precision, mode=mode,
-                                         vae_precision=vae_precision)
+            dense_pipe = RemovalPipeline(models, config.with_(mode=mode, attention=AttentionOptions()))
             if dense_pipe.config.mode not in ("exact", "fast"):
-                raise FastRemoverError(f"--attention {attention.backend} runs in the exact and fast modes only; mode "
+                raise FastRemoverError(f"--attention {backend} runs in the exact and fast modes only; mode "
                                        f"{mode} runs {dense_pipe.config.mode} here")
             dense = run_engine(dense_pipe, inputs, steps, seed, 0, workdir)
             dense_attention = dense_pipe.config.attention
             del dense_pipe
             for keep in keeps:
-                options = AttentionOptions(attention.backend, keep, attention.window)
-                pipe = RemovalPipeline(models, device=device, precision=precision, mode=mode,
-                                       vae_precision=vae_precision, attention=options)
+                pipe = RemovalPipeline(models, config.with_(mode=mode, attention__keep=keep))
                 run = run_engine(pipe, inputs, steps, seed, 0, workdir)
                 pad = run.pixels.shape[2] - mask.shape[0]
                 m = torch.cat([mask, mask[-1:].expand(pad, -1, -1)]) if pad > 0 else mask

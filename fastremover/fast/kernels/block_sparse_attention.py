@@ -55,13 +55,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 
 import torch
 import triton
 import triton.language as tl
 
+from fastremover.config import kernel_tuning
 from fastremover.fast.kernels._common import bf16_to_f32, check_device, f32_to_fp8e4m3_rne, interpreting, round_to
 
 try:
@@ -74,7 +74,6 @@ LOG2E = 1.4426950408889634
 P_SHIFT = tl.constexpr(8)  # codes: p = exp2(x - m + 8) in [0, 256], rounded to e4m3
 HEAD_DIMS = (16, 32, 64, 128, 256)
 SEQ_ALIGN = 16  # the sequence-contiguous V copy's row length is padded to 16 elements (TMA's 16-byte strides)
-CONFIG_ENV = "FASTREMOVER_SPARSE_ATTN_CONFIG"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -111,9 +110,10 @@ class BlockSparseConfig:
 
 
 def config_for(tile_q: int, tile_k: int, fp8: bool) -> BlockSparseConfig:
-    """The default config for a tile size and input kind (the environment variable CONFIG_ENV overrides it): one
-    query tile per program up to 128 rows (8 warps at 128: two warpgroups), 64-key steps."""
-    forced = os.environ.get(CONFIG_ENV, "").strip()
+    """The default config for a tile size and input kind (FASTREMOVER_SPARSE_ATTN_CONFIG, KernelTuning's
+    sparse_attn_config, overrides it): one query tile per program up to 128 rows (8 warps at 128: two warpgroups),
+    64-key steps."""
+    forced = kernel_tuning().sparse_attn_config
     if forced:
         return BlockSparseConfig.parse(forced)
     block_m = min(tile_q, 128)

@@ -16,31 +16,12 @@ codes; the output is e4m3 codes of (o - c) / sv, straight into the FP8 O project
 
 from __future__ import annotations
 
-import re
-
+from fastremover.config import parse_window
 from fastremover.errors import FastRemoverError
 from fastremover.ops.attention.registry import AttentionBackend, register
 
 DEFAULT_KEEP = 0.25
 SOURCES = {"sparse-sta": "sta", "sparse-vsa": "vsa-topk"}
-
-
-def parse_window(text) -> tuple[int, int, int] | None:
-    """`--attention-window T,H,W` (cubes per axis) -> a tuple; None stays None; FastRemoverError otherwise."""
-    if text is None:
-        return None
-    if isinstance(text, (tuple, list)):
-        parts = list(text)
-    else:
-        parts = re.split(r"[,x]", str(text).strip())
-    try:
-        window = tuple(int(p) for p in parts)
-    except (TypeError, ValueError):
-        window = ()
-    if len(window) != 3 or min(window) < 1:
-        raise FastRemoverError(f"--attention-window {text!r}: give three positive whole numbers T,H,W (tiles of "
-                               "4x4x4 tokens per axis), e.g. 3,5,5")
-    return window
 
 
 def check_options(backend: str, keep, window) -> None:
@@ -94,7 +75,7 @@ def _layout_for(source: str):
         from fastremover.ops.attention.sparse_layout import SparseLayout, SparseOptions
 
         keep = getattr(options, "keep", None)
-        window = parse_window(getattr(options, "window", None)) if source == "sta" else None
+        window = getattr(options, "window", None) if source == "sta" else None  # (T, H, W) or None
         return SparseLayout(grid, device, SparseOptions(source, DEFAULT_KEEP if keep is None else float(keep),
                                                         window))
 
