@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_args(p, default_model=None)
     p.add_argument("--max-frames", type=int, default=None, help="use only the first N frames")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--attention-keeps", default=None, metavar="R,R,...",
+                   help="with --attention sparse-sta / sparse-vsa: instead of the reference comparison, the sparse "
+                   "attention at each of these keep rates against the same mode's dense attention (PSNR, SSIM, "
+                   "latent cosine, denoise time); --modes defaults to fast here")
 
     add_batch_parser(sub, _add_model_args)
     add_mask_parser(sub)
@@ -517,6 +521,8 @@ def cmd_verify(args) -> int:
         from fastremover.outputs import Wanted, check_outputs
 
         check_outputs([Wanted("--json", args.json, endings=(".json",))], inputs=[args.video, args.mask])
+    if args.attention_keeps is not None:
+        return _verify_sparse(args)
     inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
     results = _compare(args, inputs, repeats=0, hash_repeats=0)
     print(format_table(results))
@@ -524,6 +530,39 @@ def cmd_verify(args) -> int:
         from fastremover.outputs import write_text
 
         write_text(args.json, json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _verify_sparse(args) -> int:
+    """`verify --attention-keeps`: fastremover.bench.sparse_fidelity (flags checked before the model loads)."""
+    from fastremover import media
+    from fastremover.bench.harness import file_inputs
+    from fastremover.bench.sparse_fidelity import format_sparse_table, parse_keeps, sparse_fidelity
+    from fastremover.fast.engine import resolve_device, resolve_mode
+    from fastremover.ops.attention import get
+    from fastremover.pipeline import load_source
+
+    keeps = parse_keeps(args.attention_keeps)
+    source, config = model_and_config(args)
+    if config.attention.backend == "auto" or get(config.attention.backend).token_layout is None:
+        raise FastRemoverError("--attention-keeps needs --attention sparse-sta or sparse-vsa")
+    if config.attention.keep is not None:
+        raise FastRemoverError("give the keep rates with --attention-keeps only (not --attention-keep too)")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes != "eager" else ["fast"]
+    device = resolve_device(config.device)
+    for mode in modes:
+        ran = resolve_mode(mode, device)[0] if mode in ("exact", "fast") else mode
+        if ran not in ("exact", "fast"):
+            raise FastRemoverError(f"--attention {config.attention.backend} runs in the exact and fast modes on a "
+                                   f"CUDA GPU; --modes {mode} runs {ran} here")
+    inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
+    rows = sparse_fidelity(load_source(source), inputs, config, modes=modes, keeps=keeps, steps=args.steps,
+                           seed=args.seed)
+    print(format_sparse_table(rows))
+    if args.json:
+        with media.atomic_write_path(args.json) as tmp:
+            Path(tmp).write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -3,7 +3,7 @@
     ModelSource             which weights: "classic" (no model), "random" (a preset config with deterministic random
                             weights) or a checkpoint folder (fastremover.pipeline.load_source loads it)
     EngineConfig            frozen; how the model runs: device, precision, mode and the nested options
-      .attention            AttentionOptions  backend
+      .attention            AttentionOptions  backend, keep, window (the sparse backends)
       .linears              LinearOptions     weights (dense / nvfp4 / nvfp4-w4a4), force_w4a4, fused_ffn1
       .vae                  VAEOptions        precision, nvfp4_convs, fast (FastVAEOptions: the fast VAE's switches)
       .transformer          TransformerOptions  the fused transformer's switches (streams, GEMM choice)
@@ -38,6 +38,7 @@ sets it); the engine reads it from the config it is given.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -72,6 +73,20 @@ def _attention_choices() -> list[str]:
     from fastremover.ops import attention  # the backend registry (no torch at import)
 
     return ["auto", *attention.names(with_aliases=True)]
+
+
+def parse_window(value) -> tuple[int, int, int]:
+    """`--attention-window T,H,W` (or TxHxW, or a sequence of three) -> (T, H, W), each a whole number >= 1;
+    FastRemoverError otherwise."""
+    parts = list(value) if isinstance(value, (tuple, list)) else re.split(r"[,x]", str(value).strip())
+    try:
+        window = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        window = ()
+    if len(window) != 3 or min(window) < 1 or any(isinstance(p, (bool, float)) for p in parts):
+        raise FastRemoverError(f"--attention-window {value!r}: give three positive whole numbers T,H,W (tiles of "
+                               "4x4x4 tokens per axis), e.g. 3,5,5")
+    return window
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -146,8 +161,24 @@ class AttentionOptions:
                         "cudnn-fp8, else sdpa in fp16, with a note saying why) or one explicitly (an error if it "
                         "cannot run here). flashinfer-fa3 / flashinfer-fa3-fp8: FlashInfer's FA3 Hopper kernels (pip "
                         "install flashinfer-python); cudnn-fp8: cuDNN's FP8 attention (the cudnn extra); "
-                        "flashattn3-fp8: FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh). "
-                        "Old names fa3, fp8-fa3, fp8, fp8-flash3 work too")
+                        "flashattn3-fp8: FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh); "
+                        "sparse-sta / sparse-vsa: tile-sparse attention (sliding window / top-k tiles; lossy, never "
+                        "picked by auto: check it with verify --attention-keeps first). Old names fa3, fp8-fa3, fp8, "
+                        "fp8-flash3 work too")
+    # the sparse backends (fastremover/ops/attention/sparse.py): the fraction of key tiles each query tile attends to
+    # (None: 0.25), and sparse-sta's window in 4x4x4-token tiles per axis (None: the one keeping `keep` of the tiles);
+    # EngineConfig.validate refuses them for the other backends
+    keep: float | None = _opt(None, flag="attention_keep", parse=float, metavar="R",
+                              help="sparse-sta / sparse-vsa: fraction of key tiles each query tile attends to, in "
+                              "(0, 1] (default 0.25)")
+    window: tuple[int, int, int] | None = _opt(None, flag="attention_window", metavar="T,H,W",
+                                               help="sparse-sta: the window in 4x4x4-token tiles per axis (default: "
+                                               "the one that keeps --attention-keep of the tiles)")
+
+    def __post_init__(self):
+        # the window as given ("T,H,W" text from the flag, a list from JSON, a tuple) -> (T, H, W)
+        if self.window is not None:
+            object.__setattr__(self, "window", parse_window(self.window))
 
 
 @dataclass(frozen=True)
@@ -342,6 +373,10 @@ class EngineConfig:
             from fastremover.ops import attention  # the registry (no torch at import)
 
             attention.canonical(self.attention.backend)  # FastRemoverError for an unknown name
+        if self.attention.keep is not None or self.attention.window is not None:
+            from fastremover.ops.attention.sparse import check_options  # no torch
+
+            check_options(self.attention.backend, self.attention.keep, self.attention.window)
         if self.linears.weights != "dense" and self.mode in ("exact", "fast"):
             raise FastRemoverError(f"--weights {self.linears.weights} runs in --mode eager only (the fused "
                                    "transformer reads dense weights)")
@@ -479,6 +514,9 @@ class KernelTuning:
     upconv_tune: bool = _opt(True, env="FASTREMOVER_UPCONV_TUNE", env_values={"1": True, "0": False})
     # the fast VAE's convs on cuDNN plans that give torch's bits faster (fast/cudnn_conv.py; off: torch's convs)
     cudnn_conv_plans: bool = _opt(True, env="FASTREMOVER_CUDNN_CONV_PLANS", env_values={"1": True, "0": False})
+    # the block-sparse attention kernel's config by name, e.g. m64n64w4s3t1ws0vt1 (BlockSparseConfig in
+    # fast/kernels/block_sparse_attention.py; unset: the default for the tile size)
+    sparse_attn_config: str | None = _opt(None, env="FASTREMOVER_SPARSE_ATTN_CONFIG")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelTuning":

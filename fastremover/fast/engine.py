@@ -167,7 +167,8 @@ def _denoiser(plan: Plan, transformer: RemoverTransformer, scheduler_config: dic
     from fastremover.fast.transformer_fast import FastTransformer  # needs Triton: only for the exact / fast modes
 
     fast = FastTransformer(transformer, linear_method=linear_methods.get(plan.linear_method),
-                           attention=plan.attention, fused_ffn1=plan.fused_ffn1, options=plan.config.transformer)
+                           attention=plan.attention, fused_ffn1=plan.fused_ffn1, options=plan.config.transformer,
+                           attention_options=plan.config.attention)
     notes = []
     if plan.config.linears.fused_ffn1 == "on" and plan.mode == "fast" and not fast.fused_ffn1:
         notes.append("FASTREMOVER_FUSED_FFN1=1 (linears.fused_ffn1 on): the fused FFN GEMM needs an sm_90 GPU with "
@@ -220,6 +221,8 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
     is logged (the package logger) and recorded in the ResolvedEngine."""
     plan = resolve(config)
     device, dtype = plan.device, plan.dtype
+    if parallel is not None and parallel.is_parallel and attention_backends.get(plan.attention).token_layout:
+        raise FastRemoverError(f"--attention {plan.attention} does not run under sequence parallelism (--parallel)")
     tuning = kernel_tuning().describe()
     if models is None:
         if parallel is not None and parallel.is_parallel:
