@@ -194,6 +194,9 @@ class KernelTuning:
     upconv_tune: bool = _opt(True, env="FASTREMOVER_UPCONV_TUNE", env_values={"1": True, "0": False})
     # the fast VAE's convs on cuDNN plans that give torch's bits faster (fast/cudnn_conv.py; off: torch's convs)
     cudnn_conv_plans: bool = _opt(True, env="FASTREMOVER_CUDNN_CONV_PLANS", env_values={"1": True, "0": False})
+    # the persistent cache of warm-up results (fastremover/cache.py: Triton's kernels, cuDNN plan choices, autotune
+    # results, FlashInfer's modules): a folder; "" = the platform's user cache folder (`cache_dir`); "off" = none
+    cache_dir: str = _opt("", env="FASTREMOVER_CACHE_DIR")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelTuning":
@@ -208,6 +211,27 @@ class KernelTuning:
 
     def describe(self) -> dict:
         return asdict(self)
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The persistent cache folder (fastremover/cache.py): FASTREMOVER_CACHE_DIR, else the platform's user cache
+    folder (Linux: $XDG_CACHE_HOME/fastremover or ~/.cache/fastremover; macOS: ~/Library/Caches/fastremover; Windows:
+    %LOCALAPPDATA%\\fastremover\\Cache); None when the variable is "off" (or "none", "0")."""
+    environ = os.environ if environ is None else environ
+    setting = KernelTuning.from_env(environ).cache_dir.strip()
+    if setting.lower() in ("off", "none", "0"):
+        return None
+    if setting:
+        return os.path.expanduser(setting)
+    import sys
+
+    home = os.path.expanduser("~")
+    if sys.platform == "win32":
+        base = environ.get("LOCALAPPDATA") or os.path.join(home, "AppData", "Local")
+        return os.path.join(base, "fastremover", "Cache")
+    if sys.platform == "darwin":
+        return os.path.join(home, "Library", "Caches", "fastremover")
+    return os.path.join(environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "fastremover")
 
 
 def kernel_tuning() -> KernelTuning:

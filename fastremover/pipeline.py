@@ -39,7 +39,7 @@ from fastremover.config import AttentionOptions, EngineConfig, LinearOptions, Re
 from fastremover.fast.engine import MODES, build  # noqa: F401  (MODES: re-exported for the CLI)
 from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
 from fastremover.models.loading import RemoverModels, load_models
-from fastremover.timing import StageTimer
+from fastremover.timing import StageTimer, finished_work
 from fastremover.windows import (
     Box,
     Window,
@@ -86,6 +86,16 @@ def stream_prefetch(options: RunOptions, model: bool) -> int:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _load_place(config: EngineConfig | None, device: str | None, precision: str | None) -> dict:
+    """load_models' device / dtype: the pipeline's CUDA device and model dtype (weights built there directly, no fp32
+    host copy: models/loading.py); {} elsewhere (the CPU path, and a CUDA device that is missing: __init__ says so)."""
+    dev = torch.device((config.device if config is not None else device) or default_device())
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return {}
+    prec = (config.precision if config is not None else precision) or "fp16"
+    return {"device": dev, "dtype": PRECISIONS[prec]}
 
 
 @dataclass
@@ -258,7 +268,8 @@ class RemovalPipeline:
         config: EngineConfig | None = None,
     ) -> "RemovalPipeline":
         """`model`: "classic" (no weights), "random" (preset config, deterministic random weights) or a checkpoint dir."""
-        models = None if model == "classic" else load_models(model, preset, weights_seed)
+        models = None if model == "classic" else load_models(model, preset, weights_seed,
+                                                             **_load_place(config, device, precision))
         return cls(models, device=device, precision=precision, mode=mode, attention=attention,
                    vae_precision=vae_precision, weights=weights, force_w4a4=force_w4a4, config=config)
 
@@ -389,6 +400,7 @@ class RemovalPipeline:
         single full-frame window only).
         """
         options, size, timer = self._begin(options, timer)
+        progress = finished_work(progress, self.device)  # GPU steps count when they have finished
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise FastRemoverError(f"frames must be uint8 [F,H,W,3], got {frames.dtype} {list(frames.shape)}")
         if mask.shape != frames.shape[:3]:
@@ -403,7 +415,7 @@ class RemovalPipeline:
         if dilated.all():
             notes.append("the mask covers every pixel: the whole video is regenerated, nothing of the input is kept")
 
-        windows = plan_windows(len(frames), options.window, options.overlap)
+        windows = plan_windows(len(frames), options.window, options.overlap, options.shape_buckets)
         if len(windows) > 1 and usable_window_length(options.window) != options.window:
             notes.append(f"--window {options.window}: using {usable_window_length(options.window)} frames per window "
                          "(the VAE works in 4k+1 frames)")
@@ -475,6 +487,7 @@ class RemovalPipeline:
         from fastremover.windows import next_window, window_lookahead
 
         options, size, timer = self._begin(options, timer)
+        progress = finished_work(progress, self.device)  # GPU steps count when they have finished
         crop_mode = "off" if size is not None else options.crop
         usable = usable_window_length(options.window)
         depth = stream_prefetch(options, self.models is not None) if prefetch is None else prefetch
@@ -547,7 +560,8 @@ class RemovalPipeline:
                     hand_out(frame if out is None else out)
                 base += 1
 
-        planned = len(plan_windows(total_frames, options.window, options.overlap)) if total_frames > 0 else 0
+        planned = (len(plan_windows(total_frames, options.window, options.overlap, options.shape_buckets))
+                   if total_frames > 0 else 0)
         if progress:
             progress("window", 0, planned)
         try:
@@ -556,7 +570,8 @@ class RemovalPipeline:
             index = 0
             while True:
                 fill(window_lookahead(prev, options.window, options.overlap))
-                win = next_window(prev, base + len(inputs), ended, options.window, options.overlap)
+                win = next_window(prev, base + len(inputs), ended, options.window, options.overlap,
+                                  options.shape_buckets)
                 if win is None:
                     break
                 if index == 0:
@@ -669,7 +684,7 @@ class RemovalPipeline:
             window_mask = dilated.copy()
             window_mask[: win.overlap] = False
             # The box only needs to hold what is still to be generated (the shared frames are known already).
-            box = choose_crop(window_mask, crop_mode)
+            box = choose_crop(window_mask, crop_mode, buckets=options.shape_buckets)
         if self.weights == "nvfp4-w4a4" and box is None and window_mask.any() and not self.force_w4a4:
             from fastremover.fast.nvfp4_linear import check_w4a4_allowed
 

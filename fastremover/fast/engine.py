@@ -156,18 +156,27 @@ def build(models, config: EngineConfig, device: torch.device | str, dtype: torch
                                   weights=config.linears.weights, tuning=tuning, config=config.describe())
         return Engine(None, None, resolved)
     from fastremover.fast.vae_fast import build_vae
+    from fastremover.timing import phase
 
+    if device.type == "cuda":  # before anything compiles: Triton's / FlashInfer's caches in the persistent cache
+        from fastremover.cache import install_tool_dirs
+        from fastremover.timing import time_triton_compiles
+
+        install_tool_dirs()
+        time_triton_compiles()
     plan = resolve(config, device)
     notes = list(plan.mode_notes)
     extra: dict = {}
-    models.transformer.to(device).to_inference_dtype(dtype)
+    with phase("host_to_device"):  # a no-op where the weights were loaded on the device in the model dtype
+        models.transformer.to(device).to_inference_dtype(dtype)
     if config.linears.weights != "dense":
         from fastremover.fast.nvfp4_linear import quantize_linears_nvfp4
 
         report = quantize_linears_nvfp4(models.transformer, w4a4=config.linears.weights == "nvfp4-w4a4")
         notes.append(report.summary())
         extra["nvfp4"] = report.describe()
-    vae, vae_path = build_vae(models.vae, plan.mode, device, dtype, config.vae.precision)
+    with phase("vae_setup"):
+        vae, vae_path = build_vae(models.vae, plan.mode, device, dtype, config.vae.precision)
     eager_vae = getattr(vae, "module", None)  # the WanVAE inside an EagerVideoVAE (None: the fast VAE)
     if config.linears.weights != "dense" and config.vae.nvfp4_convs and eager_vae is not None:
         from fastremover.fast.nvfp4_conv import Nvfp4CausalConv3d, quantize_vae_convs_nvfp4
@@ -176,7 +185,8 @@ def build(models, config: EngineConfig, device: torch.device | str, dtype: torch
             vae_report = quantize_vae_convs_nvfp4(eager_vae)
             notes.append(vae_report.summary())
             extra["nvfp4_vae"] = vae_report.describe()
-    denoiser, denoiser_notes = _denoiser(plan, models.transformer, models.scheduler_config)
+    with phase("quantize"):  # the fused transformer's weight preparation (FP8 quantization in the fast mode)
+        denoiser, denoiser_notes = _denoiser(plan, models.transformer, models.scheduler_config)
     notes += [*plan.attention_notes, *denoiser_notes]
     resolved = ResolvedEngine(model=models.source, device=str(device), precision=precision, mode=plan.mode,
                               requested_mode=config.mode, vae=vae_path, vae_precision=config.vae.precision,
