@@ -391,9 +391,10 @@ def cmd_remove(args) -> int:
                 return 0
         else:
             worker = RemovalWorker(spec, note=warn)
-            with phase("imports"):  # torch and the engine (the check below needs them too)
-                import fastremover.pipeline  # noqa: F401
-            worker.check(job)  # the output path, the inputs and their decoded size: before the model loads
+            # the output path, the inputs and their decoded size: before the model loads. Counted as "imports": a
+            # bad path fails before torch is imported, a good run imports torch and the engine on the way
+            with phase("imports"):
+                worker.check(job)
             _announce_model(args)
             bars = _Bars(enabled=not args.quiet)
             clock = RequestClock(bars)

@@ -252,3 +252,92 @@ def test_bench_cold_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert {"buckets_0", "buckets_4", "time_ratio", "pixel_ratio"} <= set(record["padding_cost"])
     assert record["engine_first"]["cache"]["enabled"]
     assert "engine first run" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU (run by the device tool)
+
+
+@pytest.mark.gpu
+def test_gpu_weights_on_the_device_equal_the_host_path_and_the_output_too(tmp_path):
+    from fastremover.models import loading
+    from fastremover.pipeline import RemovalPipeline
+
+    loading.save_checkpoint(loading.random_models("tiny", 1), tmp_path / "ck")
+    direct = loading.load_checkpoint(tmp_path / "ck", device="cuda", dtype=torch.float16)
+    host = loading.load_checkpoint(tmp_path / "ck")
+    host.transformer.to("cuda").to_inference_dtype(torch.float16)
+    for k, v in host.transformer.state_dict().items():
+        got = direct.transformer.state_dict()[k]
+        assert got.device.type == "cuda" and got.dtype == v.dtype and torch.equal(got, v), k
+    for k, v in host.vae.state_dict().items():
+        got = direct.vae.state_dict()[k]
+        assert got.device.type == "cpu" and got.dtype == torch.float16 and torch.equal(got, v.half()), k
+    a = loading.random_models("tiny", 0, device="cuda", dtype=torch.float16)
+    b = loading.random_models("tiny", 0, device="cuda", dtype=torch.float16)
+    assert all(torch.equal(x, y) for x, y in zip(a.transformer.state_dict().values(),
+                                                 b.transformer.state_dict().values()))
+    video, mask = media.synthetic_clip(9, 64, 96, seed=0)
+    from fastremover.options import RunOptions
+
+    opts = RunOptions(steps=2)
+    one = RemovalPipeline.from_model(str(tmp_path / "ck"), device="cuda", mode="eager").remove(video.frames, mask,
+                                                                                               opts)
+    two = RemovalPipeline(loading.load_checkpoint(tmp_path / "ck"), device="cuda", mode="eager").remove(
+        video.frames, mask, opts)
+    assert np.array_equal(one.frames, two.frames)
+
+
+@pytest.mark.gpu
+def test_gpu_conv_plan_choice_from_the_cache_gives_torchs_bits(tmp_path):
+    import torch.nn.functional as F
+
+    from fastremover.cache import PersistentCache
+    from fastremover.fast import cudnn_conv
+
+    why = cudnn_conv.available(torch.device("cuda"), torch.float16)
+    if why:
+        pytest.skip(why)
+    x = torch.randn(1, 96, 4, 240, 416, device="cuda", dtype=torch.float16).contiguous(
+        memory_format=torch.channels_last_3d)
+    w = torch.randn(96, 96, 3, 3, 3, device="cuda", dtype=torch.float16).contiguous(
+        memory_format=torch.channels_last_3d) * 0.05
+    want = F.conv3d(x, w, None, 1, (0, 1, 1))
+    first = cudnn_conv.ConvPlans(torch.device("cuda"), cache=PersistentCache(tmp_path))
+    assert torch.equal(first.conv(x, w, 1, (0, 1, 1)), want)
+    second = cudnn_conv.ConvPlans(torch.device("cuda"), cache=PersistentCache(tmp_path))
+    assert torch.equal(second.conv(x, w, 1, (0, 1, 1)), want)
+    (c1,), (c2,) = first.choices.values(), second.choices.values()
+    assert not c1.cached and c2.cached and c2.name == c1.name
+    x2 = torch.randn_like(x)
+    assert torch.equal(second.conv(x2, w, 1, (0, 1, 1)), F.conv3d(x2, w, None, 1, (0, 1, 1)))
+
+
+@pytest.mark.gpu
+def test_gpu_denoise_progress_counts_finished_steps(monkeypatch):
+    """On the GPU a step is reported once its work has finished: when the callback sees step d, the event recorded
+    behind step d (the d-th plain event created) has completed."""
+    from fastremover.models.loading import random_models
+    from fastremover.options import RunOptions
+    from fastremover.pipeline import RemovalPipeline
+
+    created = []
+    real = torch.cuda.Event
+
+    def event(*args, **kwargs):
+        e = real(*args, **kwargs)
+        if not args and not kwargs:  # FinishedWork's (the stage timer's carry enable_timing=True)
+            created.append(e)
+        return e
+
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    pipe = RemovalPipeline(random_models("tiny", 0), device="cuda", mode="eager")
+    video, mask = media.synthetic_clip(9, 64, 96, seed=0)
+    seen = []
+
+    def progress(stage, done, total):
+        if stage == "denoise":
+            seen.append((done, created[done - 1].query()))
+
+    pipe.remove(video.frames, mask, RunOptions(steps=4), progress=progress)
+    assert [d for d, _ in seen] == [1, 2, 3, 4] and all(ok for _, ok in seen) and len(created) >= 4

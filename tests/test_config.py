@@ -155,7 +155,8 @@ def test_option_table_lists_every_option_once():
     assert {"mode", "attention.backend", "linears.fused_ffn1", "vae.precision", "graphs.max_graphs",
             "parallel.world_size", "tuning.conv3d_fp8_tune"} <= set(names)
     assert {r["env"] for r in rows if r["env"]} == {"FASTREMOVER_FUSED_FFN1", "FASTREMOVER_CONV3D_FP8_TUNE",
-                                                    "FASTREMOVER_UPCONV_TUNE", "FASTREMOVER_CUDNN_CONV_PLANS"}
+                                                    "FASTREMOVER_UPCONV_TUNE", "FASTREMOVER_CUDNN_CONV_PLANS",
+                                                    "FASTREMOVER_CACHE_DIR"}
 
 
 def test_modes_agree_everywhere():
