@@ -238,7 +238,7 @@ def test_bench_cold_end_to_end_on_the_tiny_model(tmp_path, capsys):
     worker, two new-shape clips and the padding cost; the JSON has every field the issue asks for."""
     pytest.importorskip("diffusers", reason="the reference's process needs diffusers (the reference extra)")
     assert main(["bench", "--cold", "--workload", "w2", "--preset", "tiny", "--cold-clip", "5x64x48", "--steps", "1",
-                 "--shape-clips", "2", "--shape-frames", "5", "--padding-cost", "--repeats", "0",
+                 "--shape-clips", "2", "--shape-frames", "5", "--padding-cost", "--capture-costs", "--repeats", "0",
                  "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("cold-w2-eager-*.json")
     record = json.loads(path.read_text())
@@ -251,6 +251,7 @@ def test_bench_cold_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert record["reference"]["frames"] == 5 and record["reference"]["size"] == "64x48"
     assert {"buckets_0", "buckets_4", "time_ratio", "pixel_ratio"} <= set(record["padding_cost"])
     assert record["engine_first"]["cache"]["enabled"]
+    assert "CUDA" in record["capture_costs"]["skipped"]  # a GPU step of the harness: a flag, skipped here with why
     assert "engine first run" in capsys.readouterr().out
 
 

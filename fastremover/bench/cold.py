@@ -464,8 +464,12 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
             log(f"[cold] padding cost: time x{record['padding_cost']['time_ratio']}, pixels "
                 f"x{record['padding_cost']['pixel_ratio']}")
         if captures:
-            latent = sorted({(1, 16, (s[0] - 1) // 4 + 1, s[1][0] // 8, s[1][1] // 8)
-                             for s in _shapes_of(warm[-1], pipe, video, mask, options)})
+            from fastremover.windows import ceil_4k1
+
+            z = pipe.models.vae.config.z_dim
+            latent = [] if pipe.device.type != "cuda" else sorted(
+                {(1, z, (ceil_4k1(n) - 1) // 4 + 1, hw[0] // 8, hw[1] // 8)
+                 for n, hw in _shapes_of(pipe, video, mask, options)})
             record["capture_costs"] = capture_costs(pipe, latent, steps)
         record["cache"] = cache.describe()
         worker.close()
@@ -484,7 +488,7 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
     return record
 
 
-def _shapes_of(result, pipe, video, mask, options) -> list[tuple]:
+def _shapes_of(pipe, video, mask, options) -> list[tuple]:
     """The run shapes (frames, (H, W)) of the clip's windows (one in-memory request)."""
     from fastremover import media
     from fastremover.windows import run_shapes
