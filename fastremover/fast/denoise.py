@@ -3,12 +3,12 @@
 Graph capture needs every per-step input on the device before the loop starts: the scheduler's coefficients are
 device tensors (schedulers.py), the timestep conditioning is precomputed (`FastTransformer.conditioning`), the RoPE
 tables are cached by the model, and nothing in the loop touches the host. The first call for a given shape runs the
-loop normally (which also compiles the Triton kernels and creates library handles); a later call with the same
-shape, steps and scheduler records the loop into a graph (recording launches nothing) when `capture_pays` says the
-recording costs less than the replays save, and replays it; from then on calls copy their inputs into the static
-buffers and replay. A shape seen once (a one-shot CLI run sees each crop size once) is never recorded. Replay runs
-the very same kernels on the same inputs as an eager call, so outputs are identical; the GPU tests check it with
-torch.equal.
+loop normally (which also compiles the Triton kernels and creates library handles). The call of a shape on which
+`capture_pays` says a recording pays for itself (by default its second) runs the loop on a side stream (the warm-up
+a recording needs) and then records it into a graph (recording launches nothing); later calls with the same shape,
+steps and scheduler copy their inputs into the static buffers and replay. A shape seen once (a one-shot CLI run sees
+each crop size once) is never recorded. Replay runs the very same kernels on the same inputs as an eager call, so
+outputs are identical; the GPU tests check it with torch.equal.
 
 Under sequence parallelism (the transformer's ParallelContext has several ranks) the captured loop holds the NCCL
 collectives too. Every rank must then take the same branch: after the capture the ranks agree (one all-reduce)
@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # the fast transformer needs Triton: imported only where a fa
 Progress = Callable[[str, int, int], None]
 
 # When recording a shape's loop as a CUDA graph pays (`capture_pays`). A recording costs about
-# CAPTURE_FIXED_S + steps * CAPTURE_STEP_S (the host launching every step once into the graph, and instantiating it);
+# CAPTURE_FIXED_S + steps * CAPTURE_STEP_S (the host launching every step once more, into the graph, and
+# instantiating it; the eager run before it computes the call's output);
 # each replayed step saves STEP_SAVING_S over an eager step (the launch overhead a busy GPU no longer waits for) for
 # latent grids of at most CAPTURE_MAX_TOKENS tokens (above: the GPU is the bottleneck, nothing is saved). A shape is
 # recorded on its CAPTURE_AFTER_CALLS-th call if the calls so far, counted as the replays still to come, would pay
@@ -113,7 +114,8 @@ class FastDenoiser:
         self.cuda_graphs = cuda_graphs
         self._graphs: LRUCache[tuple] = LRUCache(max_graphs)
         self._uncaptured: LRUCache[str] = LRUCache(max(16, max_graphs))  # shapes whose capture failed: why
-        self._calls: LRUCache[int] = LRUCache(max(64, 4 * max_graphs))  # calls per shape (not captured yet)
+        # calls per shape: a shape whose graph was evicted and returns is recorded again on its next call
+        self._calls: LRUCache[int] = LRUCache(max(64, 4 * max_graphs))
         self.notes: list[str] = []
 
     def describe(self) -> dict:
@@ -152,20 +154,17 @@ class FastDenoiser:
             return self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
         calls = (self._calls.get(key) or 0) + 1
         self._calls.put(key, calls)
-        out = None
-        if calls == 1:
-            # First call: run on a side stream (the usual warm-up before capture: kernels compiled, handles created
-            # for a non-default stream).
-            side = torch.cuda.Stream(noise.device)
-            side.wait_stream(torch.cuda.current_stream(noise.device))
-            with torch.cuda.stream(side):
-                out = self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
-            torch.cuda.current_stream(noise.device).wait_stream(side)
         _, _, t, h, w = noise.shape
         if not capture_pays(steps, calls, t * (h // 2) * (w // 2)):
-            if out is None:
-                out = self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
-            return out
+            return self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
+        # The call that records: run on a side stream first (the usual warm-up before capture: kernels compiled,
+        # library handles, plans and cuDNN graphs created for this shape, none of which may happen during the
+        # recording), then record the same loop into a graph.
+        side = torch.cuda.Stream(noise.device)
+        side.wait_stream(torch.cuda.current_stream(noise.device))
+        with torch.cuda.stream(side):
+            out = self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
+        torch.cuda.current_stream(noise.device).wait_stream(side)
         static_inputs = (noise.clone(), masked_latents.clone(), mask_latents.clone())
 
         def record():
@@ -182,23 +181,13 @@ class FastDenoiser:
             if note not in self.notes:
                 self.notes.append(note)
             logger.warning(note)
-            if out is None:
-                out = self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
             return out
         graph, static_out = captured
         # scheduler, cond, the transformer's per-shape tensors and the library objects the recording used stay
         # referenced by the cache entry: the graph reads their device memory.
         held = self.fast.shape_state(tuple(noise.shape), noise.device)
         self._graphs.put(key, (graph, static_inputs, static_out, scheduler, cond, held, libraries))
-        self._calls.put(key, 0)
-        if out is not None:
-            return out
-        graph.replay()  # this call's result: the recorded loop on this call's inputs (recording computed nothing)
-        if ctx is not None and ctx.is_parallel:
-            wait_for_replay(noise.device, ctx.timeout_s, ctx.rank)
-        if progress:
-            progress("denoise", steps, steps)
-        return static_out.clone()
+        return out
 
 
 def capture_agreed(record: Callable, ctx=None):
