@@ -213,11 +213,12 @@ def install_tool_dirs(cache: PersistentCache | None = None) -> dict:
     global _tool_dirs
     if cache is None and _tool_dirs is not None:
         return _tool_dirs
+    from fastremover.config import TOOL_CACHE_VARS, tool_cache_dirs
+
     use = cache or default_cache()
-    done = {}
-    for var, name in (("TRITON_CACHE_DIR", "triton"), ("FLASHINFER_WORKSPACE_BASE", "flashinfer")):
-        if os.environ.get(var):
-            done[var] = os.environ[var]
+    done = tool_cache_dirs()
+    for var, name in TOOL_CACHE_VARS.items():
+        if var in done:
             continue
         folder = use.usable_dir(name)
         if folder is not None:

@@ -14,6 +14,7 @@ import torch
 
 from fastremover import media, timing
 from fastremover.cli import build_parser, main
+from fastremover.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -282,10 +283,9 @@ def test_gpu_weights_on_the_device_equal_the_host_path_and_the_output_too(tmp_pa
     from fastremover.options import RunOptions
 
     opts = RunOptions(steps=2)
-    one = RemovalPipeline.from_model(str(tmp_path / "ck"), device="cuda", mode="eager").remove(video.frames, mask,
-                                                                                               opts)
-    two = RemovalPipeline(loading.load_checkpoint(tmp_path / "ck"), device="cuda", mode="eager").remove(
-        video.frames, mask, opts)
+    config = EngineConfig(device="cuda", mode="eager")
+    one = RemovalPipeline.from_model(str(tmp_path / "ck"), config=config).remove(video.frames, mask, opts)
+    two = RemovalPipeline(loading.load_checkpoint(tmp_path / "ck"), config).remove(video.frames, mask, opts)
     assert np.array_equal(one.frames, two.frames)
 
 
@@ -332,7 +332,7 @@ def test_gpu_denoise_progress_counts_finished_steps(monkeypatch):
         return e
 
     monkeypatch.setattr(torch.cuda, "Event", event)
-    pipe = RemovalPipeline(random_models("tiny", 0), device="cuda", mode="eager")
+    pipe = RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cuda", mode="eager"))
     video, mask = media.synthetic_clip(9, 64, 96, seed=0)
     seen = []
 

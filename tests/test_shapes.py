@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastremover import media
-from fastremover.fast import lru
-from fastremover.fast.lru import LRUCache, held_while, used
+from fastremover import lru, media
+from fastremover.config import EngineConfig
+from fastremover.lru import LRUCache, held_while, used
 from fastremover.options import RunOptions
 from fastremover.windows import (
     SHAPE_BUCKETS,
@@ -103,7 +103,7 @@ def test_shape_buckets_option_and_the_pipeline_runs_on_canonical_shapes():
         RunOptions(shape_buckets=-1).validate()
     assert RunOptions().shape_buckets == SHAPE_BUCKETS
     video, mask = media.synthetic_clip(45, 32, 48, seed=0)
-    pipe = RemovalPipeline(random_models("tiny", seed=0), device="cpu", precision="fp32")
+    pipe = RemovalPipeline(random_models("tiny", seed=0), EngineConfig(device="cpu", precision="fp32"))
     opts = RunOptions(steps=1, window=33)
     out = []
     result = pipe.remove_stream(zip(video.frames, mask), out.append, opts)  # as `fastremover remove` runs

@@ -35,6 +35,7 @@ command, torch, python). Nothing here asserts a time: the acceptance ratios are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -65,9 +66,9 @@ def _sha256(path: str | os.PathLike) -> str:
 
 def _pythonpath_env(extra: dict) -> dict:
     """The environment of a child process: this one's, with this checkout first on PYTHONPATH, plus `extra`."""
-    root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
+    from fastremover.config import child_environment
+
+    return child_environment(extra, pythonpath_first=str(Path(__file__).resolve().parents[2]))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -370,14 +371,17 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
                shape_frames: int = 41, warm_runs: int = 2, padding: bool = False, captures: bool = False,
                clip_override: tuple[int, int, int] | None = None, object_fraction: float | None = None,
                travel: float | None = None, engine_args: list[str] | None = None, workdir: str | None = None,
-               log=print) -> dict:
+               config=None, log=print) -> dict:
     """Every measurement of the module docstring; returns the JSON record. clip_override (frames, height, width):
-    another clip size (quick checks). engine_args: extra `fastremover remove` flags for the engine's processes."""
+    another clip size (quick checks). engine_args: extra `fastremover remove` flags for the engine's processes;
+    config: the EngineConfig those flags make, for the warm engine in this process (mode, device and precision
+    replaced by the arguments)."""
     import torch
 
     from fastremover.bench.harness import environment
+    from fastremover.config import EngineConfig, ModelSource, environment_set
     from fastremover.options import RunOptions
-    from fastremover.worker import Job, ModelSpec, RemovalWorker
+    from fastremover.worker import Job, RemovalWorker
 
     frames, height, width, fraction, path = COLD_CLIPS[clip]
     if clip_override:
@@ -394,7 +398,7 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
     record: dict = {**environment(), "benchmark": "cold", "workload": clip, "mode": mode, "preset": preset,
                     "frames": frames, "size": f"{width}x{height}", "steps": steps, "device": device,
                     "precision": precision}
-    saved_env: dict = {}
+    environment_kept = contextlib.ExitStack()  # this process's cache variables while the warm engine runs
     try:
         log(f"[cold] clip {clip}: {frames} frames {width}x{height} in {work}")
         video, mask = write_clip(work / "clip", frames, height, width, fraction, path)
@@ -417,12 +421,12 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
         # The warm engine in this process (the caches of the runs above are warm now: the same folder)
         from fastremover import cache
 
-        for var, value in (("FASTREMOVER_CACHE_DIR", cache_dir), ("TRITON_CACHE_DIR", cache_dir / "triton")):
-            saved_env.setdefault(var, os.environ.get(var))
-            os.environ[var] = str(value)
+        environment_kept.enter_context(environment_set({"FASTREMOVER_CACHE_DIR": str(cache_dir),
+                                                        "TRITON_CACHE_DIR": str(cache_dir / "triton")}))
+        environment_kept.callback(cache.reset_default_cache)  # afterwards: the cache the variables name again
         cache.reset_default_cache()
-        spec = ModelSpec(model=str(ckpt), device=device, precision=precision, mode=mode)
-        worker = RemovalWorker(spec)
+        config = (config or EngineConfig.from_env()).with_(mode=mode, device=device, precision=precision)
+        worker = RemovalWorker(ModelSource(str(ckpt)), config)
         options = RunOptions(steps=steps, seed=seed)
         job = Job(video=str(video), mask=str(mask), output=str(work / "warm.mp4"), options=options)
         warm = _warm_job(worker, job, 1 + warm_runs)
@@ -474,15 +478,7 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
         record["cache"] = cache.describe()
         worker.close()
     finally:
-        for var, value in saved_env.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
-        if saved_env:
-            from fastremover import cache
-
-            cache.reset_default_cache()
+        environment_kept.close()  # this process's variables as they were
         if own:
             shutil.rmtree(work, ignore_errors=True)
     return record

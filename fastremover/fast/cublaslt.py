@@ -33,12 +33,12 @@ import threading
 
 import torch
 
-from fastremover.fast.lru import LRUCache, used
+from fastremover.lru import LRUCache, used
 from fastremover.timing import phase
 
 FP8 = torch.float8_e4m3fn
 MAX_PLANS = 64  # plans kept (per run shape: the block's 4 GEMMs, a few pointer alignments; a captured CUDA graph keeps
-# the plans it recorded, fast/lru.py)
+# the plans it recorded, fastremover/lru.py)
 
 # cudaDataType_t / cublasComputeType_t / cublasLt enums (cublasLt.h, library_types.h; ABI-stable values)
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28

@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fastremover.fast.lru import LRUCache
+from fastremover.lru import LRUCache
 from fastremover.timing import cuda_time_ms, phase
 
 # Plans that were bit-identical to torch's and fastest at the VAE's W2 shapes on the H200 (cuDNN 9.19), by name.

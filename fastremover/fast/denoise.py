@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from fastremover.fast.lru import LRUCache, held_while
 from fastremover.log import logger
+from fastremover.lru import LRUCache, held_while
 from fastremover.models.transformer import RemoverTransformer
 from fastremover.schedulers import build_scheduler
 from fastremover.timing import phase
@@ -90,6 +90,12 @@ class EagerDenoiser:
     def describe(self) -> dict:
         return {"fused_kernels": "none", "fp8_linears": False, "attention": "sdpa", "cuda_graphs": False}
 
+    def parallelize(self, ctx) -> None:
+        """The parallel hook: the transformer runs this rank's tokens of ctx (fastremover/parallel/context.py)."""
+        from fastremover.parallel.context import set_parallel
+
+        set_parallel(self.transformer, ctx)
+
     @torch.no_grad()
     def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None):
         scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device)
@@ -105,8 +111,9 @@ class FastDenoiser:
 
     At most `max_graphs` captured graphs are kept (least recently used first out: crop mode gives every request its
     own shape); an evicted graph's memory goes back to the allocator and its shape is captured again if it returns.
-    A graph keeps the library objects it recorded (cuDNN attention graphs, cuBLASLt plans: fast/lru.held_while).
-    Which shapes are recorded, and when: `capture_pays`. One denoiser serves one thread at a time."""
+    A graph keeps the library objects it recorded (cuDNN attention graphs, cuBLASLt plans:
+    fastremover/lru.held_while). Which shapes are recorded, and when: `capture_pays`. One denoiser serves one thread
+    at a time."""
 
     def __init__(self, fast: FastTransformer, scheduler_config: dict, cuda_graphs: bool, max_graphs: int = 4):
         self.fast = fast
@@ -120,6 +127,13 @@ class FastDenoiser:
 
     def describe(self) -> dict:
         return {**self.fast.describe(), "cuda_graphs": self.cuda_graphs}
+
+    def parallelize(self, ctx) -> None:
+        """The parallel hook: the fast transformer runs this rank's tokens of ctx (a captured graph records the
+        collectives of the context it ran under: the graph cache's key includes it)."""
+        from fastremover.parallel.context import set_parallel
+
+        set_parallel(self.fast, ctx)
 
     @property
     def _context(self):
