@@ -25,7 +25,8 @@ Where a value comes from:
   the flag (the variables exist for A/B runs of an otherwise unchanged command line). A value outside the field's
   choices is a `FastRemoverError` naming the flag or the variable.
 * the other environment variables the package reads are read by the functions at the end of this module (torchrun's
-  rank variables, the service's API key, CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, CUDA_HOME).
+  rank variables, the service's API key, CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, CUDA_HOME, the persistent cache's
+  folder and the libraries' own cache folders; a child process's environment).
 * `resolve` is not here: `fastremover.fast.engine.resolve(config, device)` turns a config into a plan for a device
   (the device and dtype, mode fallbacks, the attention backend and linear method, the notes), and
   `fastremover.fast.engine.build` into modules plus the ResolvedEngine. This module imports neither torch nor any
@@ -39,9 +40,10 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from fastremover.errors import FastRemoverError
 
@@ -517,6 +519,9 @@ class KernelTuning:
     # the block-sparse attention kernel's config by name, e.g. m64n64w4s3t1ws0vt1 (BlockSparseConfig in
     # fast/kernels/block_sparse_attention.py; unset: the default for the tile size)
     sparse_attn_config: str | None = _opt(None, env="FASTREMOVER_SPARSE_ATTN_CONFIG")
+    # the persistent cache of warm-up results (fastremover/cache.py: Triton's kernels, cuDNN plan choices, autotune
+    # results, FlashInfer's modules): a folder; "" = the platform's user cache folder (`cache_dir`); "off" = none
+    cache_dir: str = _opt("", env="FASTREMOVER_CACHE_DIR")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelTuning":
@@ -531,6 +536,27 @@ class KernelTuning:
 
     def describe(self) -> dict:
         return asdict(self)
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The persistent cache folder (fastremover/cache.py): FASTREMOVER_CACHE_DIR, else the platform's user cache
+    folder (Linux: $XDG_CACHE_HOME/fastremover or ~/.cache/fastremover; macOS: ~/Library/Caches/fastremover; Windows:
+    %LOCALAPPDATA%\\fastremover\\Cache); None when the variable is "off" (or "none", "0")."""
+    environ = os.environ if environ is None else environ
+    setting = KernelTuning.from_env(environ).cache_dir.strip()
+    if setting.lower() in ("off", "none", "0"):
+        return None
+    if setting:
+        return os.path.expanduser(setting)
+    import sys
+
+    home = os.path.expanduser("~")
+    if sys.platform == "win32":
+        base = environ.get("LOCALAPPDATA") or os.path.join(home, "AppData", "Local")
+        return os.path.join(base, "fastremover", "Cache")
+    if sys.platform == "darwin":
+        return os.path.join(home, "Library", "Caches", "fastremover")
+    return os.path.join(environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "fastremover")
 
 
 def kernel_tuning() -> KernelTuning:
@@ -630,6 +656,42 @@ def cuda_home(environ: Mapping[str, str] | None = None) -> str | None:
     """The CUDA toolkit's folder (CUDA_HOME, else CUDA_PATH) for JIT builds; None when neither is set."""
     environ = os.environ if environ is None else environ
     return environ.get("CUDA_HOME") or environ.get("CUDA_PATH") or None
+
+
+#: The libraries' own cache folders, which the persistent cache fills unless they are set (fastremover/cache.py)
+TOOL_CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "FLASHINFER_WORKSPACE_BASE": "flashinfer"}
+
+
+def tool_cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{variable: folder} of TOOL_CACHE_VARS that are set and not empty."""
+    environ = os.environ if environ is None else environ
+    return {var: environ[var] for var in TOOL_CACHE_VARS if environ.get(var)}
+
+
+def child_environment(changes: Mapping[str, str] | None = None, *, pythonpath_first: str | None = None,
+                      environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process: this one's with `changes` set, and `pythonpath_first` put in front of
+    PYTHONPATH (so the child imports this checkout)."""
+    environ = os.environ if environ is None else environ
+    env = {**environ, **(changes or {})}
+    if pythonpath_first:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath_first, environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@contextmanager
+def environment_set(changes: Mapping[str, str]) -> Iterator[None]:
+    """`changes` set in this process's environment for the block; the earlier values (or their absence) after it."""
+    before = {var: os.environ.get(var) for var in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for var, value in before.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -91,6 +91,10 @@ def _engine_config() -> dict[str, str]:
             continue
         path = row["option"].split(".")
         value = tuning[path[1]] if path[0] == "tuning" else _get(config, path)
+        if row["option"] == "tuning.cache_dir":  # the folder it resolves to (fastremover/cache.py)
+            from fastremover.config import cache_dir
+
+            value = cache_dir() or "off"
         where = ", ".join(x for x in (row["flag"] and "--" + row["flag"].replace("_", "-"), row["env"]) if x)
         out[row["option"]] = f"{value}" + (f"  ({where})" if where else "")
     for group in LAB_GROUPS:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from fastremover.errors import FastRemoverError
-from fastremover.windows import CROP_MODES, DEFAULT_WINDOW, validate_windows
+from fastremover.windows import CROP_MODES, DEFAULT_WINDOW, SHAPE_BUCKETS, validate_windows
 
 SIZE_MULTIPLE = 16  # VAE 8x spatial downsampling times the transformer's 2x2 patches
 MAX_SIDE = 7680  # --size: the longest side accepted (8K UHD width)
@@ -70,6 +70,10 @@ class RunOptions:
     # as 4k+1 frames (17 for the default 81, see windows.default_overlap)
     overlap: int | None = None
     crop: str = "auto"  # auto | on | off: run the model on a box around the mask instead of the whole frame
+    # canonical run shapes (fastremover.windows.bucket_side / bucket_length): crop sides snapped to this many sizes per
+    # octave and a long clip's last window to this many lengths per window, so windows and clips share compiled
+    # state; 0: crops at multiples of 16 and the last window as short as it can be
+    shape_buckets: int = SHAPE_BUCKETS
 
     def validate(self) -> "RunOptions":
         """FastRemoverError naming the first option out of range; nothing else is touched. Returns self."""
@@ -81,6 +85,7 @@ class RunOptions:
         _int("--window", self.window, 1, 1_000_000)
         if self.overlap is not None:
             _int("--overlap", self.overlap, 0, 1_000_000)
+        _int("shape_buckets", self.shape_buckets, 0, 64)
         parse_size(self.size)
         validate_windows(self.window, self.overlap)
         if self.crop not in CROP_MODES:

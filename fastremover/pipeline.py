@@ -39,12 +39,12 @@ import torch.nn.functional as F
 from fastremover.classic import classic_remove
 from fastremover.config import EngineConfig, ModelSource, ResolvedEngine
 from fastremover.errors import FastRemoverError
-from fastremover.fast.engine import build
+from fastremover.fast.engine import DTYPES, build, resolve_device, resolve_precision
 from fastremover.log import logger
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import RemoverModels, load_models
 from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
-from fastremover.timing import StageTimer
+from fastremover.timing import StageTimer, finished_work
 from fastremover.windows import (
     STREAM_PREFETCH,
     Box,
@@ -67,13 +67,25 @@ CROP_FEATHER = 4
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
-def load_source(source: ModelSource) -> RemoverModels | None:
-    """The models of a source (fp32 on the CPU; None for the classic remover), checked first: the one place a model
-    name becomes modules (`models.loading.load_models` turns a name into a checkpoint folder or random weights)."""
+def load_source(source: ModelSource, config: EngineConfig | None = None) -> RemoverModels | None:
+    """The models of a source (None for the classic remover), checked first: the one place a model name becomes
+    modules (`models.loading.load_models` turns a name into a checkpoint folder or random weights). Without `config`,
+    or where it resolves to the CPU, fp32 on the host; where it resolves to a CUDA device, built there directly in the
+    config's model dtype (no fp32 host copy: models/loading.py), as its engine will run them."""
     source.validate()
     if source.kind == "classic":
         return None
-    return load_models(source.name, source.preset, source.weights_seed)
+    return load_models(source.name, source.preset, source.weights_seed, **_load_place(config))
+
+
+def _load_place(config: EngineConfig | None) -> dict:
+    """load_models' device / dtype for `config`: its CUDA device and model dtype; {} without a config and on the CPU."""
+    if config is None:
+        return {}
+    device = resolve_device(config.device)  # (a CUDA device where none is visible: an error before the load)
+    if device.type != "cuda":
+        return {}
+    return {"device": device, "dtype": DTYPES[resolve_precision(config.precision, device)]}
 
 
 def crop_feather(dilate: int) -> int:
@@ -240,8 +252,10 @@ class RemovalPipeline:
                    weights_seed: int | None = None, config: EngineConfig | None = None,
                    parallel=None) -> "RemovalPipeline":
         """`model`: a ModelSource, or its name - "classic" (no weights), "random" (the `preset` config with
-        deterministic random weights from `weights_seed`) or a checkpoint folder."""
-        return cls(load_source(ModelSource.of(model, preset=preset, weights_seed=weights_seed)), config,
+        deterministic random weights from `weights_seed`) or a checkpoint folder. On a CUDA device the weights are
+        built there directly, in the model dtype (`load_source`)."""
+        config = config if config is not None else EngineConfig.from_env()
+        return cls(load_source(ModelSource.of(model, preset=preset, weights_seed=weights_seed), config), config,
                    parallel=parallel)
 
     def follow(self) -> None:
@@ -437,6 +451,7 @@ class RemovalPipeline:
             raise RuntimeError("this RemovalPipeline was closed; build a new one")
         options = options or RunOptions()
         options.validate()
+        progress = finished_work(progress, self.device)  # GPU steps count when they have finished
         scheduler = WindowScheduler(self, options, emit, timer=timer or StageTimer(self.device), progress=progress,
                                     store=store, total_frames=total_frames, trace=trace, emit_mask=emit_mask,
                                     keep=keep, keep_pixels=keep_pixels)
@@ -482,7 +497,7 @@ class RemovalPipeline:
             window_mask = dilated.copy()
             window_mask[: win.overlap] = False
             # The box only needs to hold what is still to be generated (the shared frames are known already).
-            box = choose_crop(window_mask, crop_mode)
+            box = choose_crop(window_mask, crop_mode, buckets=options.shape_buckets)
         if not window_mask.any():  # nothing new to remove: `out` already holds the input / previous output
             return WindowRun(win.start, win.stop, win.overlap, None, None, ran=False), None
         if self.models is not None:
@@ -813,7 +828,7 @@ class WindowScheduler:
         prepared = self._prepared(pairs)
         source = Prefetch(prepared, prefetch, name="fastremover-read") if prefetch > 0 else prepared
         total = self.total_frames
-        planned = len(plan_windows(total, options.window, options.overlap)) if total > 0 else 0
+        planned = len(plan_windows(total, options.window, options.overlap, options.shape_buckets)) if total > 0 else 0
         if progress:
             progress("window", 0, planned)
         finished = index = 0
@@ -821,7 +836,8 @@ class WindowScheduler:
         try:
             while True:
                 self._fill(source, window_lookahead(prev, options.window, options.overlap))
-                win = next_window(prev, self.base + len(self.inputs), self.ended, options.window, options.overlap)
+                win = next_window(prev, self.base + len(self.inputs), self.ended, options.window, options.overlap,
+                                  options.shape_buckets)
                 if win is None:
                     break
                 if index == 0:

@@ -206,13 +206,14 @@ def _write(frames: np.ndarray, fps: float, workdir: str) -> None:
 
 
 def _time_requests(run: PipelineRun, device: torch.device, repeats: int, request, fold: str, fps: float,
-                   workdir: str):
-    """One warm-up plus `repeats` timed whole requests. `request(timer)` returns (result, frames to write); the write
-    is timed as `composite_write`, into which the pipeline's own last stage `fold` is merged so both sides report the
-    same stages. Returns the last result."""
+                   workdir: str, warmups: int = 1):
+    """`warmups` untimed requests plus `repeats` timed whole requests (repeats 0: one request, kept).
+    `request(timer)` returns (result, frames to write); the write is timed as `composite_write`, into which the
+    pipeline's own last stage `fold` is merged so both sides report the same stages. Returns the last result."""
     _reset_peak(device)
     overall = 0.0
-    for i in range(1 + repeats):
+    warmups = warmups if repeats else 0  # no timed run (verify): the one request is the result
+    for i in range(warmups + max(repeats, 1)):
         timer = PeakTimer(device)
         result, frames = request(timer)
         with timer.stage("composite_write"):
@@ -222,7 +223,7 @@ def _time_requests(run: PipelineRun, device: torch.device, repeats: int, request
         dev = timer.device_s()
         if dev:
             dev["composite_write"] = dev.get("composite_write", 0.0) + dev.pop(fold, 0.0)
-        if i > 0 or repeats == 0:
+        if i >= warmups:
             run.wall.append(wall)
             run.device.append(dev)
             for stage, (peak, delta) in timer.peaks.items():
@@ -254,6 +255,16 @@ def fidelity_options(inputs: BenchInputs, steps: int, seed: int) -> RunOptions:
                       window=max(MIN_WINDOW, inputs.frames.shape[0]), overlap=0, crop="off")
 
 
+def engine_warmups(pipe: RemovalPipeline) -> int:
+    """Untimed requests before a warm measurement: enough for the denoiser to have recorded its CUDA graphs
+    (fast/denoise.capture_pays: a shape is recorded on its CAPTURE_AFTER_CALLS-th call), else one."""
+    if getattr(pipe.denoiser, "cuda_graphs", False) and pipe.device.type == "cuda":
+        from fastremover.fast.denoise import CAPTURE_AFTER_CALLS
+
+        return max(1, CAPTURE_AFTER_CALLS)
+    return 1
+
+
 def run_engine(pipe: RemovalPipeline, inputs: BenchInputs, steps: int, seed: int, repeats: int, workdir: str,
                hash_repeats: int = 0, options: RunOptions | None = None, streamed: bool = False) -> PipelineRun:
     """Time the engine on `inputs`; `options` default to `fidelity_options` (the run compared with the reference).
@@ -265,7 +276,8 @@ def run_engine(pipe: RemovalPipeline, inputs: BenchInputs, steps: int, seed: int
         result = pipe.remove(inputs.frames, inputs.mask, options, timer=timer, keep_pixels=True)
         return result, result.frames
 
-    result = _time_requests(run, pipe.device, repeats, request, "composite", inputs.fps, workdir)
+    result = _time_requests(run, pipe.device, repeats, request, "composite", inputs.fps, workdir,
+                            warmups=engine_warmups(pipe))
     run.pixels, run.latents, run.frames, run.windows = result.pixels, result.latents, result.frames, result.windows
     for _ in range(hash_repeats):  # whole requests, no stage synchronization
         out = pipe.remove(inputs.frames, inputs.mask, options, timer=StageTimer(pipe.device, sync=False))

@@ -123,7 +123,6 @@ class UpstreamTransformer(nn.Module):
     def __init__(self, config: RemoverTransformerConfig):
         super().__init__()
         _require_diffusers()
-        from diffusers.models.embeddings import get_1d_rotary_pos_embed
         from diffusers.models.normalization import FP32LayerNorm
 
         self.config = config
@@ -136,9 +135,16 @@ class UpstreamTransformer(nn.Module):
         self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.freqs = self.rope_freqs()
+
+    def rope_freqs(self) -> torch.Tensor:
+        """Upstream's float64 complex RoPE table (a plain attribute, not a parameter or buffer)."""
+        from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+        config, d = self.config, self.config.attention_head_dim
         h_dim = w_dim = 2 * (d // 6)
         t_dim = d - h_dim - w_dim
-        self.freqs = torch.cat(
+        return torch.cat(
             [
                 get_1d_rotary_pos_embed(dim_, config.rope_max_seq_len, 10000.0, use_real=False,
                                         repeat_interleave_real=False, freqs_dtype=torch.float64)
@@ -231,6 +237,39 @@ class ReferencePipeline:
         self.transformer = upstream_transformer(models).to(self.device).to_upstream_dtype(dtype)
         self.vae = diffusers_vae(models).to(self.device, dtype)
         self.scheduler_config = models.scheduler_config
+
+    @classmethod
+    def from_pretrained(cls, path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float16) -> "ReferencePipeline":
+        """Load a checkpoint folder the way upstream's own script does: each model built without allocating its
+        weights, filled from its safetensors in `dtype` on the host (diffusers' `from_pretrained(torch_dtype=...)`,
+        the fp32 islands kept in fp32), then moved to `device`; the VAE through diffusers' own `from_pretrained`.
+        No fp32 copy of the whole model is made (the bench --cold reference)."""
+        import json
+        from pathlib import Path
+
+        from fastremover.models.loading import load_safetensors_into
+        from fastremover.schedulers import load_scheduler_config
+
+        _require_diffusers()
+        from diffusers import AutoencoderKLWan
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.set_verbosity_error()
+        root = Path(path)
+        with open(root / "transformer" / "config.json") as f:
+            config = RemoverTransformerConfig.from_dict(json.load(f))
+        with torch.device("meta"):
+            transformer = UpstreamTransformer(config)
+        transformer = transformer.to_upstream_dtype(dtype).to_empty(device="cpu")
+        load_safetensors_into(transformer, root / "transformer", "transformer")
+        transformer.freqs = transformer.rope_freqs()
+        self = cls.__new__(cls)
+        self.device, self.dtype = torch.device(device), dtype
+        self.transformer = transformer.eval().to(self.device)
+        self.vae = AutoencoderKLWan.from_pretrained(str(root / "vae"), torch_dtype=dtype).eval().to(self.device)
+        self.scheduler_config = load_scheduler_config(root / "scheduler")
+        return self
 
     def to(self, device: str | torch.device) -> "ReferencePipeline":
         """Move the models (e.g. off the GPU while the engine is measured)."""
