@@ -17,6 +17,15 @@ MAX_STEPS = 1000
 MAX_DILATE = 512
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
 
+# The released pipeline's behaviour, per option (docs/upstream.md): the flow schedule (fastremover.schedulers, where
+# these names are used), how decoded pixels become uint8, and what happens to the last frames of a clip whose length
+# is not 4k+1. `UPSTREAM_COMPATIBLE` is the set of values --upstream-compatible gives (with composite and crop off).
+SCHEDULES = ("minimax-remover", "diffusers")  # minimax-remover: diffusers 0.33.1's UniPC schedule (the default)
+ROUNDINGS = ("round", "truncate")  # truncate: floor(x * 255), as upstream's export does
+FRAME_TAILS = ("keep", "drop")  # drop: a 4k+2..4k+4-frame clip loses its last 1-3 frames, as upstream's VAE drops them
+UPSTREAM_COMPATIBLE = {"schedule": "minimax-remover", "rounding": "truncate", "frame_tail": "drop", "composite": False,
+                       "crop": "off"}
+
 
 def _int(name: str, value, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -66,6 +75,9 @@ class RunOptions:
     # as 4k+1 frames (17 for the default 81, see windows.default_overlap)
     overlap: int | None = None
     crop: str = "auto"  # auto | on | off: run the model on a box around the mask instead of the whole frame
+    schedule: str = SCHEDULES[0]  # the UniPC flow schedule: minimax-remover (diffusers 0.33.1's) | diffusers (0.37+)
+    rounding: str = "round"  # decoded pixels to uint8: round | truncate (upstream)
+    frame_tail: str = "keep"  # clips of 4k+2..4k+4 frames: keep every frame | drop the last 1-3 (upstream)
 
     def validate(self) -> None:
         """FastRemoverError naming the first option out of range; nothing else is touched."""
@@ -79,11 +91,31 @@ class RunOptions:
         validate_windows(self.window, self.overlap)
         if self.crop not in CROP_MODES:
             raise FastRemoverError(f"--crop {self.crop!r}: choose one of {list(CROP_MODES)}")
+        for flag, value, choices in (("--schedule", self.schedule, SCHEDULES), ("--rounding", self.rounding, ROUNDINGS),
+                                     ("--frame-tail", self.frame_tail, FRAME_TAILS)):
+            if value not in choices:
+                raise FastRemoverError(f"{flag} {value!r}: choose one of {list(choices)}")
         if self.crop == "on" and parse_size(self.size) is not None:
             raise FastRemoverError(
                 f"--crop on runs the model at the source resolution; it cannot be combined with --size {self.size} "
                 "(use --size native, or --crop off)"
             )
+
+
+def upstream_compatible(options: RunOptions) -> RunOptions:
+    """`options` with UPSTREAM_COMPATIBLE's values (--upstream-compatible); FastRemoverError where `options` asks for
+    another value than both the default and the compatible one (e.g. --crop on), which the switch would silently
+    override."""
+    from dataclasses import replace
+
+    default = RunOptions()
+    for name, value in UPSTREAM_COMPATIBLE.items():
+        given = getattr(options, name)
+        if given != value and given != getattr(default, name):
+            flag = {"composite": "--no-composite"}.get(name, "--" + name.replace("_", "-"))
+            raise FastRemoverError(f"--upstream-compatible sets {flag} {value}; it cannot be combined with "
+                                   f"{flag} {given}")
+    return replace(options, **UPSTREAM_COMPATIBLE)
 
 
 def validate_mask_threshold(threshold) -> int:

@@ -39,6 +39,7 @@ from fastremover.config import AttentionOptions, EngineConfig, LinearOptions, Re
 from fastremover.fast.engine import MODES, build  # noqa: F401  (MODES: re-exported for the CLI)
 from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
 from fastremover.models.loading import RemoverModels, load_models
+from fastremover.schedulers import DEFAULT_SCHEDULE
 from fastremover.timing import StageTimer
 from fastremover.windows import (
     Box,
@@ -146,6 +147,7 @@ class Prepared:
     source_hw: tuple[int, int]
     run_hw: tuple[int, int]
     resized: bool  # explicit size (resize back at the end) vs native (crop the padding)
+    rounding: str = "round"  # decoded pixels to uint8: "round" or "truncate" (RunOptions.rounding)
 
 
 def _frames_to_tensor(frames: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -170,9 +172,10 @@ def _pad_frames_4k1(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x[:, :, -1:].expand(-1, -1, target - f, -1, -1)], dim=2)
 
 
-def _to_uint8(x: torch.Tensor) -> np.ndarray:
-    """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3] (rounded, not truncated)."""
-    return _to_uint8_async(x).result()
+def _to_uint8(x: torch.Tensor, rounding: str = "round") -> np.ndarray:
+    """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3], rounded (or with rounding="truncate" truncated, as the released
+    pipeline's export does: (x * 0.5 + 0.5).clamp(0, 1) in x's dtype, then float32 * 255 cast to uint8)."""
+    return _to_uint8_async(x, rounding).result()
 
 
 class _HostFrames:
@@ -196,9 +199,12 @@ class _HostFrames:
         return self._host.numpy()
 
 
-def _to_uint8_async(x: torch.Tensor) -> _HostFrames:
+def _to_uint8_async(x: torch.Tensor, rounding: str = "round") -> _HostFrames:
     """`_to_uint8` with the device -> host copy left running (same ops, so the same bytes)."""
-    y = ((x[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    if rounding == "truncate":
+        y = ((x[0] * 0.5 + 0.5).clamp(0, 1).float() * 255).floor().to(torch.uint8)
+    else:
+        y = ((x[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
     return _HostFrames(y.permute(1, 2, 3, 0).contiguous())
 
 
@@ -327,10 +333,13 @@ class RemovalPipeline:
         steps: int,
         seed: int,
         progress: Progress | None = None,
+        schedule: str = DEFAULT_SCHEDULE,
     ) -> torch.Tensor:
+        """The denoised latents from seeded noise, `steps` steps of the checkpoint's scheduler with `schedule`
+        (fastremover.schedulers.SCHEDULES)."""
         generator = torch.Generator(self.device).manual_seed(seed)
         noise = torch.randn(masked_latents.shape, generator=generator, device=self.device, dtype=self.dtype)
-        return self.denoiser(noise, masked_latents, mask_latents, steps, progress)
+        return self.denoiser(noise, masked_latents, mask_latents, steps, progress, schedule=schedule)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
@@ -364,7 +373,7 @@ class RemovalPipeline:
             x = _resize_video(x.float(), prep.source_hw)
         else:
             x = x[..., : prep.source_hw[0], : prep.source_hw[1]]
-        return _to_uint8_async(x)
+        return _to_uint8_async(x, prep.rounding)
 
     # ------------------------------------------------------------------------------------------------------------------
     # The whole request
@@ -394,6 +403,10 @@ class RemovalPipeline:
         if mask.shape != frames.shape[:3]:
             raise FastRemoverError(f"mask shape {list(mask.shape)} does not match the video {list(frames.shape[:3])}")
         notes: list[str] = []
+        if options.frame_tail == "drop" and usable_window_length(len(frames)) < len(frames):
+            kept = usable_window_length(len(frames))
+            notes.append(_dropped_tail_note(len(frames) - kept))
+            frames, mask = frames[:kept], mask[:kept]
 
         with timer.stage("preprocess"):
             dilated = dilate_masks(mask.astype(bool), options.dilate)
@@ -479,8 +492,10 @@ class RemovalPipeline:
         usable = usable_window_length(options.window)
         depth = stream_prefetch(options, self.models is not None) if prefetch is None else prefetch
 
+        tail = _DropTail(pairs) if options.frame_tail == "drop" else None
+
         def prepared():
-            for i, (frame, mask) in enumerate(pairs):
+            for i, (frame, mask) in enumerate(tail if tail is not None else pairs):
                 if frame.ndim != 3 or frame.shape[-1] != 3 or frame.dtype != np.uint8:
                     raise FastRemoverError(f"frames must be uint8 [H,W,3], got {frame.dtype} {list(frame.shape)}")
                 if mask.shape != frame.shape[:2]:
@@ -620,6 +635,8 @@ class RemovalPipeline:
         finally:
             source.close()
         assert emitted == base, (emitted, base)
+        if tail is not None and tail.dropped:
+            result.notes.append(_dropped_tail_note(tail.dropped))
         result.num_frames = base
         result.resumed_windows = finished
         result.ran_model = self.models is not None and any(run.ran for run in result.windows)
@@ -754,10 +771,12 @@ class RemovalPipeline:
         else:
             with timer.stage("preprocess"):
                 prep = self.prepare(frames_in, mask_in, size)
+                prep.rounding = options.rounding
             with timer.stage("vae_encode"):
                 masked_latents, mask_latents = self.encode(prep, progress)
             with timer.stage("denoise"):
-                latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress)
+                latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress,
+                                       schedule=options.schedule)
             del masked_latents, mask_latents
             pixels: list[torch.Tensor] = []
             if trace is not None:
@@ -797,6 +816,29 @@ class RemovalPipeline:
         if keep_frames:
             filled.frames = np.concatenate(kept) if len(kept) > 1 else kept[0]
         return filled
+
+
+def _dropped_tail_note(count: int) -> str:
+    return (f"--frame-tail drop: the last {count} frame{'s' if count > 1 else ''} of the clip were dropped (the "
+            "released pipeline encodes 4k+1 frames and drops the rest)")
+
+
+class _DropTail:
+    """The items of `pairs` but the last 1-3 when their count is not 4k+1 (frame_tail "drop"), holding back at most 3:
+    an item at index 4k is always kept, the ones after it only once index 4(k+1) arrives. `dropped` counts the rest
+    once the iteration ended."""
+
+    def __init__(self, pairs: Iterable):
+        self.pairs, self.dropped = pairs, 0
+
+    def __iter__(self):
+        held = []
+        for i, pair in enumerate(self.pairs):
+            held.append(pair)
+            if i % 4 == 0:
+                yield from held
+                held.clear()
+        self.dropped = len(held)
 
 
 #: remove_stream's trace: trace(event, index) with ("read", frame) from the reader thread once a frame and its

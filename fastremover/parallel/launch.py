@@ -242,10 +242,11 @@ class ParallelEngine:
         second = 2 * mask - 1.0 if ctx.rank == 1 else None
         return encode_pair(ctx, self.vae, first, second, progress)
 
-    def denoise(self, noise, masked_latents, mask_latents, steps: int, progress=None):
+    def denoise(self, noise, masked_latents, mask_latents, steps: int, progress=None, schedule: str | None = None):
         ctx = self.ctx
         noise, masked_latents, mask_latents = (ctx.broadcast_tensor(t) for t in (noise, masked_latents, mask_latents))
-        out = self.denoiser(noise, masked_latents, mask_latents, steps, progress if ctx.is_root else None)
+        extra = {} if schedule is None else {"schedule": schedule}
+        out = self.denoiser(noise, masked_latents, mask_latents, steps, progress if ctx.is_root else None, **extra)
         return out if ctx.is_root else None
 
     def decode_iter(self, z, progress=None):
@@ -264,7 +265,7 @@ class ParallelEngine:
             if cmd[0] == "encode":
                 self.encode(None, None)
             elif cmd[0] == "denoise":
-                self.denoise(None, None, None, cmd[1])
+                self.denoise(None, None, None, cmd[1], schedule=cmd[2])
             elif cmd[0] == "decode":
                 for _ in self.decode_iter(None):
                     pass
@@ -283,9 +284,9 @@ class _RootDenoiser:
     def describe(self) -> dict:
         return {**self.engine.denoiser.describe(), **self.engine.ctx.describe()}
 
-    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress=None):
-        self.engine.ctx.broadcast_object(("denoise", steps))
-        return self.engine.denoise(noise, masked_latents, mask_latents, steps, progress)
+    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress=None, schedule: str | None = None):
+        self.engine.ctx.broadcast_object(("denoise", steps, schedule))
+        return self.engine.denoise(noise, masked_latents, mask_latents, steps, progress, schedule=schedule)
 
 
 def _root_vae(engine: ParallelEngine):

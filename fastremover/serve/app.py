@@ -45,7 +45,8 @@ log = logging.getLogger("fastremover.serve")
 
 STATIC_DIR = Path(__file__).parent / "static"
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # plus /static/*: the page holds no data
-OPTION_FIELDS = {"steps": int, "seed": int, "dilate": int, "window": int, "overlap": int, "size": str, "crop": str}
+OPTION_FIELDS = {"steps": int, "seed": int, "dilate": int, "window": int, "overlap": int, "size": str, "crop": str,
+                 "schedule": str}
 COMPAT_FIELDS = ("model", "prompt", "seconds")  # accepted for client compatibility, recorded, not used
 INPUT_FIELDS = ("input_reference", "mask")
 BOX_FIELDS = ("box", "box_frame")  # instead of a mask: boxes around the object on one frame (fastremover.masktools)
@@ -374,7 +375,7 @@ def parse_options(fields: dict) -> RunOptions:
 def options_dict(options: RunOptions) -> dict:
     return {"steps": options.steps, "seed": options.seed, "dilate": options.dilate, "size": options.size,
             "composite": options.composite, "window": options.window, "overlap": options.overlap,
-            "crop": options.crop}
+            "crop": options.crop, "schedule": options.schedule}
 
 
 def result_headers(row: VideoRow) -> dict[str, str]:
