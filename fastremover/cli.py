@@ -89,15 +89,20 @@ class _Bars:
 # OpenCV, and building the parser should stay light); tests/test_windows.py checks they agree.
 CROP_CHOICES = ["auto", "on", "off"]
 DEFAULT_WINDOW = 81
+MODEL_HELP = ("classic (weightless fill, default when omitted) | random (preset config, random weights) | PATH to a "
+              "MiniMax-Remover checkpoint folder with transformer/ vae/ scheduler/ | ORG/NAME[@REVISION] on the Hugging "
+              "Face Hub, e.g. zibojia/minimax-remover (read from the local Hugging Face cache; downloaded into it when "
+              "missing unless HF_HUB_OFFLINE=1; see `fastremover download`)")
+
+
+def _add_schedule_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", choices=["minimax-remover", "diffusers"], default="minimax-remover",
+                   help="UniPC flow schedule: minimax-remover (diffusers 0.33.1's, the released pipeline's; default) | "
+                   "diffusers (diffusers 0.37 and later)")
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
-    p.add_argument(
-        "--model",
-        default=default_model,
-        help="classic (weightless fill, default when omitted) | random (preset config, random weights) | PATH to a "
-        "MiniMax-Remover checkpoint folder with transformer/ vae/ scheduler/",
-    )
+    p.add_argument("--model", default=default_model, help=MODEL_HELP)
     p.add_argument("--preset", default="minimax-remover", help="config for --model random: minimax-remover | tiny")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights for --model random")
     p.add_argument("--steps", type=int, default=12, help="denoising steps (default 12)")
@@ -113,6 +118,15 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
     _add_vae_precision_arg(p)
     _add_attention_arg(p)
     p.add_argument("--no-composite", action="store_true", help="keep the model's pixels outside the mask too")
+    _add_schedule_arg(p)
+    p.add_argument("--rounding", choices=["round", "truncate"], default="round",
+                   help="decoded pixels to 8 bits: round (default) | truncate (the released pipeline's export)")
+    p.add_argument("--frame-tail", choices=["keep", "drop"], default="keep",
+                   help="a clip of 4k+2 to 4k+4 frames: keep every frame (default) | drop the last 1-3 (the released "
+                   "pipeline's VAE drops them)")
+    p.add_argument("--upstream-compatible", action="store_true",
+                   help="reproduce the released MiniMax-Remover pipeline: --schedule minimax-remover --rounding "
+                   "truncate --frame-tail drop --no-composite --crop off (docs/upstream.md)")
     _add_window_args(p)
     p.add_argument("--crop", choices=CROP_CHOICES, default="auto",
                    help="run the model on a box around the mask: auto (when the box is under half the frame, default) "
@@ -196,7 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, default_model=None)
     add_box_args(p)
 
-    sub.add_parser("info", help="versions, device, and which fast paths are available")
+    sub.add_parser("info", help="versions, device, which fast paths are available, and the cached Hub models")
+
+    p = sub.add_parser("download", help="fetch a model from the Hugging Face Hub into the local cache ahead of time")
+    p.add_argument("model", help="ORG/NAME[@REVISION] (a branch, tag or commit; default main), e.g. "
+                   "zibojia/minimax-remover: only its transformer/, vae/ and scheduler/ configs and weights")
+    p.add_argument("--force", action="store_true", help="fetch every file again, even those already cached")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
     p = sub.add_parser("bench", help="time the upstream-style reference and engine modes side by side (same process)")
     src = p.add_mutually_exclusive_group()
@@ -249,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
     p.add_argument("--model", default=default_model, required=default_model is None,
-                   help="random (preset config, random weights) or PATH to a MiniMax-Remover checkpoint folder")
+                   help="random (preset config, random weights), PATH to a MiniMax-Remover checkpoint folder, or "
+                   "ORG/NAME[@REVISION] on the Hugging Face Hub (as for remove)")
     p.add_argument("--preset", default="minimax-remover", help="config for --model random")
     p.add_argument("--weights-seed", type=int, default=0)
     p.add_argument("--modes", default="eager", help="comma-separated engine modes to compare: eager,exact,fast")
@@ -258,6 +279,7 @@ def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> 
     p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--no-flops", action="store_true", help="skip counting the VAE's FLOPs (an extra VAE pass)")
+    _add_schedule_arg(p)
     _add_vae_precision_arg(p)
     _add_attention_arg(p)
     # The fidelity comparison always runs in one window (the reference has no windows); clips longer than --window
@@ -296,12 +318,15 @@ def _model_spec(args):
 
 def _options_from_args(args):
     """RunOptions from the flags, validated: bad flags fail before any file is read or model loaded."""
-    from fastremover.options import RunOptions
+    from fastremover.options import RunOptions, upstream_compatible
 
     options = RunOptions(
         steps=args.steps, seed=args.seed, dilate=args.dilate, size=args.size, composite=not args.no_composite,
-        window=args.window, overlap=args.overlap, crop=args.crop,
+        window=args.window, overlap=args.overlap, crop=args.crop, schedule=args.schedule, rounding=args.rounding,
+        frame_tail=args.frame_tail,
     )
+    if args.upstream_compatible:
+        options = upstream_compatible(options)
     options.validate()
     return options
 
@@ -437,14 +462,15 @@ def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> l
     if unknown or not modes:
         raise FastRemoverError(f"--modes {args.modes!r}: choose from {list(MODES)}")
     crop = getattr(args, "crop", None)  # bench only
-    RunOptions(window=args.window, overlap=args.overlap, crop=crop or "off").validate()  # before loading the model
+    # before loading the model
+    RunOptions(window=args.window, overlap=args.overlap, crop=crop or "off", schedule=args.schedule).validate()
     config = engine_config(args)
     models = load_models(args.model, args.preset, args.weights_seed)
     return compare(models, inputs, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
                    hash_repeats=hash_repeats, device=config.device, precision=config.precision,
                    count_flops=not args.no_flops, window=args.window, overlap=args.overlap, crop=crop,
                    vae_precision=config.vae.precision, attention=config.attention.backend, on_result=on_result,
-                   nvfp4_rows=getattr(args, "nvfp4_fidelity", False))
+                   nvfp4_rows=getattr(args, "nvfp4_fidelity", False), schedule=args.schedule)
 
 
 def cmd_bench(args) -> int:
@@ -555,6 +581,15 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_download(args) -> int:
+    from fastremover.models.hub import download_model
+
+    resolved = download_model(args.model, progress=not args.quiet, force=args.force)
+    print(f"{resolved.repo_id}@{resolved.revision} is in the cache: {resolved.path}")
+    print(f"run it: fastremover remove VIDEO --mask MASK -o OUT --model {args.model}")
+    return 0
+
+
 def cmd_info(args) -> int:
     from fastremover.info import collect_info, format_info
 
@@ -567,7 +602,8 @@ def cmd_info(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench, "verify": cmd_verify,
+    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "download": cmd_download,
+                "bench": cmd_bench, "verify": cmd_verify,
                 "mask": cmd_mask, "serve": cmd_serve, "batch": cmd_batch, "h3-decode": cmd_h3_decode}
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None

@@ -29,6 +29,7 @@ def collect_info() -> dict:
         "safetensors": _version("safetensors"),
         "triton": _version("triton"),
         "diffusers (reference only)": _version("diffusers"),
+        "huggingface_hub (the hub extra)": _version("huggingface_hub"),
     }
     gpus = []
     if torch.cuda.is_available():
@@ -49,6 +50,9 @@ def collect_info() -> dict:
     info["vae weights (released config), --weights nvfp4"] = [format_vae_memory_estimate(
         vae_conv_memory_estimate(WanVAEConfig()))]
     info["vae"] = _vae_paths(torch.device("cuda" if gpus else "cpu"))
+    from fastremover.models.hub import cache_lines
+
+    info["Hugging Face cache (--model ORG/NAME)"] = cache_lines()
     return info
 
 

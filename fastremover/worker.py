@@ -32,7 +32,7 @@ DEFAULT_MAX_DECODED_GIB = 4.0
 class ModelSpec:
     """Which model a worker loads and how it runs (RemovalPipeline.from_model's arguments)."""
 
-    model: str = "classic"  # "classic", "random" (preset config, random weights) or a checkpoint folder
+    model: str = "classic"  # "classic", "random" (preset config, random weights), a checkpoint folder or ORG/NAME[@REV]
     preset: str = "minimax-remover"
     weights_seed: int = 0
     device: str | None = None
@@ -47,11 +47,9 @@ class ModelSpec:
         validate_device(self.device)
         if self.precision not in (None, "fp16", "bf16", "fp32"):
             raise FastRemoverError(f"--precision {self.precision!r}: choose fp16, bf16 or fp32")
-        if self.model != "classic" and self.model != "random" and not Path(self.model).expanduser().is_dir():
-            raise FastRemoverError(
-                f"--model {self.model}: not 'classic', 'random' or an existing checkpoint folder "
-                "(with transformer/ vae/ scheduler/)"
-            )
+        from fastremover.models.hub import check_model
+
+        check_model(self.model)  # a folder that exists, or a Hub id cached (or downloadable when the model loads)
 
 
 @dataclass(frozen=True)

@@ -395,7 +395,7 @@ def test_model_that_cannot_load_stops_the_batch(tmp_path):
     with pytest.raises(FastRemoverError, match="unknown preset"):
         run_batch(plan, ModelSpec(model="random", preset="no-such-preset"), Runner(slots=(None,)))
     # In the worker processes (a checkpoint folder that is not there: refused before torch is imported there).
-    with pytest.raises(FastRemoverError, match="not 'classic', 'random' or an existing checkpoint folder"):
+    with pytest.raises(FastRemoverError, match="no-checkpoint: does not exist"):
         run_batch(plan, ModelSpec(model=str(tmp_path / "no-checkpoint")), Runner(slots=(None, None)))
 
 

@@ -4,7 +4,8 @@ A MiniMax-Remover checkpoint directory holds three folders:
     transformer/ config.json, diffusion_pytorch_model.safetensors (or *-0000N-of-0000M.safetensors + *.index.json)
     vae/         the same for the Wan VAE (diffusers `AutoencoderKLWan`)
     scheduler/   scheduler_config.json
-Nothing here downloads anything: a checkpoint is a local directory.
+`load_models` takes any --model string: fastremover.models.hub.resolve_model (the one place a model string becomes a
+checkpoint folder) turns a Hugging Face Hub id into a folder of the local cache, downloading it when allowed.
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ class RemoverModels:
     transformer: RemoverTransformer
     vae: WanVAE
     scheduler_config: dict
-    source: str  # "random:<preset>:<seed>" or the checkpoint path
+    source: str  # "random:<preset>:<seed>", the checkpoint path, or for a Hub model "ORG/NAME@<commit>"
+    repo_id: str | None = None  # a Hub model's id
+    revision: str | None = None  # a Hub model's commit (the snapshot that was loaded)
 
 
 def _check_checkpoint_dir(root: Path) -> None:
@@ -216,8 +219,19 @@ def save_checkpoint(models: RemoverModels, path: str | os.PathLike) -> Path:
     return root
 
 
-def load_models(model: str, preset: str = "minimax-remover", seed: int = 0) -> RemoverModels:
-    """`model` is "random" (preset config, random weights) or a checkpoint folder path."""
-    if model == "random":
+def load_models(model: str, preset: str = "minimax-remover", seed: int = 0, *, download: bool = True,
+                progress: bool = True) -> RemoverModels:
+    """`model` is "random" (preset config, random weights), a checkpoint folder path or a Hugging Face Hub id
+    ORG/NAME[@REVISION] (fastremover.models.hub.resolve_model: the local cache first, else downloaded when `download`
+    and not HF_HUB_OFFLINE)."""
+    from fastremover.models.hub import resolve_model
+
+    resolved = resolve_model(model, download=download, progress=progress)
+    if resolved.kind == "random":
         return random_models(preset, seed)
-    return load_checkpoint(model)
+    if resolved.kind == "classic":
+        raise FastRemoverError("--model classic has no weights to load (RemovalPipeline.from_model runs it)")
+    models = load_checkpoint(resolved.path)
+    if resolved.kind == "hub":
+        models.source, models.repo_id, models.revision = resolved.source, resolved.repo_id, resolved.revision
+    return models

@@ -21,7 +21,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the HTTP removal service (OpenAI-style /v1/videos API + a web page)")
     p.add_argument("--model", default="classic",
                    help="classic (weightless, default) | random (preset config, random weights) | PATH to a "
-                   "MiniMax-Remover checkpoint folder")
+                   "MiniMax-Remover checkpoint folder | ORG/NAME[@REVISION] on the Hugging Face Hub (as for remove)")
     p.add_argument("--preset", default="minimax-remover", help="config for --model random: minimax-remover | tiny")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights for --model random")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: one worker per GPU, else the CPU)")
