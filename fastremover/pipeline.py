@@ -263,7 +263,8 @@ class RemovalPipeline:
         force_w4a4: bool = False,
         config: EngineConfig | None = None,
     ) -> "RemovalPipeline":
-        """`model`: "classic" (no weights), "random" (preset config, deterministic random weights) or a checkpoint dir."""
+        """`model`: "classic" (no weights), "random" (preset config, deterministic random weights), a checkpoint dir
+        or a Hugging Face Hub id "ORG/NAME[@REVISION]" (fastremover.models.hub: the local cache, else downloaded)."""
         models = None if model == "classic" else load_models(model, preset, weights_seed)
         return cls(models, device=device, precision=precision, mode=mode, attention=attention,
                    vae_precision=vae_precision, weights=weights, force_w4a4=force_w4a4, config=config)
