@@ -62,6 +62,7 @@ class ModelRef:
     path: Path | None = None  # folder
     repo_id: str | None = None  # hub
     revision: str | None = None  # hub: as asked (None: the default branch)
+    explicit: bool = False  # hub: named as one (hf: prefix, `fastremover download`), never a folder
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def parse_model(model: str) -> ModelRef:
                                "zibojia/minimax-remover)")
     if "@" in text and (not _REVISION.fullmatch(revision) or ".." in revision):
         raise FastRemoverError(f"--model {model}: {revision!r} is not a revision (a branch, a tag or a commit)")
-    return ModelRef("hub", model, repo_id=repo_id, revision=revision or None)
+    return ModelRef("hub", model, repo_id=repo_id, revision=revision or None, explicit=explicit)
 
 
 def resolve_model(model: str, *, download: bool = True, progress: bool = True) -> ResolvedModel:
@@ -147,9 +148,13 @@ def check_model(model: str) -> ResolvedModel | None:
 def download_model(model: str, *, progress: bool = True, force: bool = False) -> ResolvedModel:
     """`fastremover download`: ask the Hub for the revision's commit and fetch what the cache lacks of it (all of
     it with `force`). With HF_HUB_OFFLINE=1 a complete cached snapshot is returned as it is."""
-    ref = parse_model(model if model.startswith(HUB_PREFIX) else HUB_PREFIX + model)
-    ref = ModelRef(ref.kind, model, repo_id=ref.repo_id, revision=ref.revision)
-    hub = _hub(model)
+    try:
+        ref = parse_model(model if model.startswith(HUB_PREFIX) else HUB_PREFIX + model)
+    except FastRemoverError:
+        raise FastRemoverError(f"download {model}: not a Hugging Face Hub id; give ORG/NAME[@REVISION], e.g. "
+                               "zibojia/minimax-remover") from None
+    ref = ModelRef("hub", model, repo_id=ref.repo_id, revision=ref.revision, explicit=True)
+    hub = _hub(HUB_PREFIX + model)
     if _offline(hub):
         cached = _cached_snapshot(hub, ref)
         if cached is None:
@@ -286,7 +291,7 @@ def _offline(hub) -> bool:
 def _not_cached_message(hub, ref: ModelRef) -> str:
     name = ref.repo_id + (f"@{ref.revision}" if ref.revision else "")
     why = "HF_HUB_OFFLINE=1 forbids downloading it" if _offline(hub) else "downloads are off here"
-    folder = "" if ref.text.startswith(HUB_PREFIX) else " (nor a folder here)"
+    folder = "" if ref.explicit else " (nor a folder here)"
     return (f"--model {ref.text}: not in the local Hugging Face cache ({cache_dir()}){folder} and {why}; run `fastremover "
             f"download {name}` where the Hub can be reached (or point HF_HOME at a cache that holds it)")
 
@@ -432,7 +437,7 @@ def _hub_error(hub, ref: ModelRef, e: BaseException) -> FastRemoverError:
 
     label = f"--model {ref.text}"
     if isinstance(e, (utils.RepositoryNotFoundError, utils.GatedRepoError)):
-        folder = "" if ref.text.startswith(HUB_PREFIX) else "no such folder here, and "
+        folder = "" if ref.explicit else "no such folder here, and "
         return FastRemoverError(f"{label}: {folder}no model {ref.repo_id} on the Hub ({_endpoint()}), or "
                                 "it is private or gated (log in with `hf auth login`)")
     if isinstance(e, utils.RevisionNotFoundError):
