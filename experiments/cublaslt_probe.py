@@ -13,7 +13,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 from fastremover.fast import cublaslt
 
 FP8 = torch.float8_e4m3fn

@@ -20,7 +20,7 @@ import cudnn
 
 from fastremover.fast.cudnn_sdpa import _build, _dtype  # graph build (all plans: the survey), dtype map
 from fastremover.timing import cuda_time_ms
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 
 FP8 = torch.float8_e4m3fn
 

@@ -23,7 +23,7 @@ import triton.testing
 
 from fastremover.fast.kernels import adaln, qk_norm_rope, quant
 from fastremover.fast.kernels._common import interpreting, launch_options, row_segments
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 
 D, FFN, HEADS = 1536, 8960, 12
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 from fastremover.fast.kernels._common import interpreting, launch_options, quantize_fp8
 from fastremover.fast.kernels.gemm_fp8 import TensorDescriptor, _tile_coords  # TensorDescriptor: None on old Triton
 from fastremover.fast.kernels.quant import gelu_tanh_f32_device, quant_fp8_static, quant_fp8_weight

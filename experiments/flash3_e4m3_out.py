@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # profile_step lives in tools/
 from profile_step import capture
 from fastremover.ops.attention.quantize import quantize_qkv

@@ -22,7 +22,7 @@ import triton.testing
 
 from fastremover.fast.kernels._common import launch_options, load_f32, quantize_fp8
 from fastremover.fast.kernels.quant import GELU_BETA, GELU_KAPPA, MINUS_TWO_LOG2E, gelu_tanh_f32_device
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 
 
 

@@ -17,7 +17,7 @@ import triton.testing
 from fastremover.fast.kernels import adaln, qk_norm_rope, quant
 from fastremover.fast.kernels._common import launch_options, row_segments
 from fastremover.models.transformer import rope_cos_sin
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # profile_step lives in tools/
 from profile_step import capture, real_model, step_latents
 from fastremover.fast.engine import resolve_attention
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     model = real_model()
     backend, _ = resolve_attention("auto", "fast", device)
-    fast = FastTransformer(model, fp8=True, attention=backend)
+    fast = FastTransformer(model, linear_method="fp8-rowwise", attention=backend)
     x = step_latents(model, a.workload, device)
     cond = fast.conditioning(torch.linspace(999, 1, 12, device=device), 1)
     fast.forward_step(x, cond, 0)

@@ -19,7 +19,7 @@ import triton.language as tl
 from fastremover.fast.kernels._common import launch_options, load_f32, round_through, round_to
 from fastremover.fast.kernels.vae_norm import _exp_f32, vae_rms_norm
 from fastremover.timing import cuda_time_ms
-from fastremover.bench.harness import save_experiment
+from _provenance import save_experiment
 
 
 @triton.jit

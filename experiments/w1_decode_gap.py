@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from fastremover.config import EngineConfig, FastVAEOptions
+
 
 def timed(fn, repeats=3):
     walls, cpus = [], []
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
 
     models = random_models("minimax-remover", seed=0)
     inputs = synthetic_inputs(args.workload)
-    pipe = RemovalPipeline(models, device="cuda", precision="fp16", mode=args.mode)
+    pipe = RemovalPipeline(models, EngineConfig(device="cuda", precision="fp16", mode=args.mode))
     options = fidelity_options(inputs, 12, 0)
     pipe.remove(inputs.frames, inputs.mask, options)  # warm-up: compiles, graph capture
     prep = pipe.prepare(inputs.frames, inputs.mask, inputs.size)
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
     if isinstance(vae, FastWanVAE):
         res["vae_decode_frames_setting"] = str(vae.decode_frames)
         for frames in (1, 2, None):
-            other = FastWanVAE(models.vae, device=vae.device, dtype=vae.dtype, decode_frames=frames)
+            other = FastWanVAE(models.vae, device=vae.device, dtype=vae.dtype,
+                               options=FastVAEOptions(decode_frames=frames))
             other.decode(z)
             res[f"vae_decode_frames_{frames}"] = timed(lambda: other.decode(z))
             res[f"vae_decode_frames_{frames}_equal_to_default"] = bool(torch.equal(other.decode(z), vae.decode(z)))

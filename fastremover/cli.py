@@ -1,6 +1,10 @@
-"""`fastremover` command line: a thin layer over `RemovalPipeline` and the media functions.
+"""`fastremover` command line: thin layers over the worker (`remove`, `batch`, `serve`), the pipeline (`demo`), the
+bench harness (`bench`, `verify`) and the mask tools.
 
-User-caused problems (`FastRemoverError`) print one line and exit with code 2; no tracebacks for bad input.
+The model and engine flags of every command come from one definition (fastremover/config.py: add_model_args /
+add_engine_args); a command builds its ModelSource and EngineConfig from them (`model_and_config`). Notes go to the
+package logger, which `main` prints on stderr at the -v / -q level. User-caused problems (`FastRemoverError`) print
+one line and exit with code 2; no tracebacks for bad input.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from fastremover.batch.cli import add_batch_parser, cmd_batch
+from fastremover.config import EngineConfig, ModelSource, add_engine_args, add_model_args, torchrun_env
 from fastremover.errors import FastRemoverError
+from fastremover.h3.cli import add_parser as add_h3_parser, run as cmd_h3_decode
 from fastremover.log import logger, setup_cli, teardown_cli
 from fastremover.masktools.cli import add_box_args, add_mask_parser, box_mask_file, cmd_mask, mask_from_args
+from fastremover.options import FRAME_TAILS, ROUNDINGS, SCHEDULES
 from fastremover.serve.cli import add_serve_parser, cmd_serve
-from fastremover.h3.cli import add_parser as add_h3_parser, run as cmd_h3_decode
+from fastremover.windows import CROP_MODES, DEFAULT_WINDOW
 
 EXIT_USER_ERROR = 2
 # OSErrors a user causes (permissions, missing or too-long paths, a full disk): one line, never a traceback.
@@ -85,43 +92,30 @@ class _Bars:
             bar.close()
 
 
-# = fastremover.windows.CROP_MODES and DEFAULT_WINDOW (literals: importing the package's numerical modules pulls in
-# OpenCV, and building the parser should stay light); tests/test_windows.py checks they agree.
-CROP_CHOICES = ["auto", "on", "off"]
-DEFAULT_WINDOW = 81
-MODEL_HELP = ("classic (weightless fill, default when omitted) | random (preset config, random weights) | PATH to a "
-              "MiniMax-Remover checkpoint folder with transformer/ vae/ scheduler/ | ORG/NAME[@REVISION] on the Hugging "
-              "Face Hub, e.g. zibojia/minimax-remover (read from the local Hugging Face cache; downloaded into it when "
-              "missing unless HF_HUB_OFFLINE=1; see `fastremover download`)")
+CROP_CHOICES = list(CROP_MODES)
+NO_MODEL_NOTE = "no --model given: using the weightless classic remover (pass --model PATH for MiniMax-Remover)"
 
 
 def _add_schedule_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", choices=["minimax-remover", "diffusers"], default="minimax-remover",
+    p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],
                    help="UniPC flow schedule: minimax-remover (diffusers 0.33.1's, the released pipeline's; default) | "
                    "diffusers (diffusers 0.37 and later)")
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
-    p.add_argument("--model", default=default_model, help=MODEL_HELP)
-    p.add_argument("--preset", default="minimax-remover", help="config for --model random: minimax-remover | tiny")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights for --model random")
+    """The model, the engine and the per-request flags of `remove`, `demo` and `batch` (the same definitions)."""
+    add_model_args(p, default=default_model)
     p.add_argument("--steps", type=int, default=12, help="denoising steps (default 12)")
     p.add_argument("--seed", type=int, default=42, help="noise seed (default 42)")
     p.add_argument("--dilate", type=int, default=6, help="mask dilation in pixels, L1 diamond (default 6)")
     p.add_argument("--mask-threshold", type=int, default=20, help="mask pixel values > this (0-255) count as masked")
     p.add_argument("--size", default="native", help="native (pad to multiples of 16, default) or WxH, e.g. 832x480")
-    p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None, help="default fp16 on GPU, fp32 on CPU")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    p.add_argument("--mode", choices=["auto", "eager", "exact", "fast"], default="auto",
-                   help="engine: eager (reference order), exact (fused kernels + CUDA graph, no quantization), fast "
-                   "(exact + FP8 linears + 8-bit attention); auto = exact on a CUDA GPU, eager elsewhere")
-    _add_vae_precision_arg(p)
-    _add_attention_arg(p)
+    add_engine_args(p)
     p.add_argument("--no-composite", action="store_true", help="keep the model's pixels outside the mask too")
     _add_schedule_arg(p)
-    p.add_argument("--rounding", choices=["round", "truncate"], default="round",
+    p.add_argument("--rounding", choices=ROUNDINGS, default=ROUNDINGS[0],
                    help="decoded pixels to 8 bits: round (default) | truncate (the released pipeline's export)")
-    p.add_argument("--frame-tail", choices=["keep", "drop"], default="keep",
+    p.add_argument("--frame-tail", choices=FRAME_TAILS, default=FRAME_TAILS[0],
                    help="a clip of 4k+2 to 4k+4 frames: keep every frame (default) | drop the last 1-3 (the released "
                    "pipeline's VAE drops them)")
     p.add_argument("--upstream-compatible", action="store_true",
@@ -134,32 +128,7 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
     p.add_argument("--max-decoded-gib", type=float, default=4.0,
                    help="host memory for the frames held at a time while streaming (about 15 bytes per pixel x "
                    "(window + 25) frames), not the whole clip (default 4)")
-    p.add_argument("--weights", choices=["dense", "nvfp4", "nvfp4-w4a4"], default="dense",
-                   help="transformer block linears: dense (default) | nvfp4 (4-bit NVFP4 weights, W4A16: ~3.5x less "
-                   "weight memory, no speed-up on Hopper; eager mode) | nvfp4-w4a4 (activations 4-bit too; crops "
-                   "only, see --force-w4a4)")
-    p.add_argument("--force-w4a4", action="store_true",
-                   help="allow --weights nvfp4-w4a4 on full frames (it may collapse)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-
-
-def _add_attention_arg(p: argparse.ArgumentParser) -> None:
-    from fastremover.ops import attention  # the backend registry (light: no torch)
-
-    p.add_argument("--attention", choices=["auto", *attention.names(with_aliases=True)], default="auto",
-                   help="attention backend of modes exact/fast: auto (the highest-priority backend that runs here: "
-                   "exact: flashinfer-fa3, else sdpa; fast: flashattn3-fp8 where it is built, else cudnn-fp8, else "
-                   "sdpa in fp16, with a note saying why) or one explicitly (an error if it cannot run here). "
-                   "flashinfer-fa3 / flashinfer-fa3-fp8: FlashInfer's FA3 Hopper kernels (pip install "
-                   "flashinfer-python); cudnn-fp8: cuDNN's FP8 attention (the cudnn extra); flashattn3-fp8: "
-                   "FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh). Old names fa3, fp8-fa3, "
-                   "fp8, fp8-flash3 work too")
-
-
-def _add_vae_precision_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--vae-precision", choices=["auto", "fp16", "fp8"], default="auto",
-                   help="VAE of modes exact/fast on a GPU (the fast channels-last VAE): auto / fp16 = the model dtype; "
-                   "fp8 = FP8 3x3x3 conv3d (lossy); the eager mode always runs the eager VAE")
 
 
 def _add_window_args(p: argparse.ArgumentParser) -> None:
@@ -186,18 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="output .mp4/.mov/.mkv, a folder for PNG frames, or .png")
     _add_model_args(p, default_model=None)
     add_box_args(p)
-    p.add_argument("--parallel", choices=["none", "ulysses"], default="none",
-                   help="split one clip over several processes: sequence-parallel denoise + parallel VAE "
-                   "(docs/parallel.md)")
-    p.add_argument("--gpus", type=int, default=None,
-                   help="--parallel ulysses: start this many ranks here (rank r on cuda:r; CPU processes with "
-                   "--device cpu); omit under torchrun")
-    p.add_argument("--sp-transport", choices=["fp16", "fp8"], default="fp16",
-                   help="how q/k/v travel between ranks: fp16 (exact) or fp8 (e4m3 + one scale per row and head)")
-    p.add_argument("--sp-head-groups", type=int, default=1,
-                   help="exchange and attend each rank's heads in this many groups (transfers overlap the attention)")
-    p.add_argument("--parallel-timeout", type=float, default=300.0,
-                   help="seconds one collective may wait before the run fails (default 300)")
+    add_engine_args(p, ("parallel",))
     p.add_argument("--resume", action="store_true",
                    help="continue a killed run of this same command from its last finished window (its state is "
                    "kept in .<output>.fastremover-resume beside the output until the run finishes)")
@@ -243,15 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvfp4-fidelity", action="store_true",
                    help="also the NVFP4 fidelity rows (nvfp4, nvfp4+vae, nvfp4-w4a4 on a crop) against the dense "
                    "eager run")
-    p.add_argument("--parallel", type=int, default=None, metavar="N",
+    p.add_argument("--parallel", dest="parallel_ranks", type=int, default=None, metavar="N",
                    help="instead: the denoise loop under Ulysses over N ranks (one per GPU; CPU processes with "
                    "--device cpu) against the one-process loop on rank 0, in one command; JSON "
                    "<workload>-parallel<N>-<mode>-...: world size, transport, speedup, max relative difference, "
                    "exposed communication")
-    p.add_argument("--sp-transport", choices=["fp16", "fp8"], default="fp16",
-                   help="with --parallel: how q/k/v travel between ranks (default fp16: exact)")
-    p.add_argument("--sp-head-groups", type=int, default=1,
-                   help="with --parallel: head groups whose exchange overlaps the previous group's attention")
+    add_engine_args(p, ("parallel",), exclude=("parallel.mode", "parallel.world_size", "parallel.timeout_s"),
+                    help={"parallel.transport": "with --parallel: how q/k/v travel between ranks (default fp16: exact)",
+                          "parallel.head_groups": "with --parallel: head groups whose exchange overlaps the previous "
+                          "group's attention"})
 
     p = sub.add_parser("verify", help="fidelity of the engine modes against the reference on your checkpoint and clip")
     p.add_argument("video")
@@ -268,20 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
-    p.add_argument("--model", default=default_model, required=default_model is None,
+    add_model_args(p, default=default_model, required=default_model is None,
                    help="random (preset config, random weights), PATH to a MiniMax-Remover checkpoint folder, or "
                    "ORG/NAME[@REVISION] on the Hugging Face Hub (as for remove)")
-    p.add_argument("--preset", default="minimax-remover", help="config for --model random")
-    p.add_argument("--weights-seed", type=int, default=0)
     p.add_argument("--modes", default="eager", help="comma-separated engine modes to compare: eager,exact,fast")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None)
-    p.add_argument("--device", default=None)
     p.add_argument("--no-flops", action="store_true", help="skip counting the VAE's FLOPs (an extra VAE pass)")
     _add_schedule_arg(p)
-    _add_vae_precision_arg(p)
-    _add_attention_arg(p)
+    # every engine flag but --mode (--modes lists the modes to compare)
+    add_engine_args(p, exclude=("mode",))
     # The fidelity comparison always runs in one window (the reference has no windows); clips longer than --window
     # get one more, windowed, engine run whose seam metric is reported.
     _add_window_args(p)
@@ -289,31 +243,23 @@ def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> 
 
 def _announce_model(args) -> None:
     if args.model is None:
-        warn("no --model given: using the weightless classic remover (pass --model PATH for MiniMax-Remover)")
+        warn(NO_MODEL_NOTE)
     if (args.device or "").startswith("cpu") and args.precision in ("fp16", "bf16"):
         warn(f"--precision {args.precision} on the CPU is very slow (conv3d); fp32 is recommended there")
 
 
-def engine_config(args):
-    """The EngineConfig of a command: its flags, then the environment's overrides (fastremover/config.py, the one
-    place both are read); a bad value is a FastRemoverError before any file is read or model loaded."""
-    from fastremover.config import EngineConfig
-
-    config = EngineConfig.from_args(args)
+def engine_config(args, **changes):
+    """The EngineConfig of a command: its flags (and `changes`, with_ paths the command sets itself), then the
+    environment's overrides (fastremover/config.py, the one place both are read); a bad value is a FastRemoverError
+    before any file is read or model loaded."""
+    config = EngineConfig.from_args(args, **changes)
     logger.debug("engine config: " + json.dumps(config.describe()))
     return config
 
 
-def _model_spec(args):
-    from fastremover.worker import ModelSpec
-
-    config = engine_config(args)
-    spec = ModelSpec(model=args.model or "classic", preset=args.preset, weights_seed=args.weights_seed,
-                     device=config.device, precision=config.precision, mode=config.mode,
-                     attention=config.attention.backend, vae_precision=config.vae.precision,
-                     weights=config.linears.weights, force_w4a4=config.linears.force_w4a4)
-    spec.validate()
-    return spec
+def model_and_config(args) -> tuple[ModelSource, EngineConfig]:
+    """The model source and the engine config of a command's flags, both checked."""
+    return ModelSource.from_args(args), engine_config(args)
 
 
 def _options_from_args(args):
@@ -342,40 +288,33 @@ def cmd_remove(args) -> int:
     from fastremover.worker import Job, RemovalWorker
 
     options = _options_from_args(args)
-    spec = _model_spec(args)
+    source, config = model_and_config(args)
     if args.mask is None and not (args.box or args.point or args.sam2):
         raise FastRemoverError("give --mask MASK (white = remove) or --box X,Y,W,H around the object")
-    from fastremover.parallel.options import check_parallel_flags
-
-    check_parallel_flags(args.parallel, args.gpus, args.sp_transport, args.sp_head_groups, args.parallel_timeout)
-    if args.parallel != "none" and (args.box or args.point or args.sam2) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    parallel = config.parallel.mode != "none"
+    if parallel and (args.box or args.point or args.sam2) and torchrun_env() is not None:
         raise FastRemoverError("--box under torchrun: make the mask first (fastremover mask ...) and pass --mask")
     with tempfile.TemporaryDirectory(prefix="fastremover-boxmask-") as tmp:
         mask = box_mask_file(args, tmp) or args.mask  # --box: the tracked mask as lossless frames
         job = Job(video=args.video, mask=mask, output=args.output, options=options,
                   mask_threshold=args.mask_threshold, max_decoded_gib=args.max_decoded_gib, resume=args.resume)
-        job.validate()
-        if args.parallel != "none":
-            from fastremover.parallel.launch import run_remove
+        bars = _Bars(enabled=not args.quiet)
+        try:
+            if parallel:
+                from fastremover.parallel.launch import run_remove
 
-            _announce_model(args)
-            bars = _Bars(enabled=not args.quiet)
-            try:
-                result = run_remove(spec, job, gpus=args.gpus, transport=args.sp_transport,
-                                    head_groups=args.sp_head_groups, timeout_s=args.parallel_timeout, progress=bars)
-            finally:
-                bars.close()
-            if result is None:  # a torchrun rank other than 0: rank 0 reports
-                return 0
-        else:
-            worker = RemovalWorker(spec, note=warn)
-            worker.check(job)  # the output path, the inputs and their decoded size: before the model loads
-            _announce_model(args)
-            bars = _Bars(enabled=not args.quiet)
-            try:
-                result = worker.run(job, progress=bars)
-            finally:
-                bars.close()
+                job.validate()  # rank 0 checks the files; the flags fail here, before any rank starts
+                _announce_model(args)
+                result = run_remove(source, config, job, progress=bars)
+                if result is None:  # a torchrun rank other than 0: rank 0 reports
+                    return 0
+            else:
+                worker = RemovalWorker(source, config)
+                target = worker.check(job)  # the output path, the inputs and their decoded size: before the load
+                _announce_model(args)
+                result = worker.run(job, progress=bars, target=target)
+        finally:
+            bars.close()
     print(f"wrote {args.output}: {result.num_frames} frames {result.width}x{result.height} @ {float(result.fps):.3f} "
           f"fps {_run_line(result)}")
     print("timing: " + "  ".join(f"{k} {v:.2f}s" for k, v in result.stages.items()) + f"  | total {result.seconds:.2f}s"
@@ -419,7 +358,7 @@ def cmd_demo(args) -> int:
             raise FastRemoverError(f"{name} {value}: must be between {low} and {high}")
     out = Path(args.output)
     _check_demo_folder(out)
-    worker = RemovalWorker(_model_spec(args), note=warn)
+    worker = RemovalWorker(*model_and_config(args))
     _announce_model(args)
     video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0)
     built = mask_from_args(args, video)  # --box: the tracked mask instead of the true one
@@ -436,8 +375,6 @@ def cmd_demo(args) -> int:
         result = worker.pipeline.remove(video.frames, mask, options, progress=bars)
     finally:
         bars.close()
-    for note in result.notes:
-        warn(note)
     media.write_video(out / "output.mp4", result.frames, video.fps)
     overlay = video.frames.copy()
     overlay[result.mask] = (overlay[result.mask] // 2 + np.array([127, 0, 0], np.uint8)).astype(np.uint8)
@@ -454,8 +391,8 @@ def cmd_demo(args) -> int:
 
 def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> list[dict]:
     from fastremover.bench.harness import compare
-    from fastremover.models.loading import load_models
-    from fastremover.pipeline import MODES, RunOptions
+    from fastremover.config import MODES
+    from fastremover.options import RunOptions
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
@@ -464,12 +401,12 @@ def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> l
     crop = getattr(args, "crop", None)  # bench only
     # before loading the model
     RunOptions(window=args.window, overlap=args.overlap, crop=crop or "off", schedule=args.schedule).validate()
-    config = engine_config(args)
-    models = load_models(args.model, args.preset, args.weights_seed)
-    return compare(models, inputs, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
-                   hash_repeats=hash_repeats, device=config.device, precision=config.precision,
-                   count_flops=not args.no_flops, window=args.window, overlap=args.overlap, crop=crop,
-                   vae_precision=config.vae.precision, attention=config.attention.backend, on_result=on_result,
+    from fastremover.pipeline import load_source
+
+    source, config = model_and_config(args)
+    return compare(load_source(source), inputs, config, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
+                   hash_repeats=hash_repeats, count_flops=not args.no_flops, window=args.window,
+                   overlap=args.overlap, crop=crop, on_result=on_result,
                    nvfp4_rows=getattr(args, "nvfp4_fidelity", False), schedule=args.schedule)
 
 
@@ -485,7 +422,7 @@ def cmd_bench(args) -> int:
         return 0
     from fastremover.bench.harness import file_inputs, format_table, save_results, synthetic_inputs
 
-    if args.parallel is not None:
+    if args.parallel_ranks is not None:
         return _bench_parallel(args)
 
     if args.video:
@@ -520,37 +457,37 @@ def _bench_parallel(args) -> int:
     from fastremover.bench.harness import WORKLOADS, environment, save_results
     from fastremover.parallel.bench import bench_denoise, latent_shape
     from fastremover.parallel.context import check_heads
-    from fastremover.parallel.options import check_parallel_flags
 
+    ranks = args.parallel_ranks
     if args.video:
         raise FastRemoverError("--parallel times the denoise loop on a --workload's shape; not with --video")
     if args.model not in (None, "random"):
         raise FastRemoverError("--parallel runs random weights at --preset (the loop's speed does not depend on them)")
-    if args.parallel < 2:
-        raise FastRemoverError(f"--parallel {args.parallel}: give a world size of at least 2")
-    check_parallel_flags("ulysses", args.parallel, args.sp_transport, args.sp_head_groups, 1800.0)
+    if ranks < 2:
+        raise FastRemoverError(f"--parallel {ranks}: give a world size of at least 2")
+    config = engine_config(args, parallel__mode="ulysses", parallel__world_size=ranks)
     import torch
 
+    from fastremover.fast.engine import resolve_device
     from fastremover.models.loading import PRESETS
 
     if args.preset not in PRESETS:
         raise FastRemoverError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
-    check_heads(PRESETS[args.preset]["transformer"]["num_attention_heads"], args.parallel)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and torch.cuda.device_count() < args.parallel:
-        raise FastRemoverError(f"--parallel {args.parallel}: only {torch.cuda.device_count()} CUDA GPUs are visible "
+    check_heads(PRESETS[args.preset]["transformer"]["num_attention_heads"], ranks)
+    device = resolve_device(config.device)
+    if device.type == "cuda" and torch.cuda.device_count() < ranks:
+        raise FastRemoverError(f"--parallel {ranks}: only {torch.cuda.device_count()} CUDA GPUs are visible "
                                "(--device cpu runs CPU processes)")
     if args.repeats < 1:
         raise FastRemoverError("--repeats must be >= 1 with --parallel")
     frames, height, width = WORKLOADS[args.workload]
     shape = latent_shape(frames, height, width)
-    threads = max(1, (os.cpu_count() or 1) // args.parallel) if device == "cpu" else None
+    threads = max(1, (os.cpu_count() or 1) // ranks) if device.type == "cpu" else None
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     rows = []
     for mode in modes:
-        rec = bench_denoise(args.parallel, preset=args.preset, mode=mode, latent_shape=shape, steps=args.steps,
-                            repeats=args.repeats, device=device, dtype=args.precision,
-                            transport=args.sp_transport, head_groups=args.sp_head_groups, threads=threads)
+        rec = bench_denoise(config.with_(mode=mode), preset=args.preset, latent_shape=shape, steps=args.steps,
+                            repeats=args.repeats, threads=threads)
         rec = {**environment(), "workload": args.workload, "frames": frames, "size": f"{width}x{height}",
                "preset": args.preset, **rec}
         rows.append(rec)

@@ -10,6 +10,9 @@ import torch
 
 import fastremover
 
+# The sub-options tools and tests set (config.TransformerOptions, config.FastVAEOptions): listed once as a group
+LAB_GROUPS = ("transformer.", "vae.fast.")
+
 
 def _version(module: str) -> str | None:
     try:
@@ -38,7 +41,10 @@ def collect_info() -> dict:
             gpus.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
     info["devices"] = gpus or ["cpu only (no CUDA GPU visible)"]
     info["engine config (defaults + environment)"] = _engine_config()
-    info["modes"] = _modes(torch.device("cuda" if gpus else "cpu"))
+    from fastremover.fast.engine import resolve_device
+
+    device = resolve_device(None)
+    info["modes"] = _modes(device)
     from fastremover.fast.nvfp4_linear import format_memory_estimate, nvfp4_memory_estimate
     from fastremover.models.transformer import RemoverTransformerConfig
 
@@ -49,7 +55,7 @@ def collect_info() -> dict:
 
     info["vae weights (released config), --weights nvfp4"] = [format_vae_memory_estimate(
         vae_conv_memory_estimate(WanVAEConfig()))]
-    info["vae"] = _vae_paths(torch.device("cuda" if gpus else "cpu"))
+    info["vae"] = _vae_paths(device)
     from fastremover.models.hub import cache_lines
 
     info["Hugging Face cache (--model ORG/NAME)"] = cache_lines()
@@ -85,10 +91,14 @@ def _engine_config() -> dict[str, str]:
     config, tuning = EngineConfig.from_env().describe(), kernel_tuning().describe()
     out = {}
     for row in option_table():
+        if row["option"].startswith(LAB_GROUPS):
+            continue
         path = row["option"].split(".")
         value = tuning[path[1]] if path[0] == "tuning" else _get(config, path)
         where = ", ".join(x for x in (row["flag"] and "--" + row["flag"].replace("_", "-"), row["env"]) if x)
         out[row["option"]] = f"{value}" + (f"  ({where})" if where else "")
+    for group in LAB_GROUPS:
+        out[group + "*"] = "the defaults (switches tools and tests set; fastremover/config.py)"
     return out
 
 

@@ -1,4 +1,5 @@
-"""Per-request options and their limits, checked before anything is read, loaded or run.
+"""Per-request options (RunOptions) and their limits, checked before anything is read, loaded or run. The engine's
+options (how the model runs) are fastremover/config.py's EngineConfig.
 
 This module imports neither torch nor the media libraries, so a bad flag is reported in well under a second.
 """
@@ -61,9 +62,11 @@ def parse_size(size: str | tuple[int, int] | None) -> tuple[int, int] | None:
     return w, h
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunOptions:
-    """Per-request options of `RemovalPipeline.remove` (and of every layer above it: CLI, service, batch)."""
+    """Per-request options of `RemovalPipeline.remove` (and of every layer above it: CLI, service, batch). Frozen:
+    `validate()` checks an instance once and remembers it (every layer may call it; the checks run once per request);
+    derive variants with `dataclasses.replace`."""
 
     steps: int = 12
     seed: int = 42
@@ -79,8 +82,10 @@ class RunOptions:
     rounding: str = "round"  # decoded pixels to uint8: round | truncate (upstream)
     frame_tail: str = "keep"  # clips of 4k+2..4k+4 frames: keep every frame | drop the last 1-3 (upstream)
 
-    def validate(self) -> None:
-        """FastRemoverError naming the first option out of range; nothing else is touched."""
+    def validate(self) -> "RunOptions":
+        """FastRemoverError naming the first option out of range; nothing else is touched. Returns self."""
+        if self.__dict__.get("_valid"):
+            return self
         _int("--steps", self.steps, 1, MAX_STEPS)
         _int("--seed", self.seed, 0, MAX_SEED)
         _int("--dilate", self.dilate, 0, MAX_DILATE)
@@ -100,6 +105,8 @@ class RunOptions:
                 f"--crop on runs the model at the source resolution; it cannot be combined with --size {self.size} "
                 "(use --size native, or --crop off)"
             )
+        object.__setattr__(self, "_valid", True)  # frozen: the values cannot change after this check
+        return self
 
 
 def upstream_compatible(options: RunOptions) -> RunOptions:
@@ -120,16 +127,3 @@ def upstream_compatible(options: RunOptions) -> RunOptions:
 
 def validate_mask_threshold(threshold) -> int:
     return _int("--mask-threshold", threshold, 0, 255)
-
-
-def validate_device(device: str | None) -> str | None:
-    """None (pick automatically), "cpu", "cuda" or "cuda:N"; anything else is refused here, before torch is
-    imported. Whether a CUDA device exists is checked when the pipeline is built."""
-    if device is None:
-        return None
-    name = str(device).strip().lower()
-    if name in ("cpu", "cuda"):
-        return name
-    if name.startswith("cuda:") and name[5:].isdigit():
-        return name
-    raise FastRemoverError(f"--device {device!r}: choose cpu, cuda or cuda:N (e.g. cuda:1)")

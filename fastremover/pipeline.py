@@ -1,4 +1,9 @@
-"""RemovalPipeline: the one object the CLI, the Python API and the server call.
+"""RemovalPipeline: the one object the CLI, the Python API, the service and batch runs call, and its request loop.
+
+One request loop: `remove_stream` runs a clip's windows (`WindowScheduler`) and emits the output frames as they are
+final; `remove` collects them for a clip held in memory. The modules come from the engine's build
+(fastremover/fast/engine.py), which turns an EngineConfig into a denoiser and a VideoVAE; this file has no device or
+mode branches.
 
 Data path (upstream MiniMax-Remover order, REFERENCE §1, per window):
     frames uint8 + mask bool (media io)
@@ -22,7 +27,6 @@ A clip of at most one window, without a crop, takes exactly the single-pass path
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,22 +37,23 @@ import torch
 import torch.nn.functional as F
 
 from fastremover.classic import classic_remove
+from fastremover.config import EngineConfig, ModelSource, ResolvedEngine
 from fastremover.errors import FastRemoverError
+from fastremover.fast.engine import build
+from fastremover.log import logger
 from fastremover.masks import composite, dilate_masks
-from fastremover.config import AttentionOptions, EngineConfig, LinearOptions, ResolvedEngine, VAEOptions
-from fastremover.fast.engine import MODES, build  # noqa: F401  (MODES: re-exported for the CLI)
-from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
 from fastremover.models.loading import RemoverModels, load_models
+from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
 from fastremover.schedulers import DEFAULT_SCHEDULE
 from fastremover.timing import StageTimer
 from fastremover.windows import (
+    STREAM_PREFETCH,
     Box,
     Window,
     ceil_4k1,
     choose_crop,
-    STREAM_PREFETCH,
-    default_overlap,
     crossfade_weights,
+    default_overlap,
     plan_windows,
     usable_window_length,
 )
@@ -56,13 +61,20 @@ from fastremover.windows import (
 if TYPE_CHECKING:
     from fastremover.stream import ResumeStore
 
-PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-WEIGHTS = ("dense", "nvfp4", "nvfp4-w4a4")
 # A crop's output is pasted back with a ramp up to this wide inside the mask: the model saw less of the scene, so its
 # colours may drift a little from the surroundings (see crop_feather for the cap).
 CROP_FEATHER = 4
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def load_source(source: ModelSource) -> RemoverModels | None:
+    """The models of a source (fp32 on the CPU; None for the classic remover), checked first: the one place a model
+    name becomes modules (`models.loading.load_models` turns a name into a checkpoint folder or random weights)."""
+    source.validate()
+    if source.kind == "classic":
+        return None
+    return load_models(source.name, source.preset, source.weights_seed)
 
 
 def crop_feather(dilate: int) -> int:
@@ -83,10 +95,6 @@ def stream_prefetch(options: RunOptions, model: bool) -> int:
     overlap = default_overlap(options.window) if options.overlap is None else options.overlap
     new = max(1, usable - overlap)
     return new if model else min(STREAM_PREFETCH, new)
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -135,6 +143,10 @@ class StreamResult:
     all_masked: bool = True
     # seconds the window loop spent inside `emit` (with an ordered writer behind it: the write time it did not hide)
     emit_s: float = 0.0
+    # with `keep`, for a clip of one window: see RemovalResult
+    generated: np.ndarray | None = None
+    latents: torch.Tensor | None = None
+    pixels: torch.Tensor | None = None
 
 
 @dataclass
@@ -172,12 +184,6 @@ def _pad_frames_4k1(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x[:, :, -1:].expand(-1, -1, target - f, -1, -1)], dim=2)
 
 
-def _to_uint8(x: torch.Tensor, rounding: str = "round") -> np.ndarray:
-    """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3], rounded (or with rounding="truncate" truncated, as the released
-    pipeline's export does: (x * 0.5 + 0.5).clamp(0, 1) in x's dtype, then float32 * 255 cast to uint8)."""
-    return _to_uint8_async(x, rounding).result()
-
-
 class _HostFrames:
     """uint8 [F,H,W,3] frames on their way to the host: `result()` waits for the copy and returns them as a numpy
     array of their own (not pinned memory, which goes back to torch's host cache for the next chunk)."""
@@ -200,7 +206,9 @@ class _HostFrames:
 
 
 def _to_uint8_async(x: torch.Tensor, rounding: str = "round") -> _HostFrames:
-    """`_to_uint8` with the device -> host copy left running (same ops, so the same bytes)."""
+    """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3], rounded (or with rounding="truncate" truncated, as the released
+    pipeline's export does: (x * 0.5 + 0.5).clamp(0, 1) in x's dtype, then float32 * 255 cast to uint8), with the
+    device -> host copy left running (`.result()` gives the frames)."""
     if rounding == "truncate":
         y = ((x[0] * 0.5 + 0.5).clamp(0, 1).float() * 255).floor().to(torch.uint8)
     else:
@@ -209,73 +217,47 @@ def _to_uint8_async(x: torch.Tensor, rounding: str = "round") -> _HostFrames:
 
 
 class RemovalPipeline:
-    """Object removal with MiniMax-Remover (or the weightless classic fill), one instance per loaded model."""
+    """Object removal with MiniMax-Remover (or the weightless classic fill), one instance per loaded model.
 
-    def __init__(
-        self,
-        models: RemoverModels | None,
-        *,
-        device: str | None = None,
-        precision: str | None = None,
-        mode: str = "auto",
-        attention: str = "auto",
-        vae_precision: str = "auto",
-        weights: str = "dense",
-        force_w4a4: bool = False,
-        config: EngineConfig | None = None,
-    ):
-        """config: the engine's input (fastremover/config.py); without it one is built from the keyword arguments and
-        the environment's overrides (`EngineConfig.with_env`). weights (config.linears.weights): the transformer block
-        linears as stored: "dense", "nvfp4" (packed 4-bit weights, W4A16) or "nvfp4-w4a4" (activations quantized too;
-        refused on full-frame windows unless force_w4a4). NVFP4 runs in the eager mode (the fused transformer reads
-        dense weights): an explicit exact / fast mode is an error. `self.config` is the ResolvedEngine: what runs."""
-        if config is None:
-            config = EngineConfig(device=device, precision=precision, mode=mode, attention=AttentionOptions(attention),
-                                  linears=LinearOptions(weights=weights, force_w4a4=force_w4a4),
-                                  vae=VAEOptions(vae_precision)).with_env()
-        self.engine_config = config
-        self.weights, self.force_w4a4 = config.linears.weights, config.linears.force_w4a4
-        self.device = torch.device(config.device or default_device())
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise FastRemoverError("--device cuda: no CUDA GPU is available here; use --device cpu")
-        precision = config.precision or ("fp16" if self.device.type == "cuda" else "fp32")
-        self.dtype = PRECISIONS[precision]
+    Build it from a model source and an engine config (both from fastremover/config.py):
+
+        RemovalPipeline.from_model("random", preset="tiny", config=EngineConfig(mode="exact"))
+        RemovalPipeline.from_model(ModelSource("/path/to/minimax-remover"), config=EngineConfig(device="cuda:1"))
+        RemovalPipeline(models, EngineConfig(device="cpu"))     # models already loaded (None: the classic fill)
+
+    Without a config, the defaults with the environment's overrides (`EngineConfig.from_env`). `self.config` is the
+    ResolvedEngine (what runs), `self.plan` the engine's plan. `parallel`: this process's ParallelContext when it is
+    one rank of a sequence-parallel run (the engine's build makes the parallel denoiser and VAE; ranks other than 0
+    call `follow()`)."""
+
+    def __init__(self, models: RemoverModels | None, config: EngineConfig | None = None, *, parallel=None):
+        self.engine_config = config if config is not None else EngineConfig.from_env()
         self.models = models
         self.closed = False
-        engine = build(models, config, self.device, self.dtype, precision)
-        self.denoiser = engine.denoiser
-        self.vae = engine.vae  # a VideoVAE: the eager one or a FastWanVAE, chosen with the mode (engine.build)
-        self.config: ResolvedEngine = engine.resolved
+        self.engine = build(models, self.engine_config, parallel)
+        self.plan = self.engine.plan
+        self.device, self.dtype = self.plan.device, self.plan.dtype
+        self.denoiser = self.engine.denoiser
+        self.vae = self.engine.vae  # a VideoVAE: the eager one or a FastWanVAE, chosen with the mode (engine.build)
+        self.config: ResolvedEngine = self.engine.resolved
 
     @classmethod
-    def from_model(
-        cls,
-        model: str = "classic",
-        *,
-        preset: str = "minimax-remover",
-        weights_seed: int = 0,
-        device: str | None = None,
-        precision: str | None = None,
-        mode: str = "auto",
-        attention: str = "auto",
-        vae_precision: str = "auto",
-        weights: str = "dense",
-        force_w4a4: bool = False,
-        config: EngineConfig | None = None,
-    ) -> "RemovalPipeline":
-        """`model`: "classic" (no weights), "random" (preset config, deterministic random weights), a checkpoint dir
-        or a Hugging Face Hub id "ORG/NAME[@REVISION]" (fastremover.models.hub: the local cache, else downloaded)."""
-        models = None if model == "classic" else load_models(model, preset, weights_seed)
-        return cls(models, device=device, precision=precision, mode=mode, attention=attention,
-                   vae_precision=vae_precision, weights=weights, force_w4a4=force_w4a4, config=config)
+    def from_model(cls, model: ModelSource | str = "classic", *, preset: str | None = None,
+                   weights_seed: int | None = None, config: EngineConfig | None = None,
+                   parallel=None) -> "RemovalPipeline":
+        """`model`: a ModelSource, or its name - "classic" (no weights), "random" (the `preset` config with
+        deterministic random weights from `weights_seed`), a checkpoint folder or a Hugging Face Hub id
+        "ORG/NAME[@REVISION]" (fastremover.models.hub: the local cache, else downloaded)."""
+        return cls(load_source(ModelSource.of(model, preset=preset, weights_seed=weights_seed)), config,
+                   parallel=parallel)
 
-    def _begin(self, options: RunOptions | None, timer: StageTimer | None):
-        """A request's validated options, its explicit size (None for native) and its timer."""
-        if self.closed:
-            raise RuntimeError("this RemovalPipeline was closed; build a new one")
-        options = options or RunOptions()
-        options.validate()
-        return options, parse_size(options.size), timer or StageTimer(self.device)
+    def follow(self) -> None:
+        """A rank other than 0 of a parallel run: run the stages rank 0's requests announce, until it stops."""
+        self.engine.follow()
+
+    def stop(self) -> None:
+        """Rank 0 of a parallel run: release the other ranks' `follow()` (nothing in one process)."""
+        self.engine.stop()
 
     def close(self) -> None:
         """Release the models, the denoiser's captured graphs and the GPU memory they hold. The pipeline cannot run
@@ -391,68 +373,38 @@ class RemovalPipeline:
     ) -> RemovalResult:
         """Remove the masked object. frames: uint8 [F,H,W,3]; mask: bool [F,H,W] (undilated), same F, H, W.
 
-        Any F: the clip is processed in overlapping windows of `options.window` frames (one window if it is not
-        longer), each on the whole frame or on a crop around the mask (`options.crop`); `result.windows` says which.
-        progress(stage, done, total) is called with "window" (0 first, then after each window) and "denoise" (after
-        each step of each window).
-        keep_pixels: also return the decoded video at the run size before cropping/compositing (for fidelity checks;
-        single full-frame window only).
+        The frames `remove_stream` emits for this clip, collected (the one request loop): any F, in overlapping
+        windows of `options.window` frames (one window if it is not longer), each on the whole frame or on a crop
+        around the mask (`options.crop`); `result.windows` says which. progress(stage, done, total) is called with
+        "window" (0 first, then after each window), "denoise" (after each step of each window), the VAE's stages and
+        "frames". For a clip of one window the result also holds the model's output before compositing
+        (`generated`) and, for a full-frame window, the final latents; keep_pixels: also the decoded video at the run
+        size before cropping/compositing (for fidelity checks).
         """
-        options, size, timer = self._begin(options, timer)
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise FastRemoverError(f"frames must be uint8 [F,H,W,3], got {frames.dtype} {list(frames.shape)}")
         if mask.shape != frames.shape[:3]:
             raise FastRemoverError(f"mask shape {list(mask.shape)} does not match the video {list(frames.shape[:3])}")
-        notes: list[str] = []
-        if options.frame_tail == "drop" and usable_window_length(len(frames)) < len(frames):
-            kept = usable_window_length(len(frames))
-            notes.append(_dropped_tail_note(len(frames) - kept))
-            frames, mask = frames[:kept], mask[:kept]
+        out = np.empty_like(frames)
+        dilated = np.empty(frames.shape[:3], bool)
+        count = 0
 
-        with timer.stage("preprocess"):
-            dilated = dilate_masks(mask.astype(bool), options.dilate)
-        if not dilated.any():
-            notes.append("the mask is empty: nothing to remove, the output is the input")
-            return RemovalResult(frames=frames.copy(), mask=dilated, timer=timer, notes=notes)
-        if dilated.all():
-            notes.append("the mask covers every pixel: the whole video is regenerated, nothing of the input is kept")
+        def collect_mask(frame_mask: np.ndarray) -> None:
+            dilated[count] = frame_mask  # (called just before its frame goes to `collect`)
 
-        windows = plan_windows(len(frames), options.window, options.overlap)
-        if len(windows) > 1 and usable_window_length(options.window) != options.window:
-            notes.append(f"--window {options.window}: using {usable_window_length(options.window)} frames per window "
-                         "(the VAE works in 4k+1 frames)")
-        # An explicit --size resizes the whole frame: a crop would be a different geometry, so auto means off then.
-        crop_mode = "off" if size is not None else options.crop
+        def collect(frame: np.ndarray) -> None:
+            nonlocal count
+            out[count] = frame
+            count += 1
 
-        out = frames.copy()  # the output, written window by window
-        runs: list[WindowRun] = []
-        generated = latents = pixels = None  # set for a single window only (see RemovalResult)
-        if progress:
-            progress("window", 0, len(windows))
-        for index, win in enumerate(windows):
-            span = slice(win.start, win.stop)
-            # Latents and decoded pixels describe the whole clip only for one full-frame window.
-            run, filled = self._run_window(out[span], frames[span], dilated[span], win, options, timer, progress,
-                                           crop_mode=crop_mode, clip_all_masked=bool(dilated.all()),
-                                           keep_whole=len(windows) == 1, keep_pixels=keep_pixels)
-            runs.append(run)
-            if filled is not None and len(windows) == 1:
-                generated, latents, pixels = filled.frames, filled.latents, filled.pixels
-            if progress:
-                progress("window", index + 1, len(windows))
-
-        ran_model = self.models is not None and any(run.ran for run in runs)
-        return RemovalResult(
-            frames=out,
-            mask=dilated,
-            generated=generated if ran_model else None,
-            latents=latents,
-            pixels=pixels,
-            timer=timer,
-            ran_model=ran_model,
-            notes=notes,
-            windows=runs,
-        )
+        result = self.remove_stream(zip(frames, mask), collect, options, progress=progress, timer=timer,
+                                    total_frames=len(frames), emit_mask=collect_mask, keep=True,
+                                    keep_pixels=keep_pixels, prefetch=0)
+        assert count == result.num_frames, (count, result.num_frames)  # fewer than len(frames): frame_tail drop
+        return RemovalResult(frames=out[:count], mask=dilated[:count],
+                             generated=result.generated if result.ran_model else None, latents=result.latents,
+                             pixels=result.pixels, timer=result.timer, ran_model=result.ran_model,
+                             notes=result.notes, windows=result.windows)
 
     def remove_stream(
         self,
@@ -466,17 +418,22 @@ class RemovalPipeline:
         total_frames: int = 0,
         prefetch: int | None = None,
         trace: Trace | None = None,
+        emit_mask: Callable[[np.ndarray], None] | None = None,
+        keep: bool = False,
+        keep_pixels: bool = False,
     ) -> "StreamResult":
-        """`remove` for a clip that arrives frame by frame, in memory bounded by one window.
+        """The request loop: remove the masked object from a clip that arrives frame by frame, in memory bounded by
+        one window (`remove` collects what this emits; the CLI, the service and batch runs stream files through it).
 
         pairs: (frame uint8 [H,W,3], mask bool [H,W] undilated) in order (e.g. `stream.open_clip(...).pairs`).
         emit(frame): called once per output frame, in order, as soon as no later window can change it (the frames
-        a window shares with the next one wait for its cross-fade). The frames are the ones `remove` returns for the
-        stacked clip, bit for bit. The last window's frames are emitted as its VAE decode produces them (per latent
-        frame, after their composite and cross-fade), so an encoder behind `emit` works while the rest decodes.
-        The input is read, and the masks thresholded and dilated, in a background thread up to `prefetch` frames
+        a window shares with the next one wait for its cross-fade). The last window's frames are emitted as its VAE
+        decode produces them (per latent frame, after their composite and cross-fade), so an encoder behind `emit`
+        works while the rest decodes. emit_mask(mask): each frame's dilated mask, just before its frame is emitted.
+        The input is read, and the masks checked and dilated, in a background thread up to `prefetch` frames
         ahead; default: with a model, one window's new frames (`stream_prefetch`), so the next window's input is
-        decoded and preprocessed while the current one runs; the classic fill, at most STREAM_PREFETCH.
+        decoded and preprocessed while the current one runs; the classic fill, at most STREAM_PREFETCH; 0: no thread
+        (the frames are read as the windows need them).
         trace(event, index): see `Trace` (tests and profiling).
 
         store: a `stream.ResumeStore`: each finished window of a clip of more than one window is saved in it, and
@@ -484,169 +441,18 @@ class RemovalPipeline:
         total_frames: the clip's length if known (for progress only; 0 = unknown). progress gets "window" (done,
         windows planned from total_frames, at least done) and "frames" (frames handed to `emit`, total_frames; 0 when
         unknown or exceeded).
+        keep: for a clip of one window, keep the model's output before compositing (`generated`) and, for a
+        full-frame window, its latents (and with keep_pixels its decoded pixels) in the result.
         """
-        from fastremover.stream import Prefetch, fingerprint_frames
-        from fastremover.windows import next_window, window_lookahead
-
-        options, size, timer = self._begin(options, timer)
-        crop_mode = "off" if size is not None else options.crop
-        usable = usable_window_length(options.window)
+        if self.closed:
+            raise RuntimeError("this RemovalPipeline was closed; build a new one")
+        options = options or RunOptions()
+        options.validate()
+        scheduler = WindowScheduler(self, options, emit, timer=timer or StageTimer(self.device), progress=progress,
+                                    store=store, total_frames=total_frames, trace=trace, emit_mask=emit_mask,
+                                    keep=keep, keep_pixels=keep_pixels)
         depth = stream_prefetch(options, self.models is not None) if prefetch is None else prefetch
-
-        tail = _DropTail(pairs) if options.frame_tail == "drop" else None
-
-        def prepared():
-            for i, (frame, mask) in enumerate(tail if tail is not None else pairs):
-                if frame.ndim != 3 or frame.shape[-1] != 3 or frame.dtype != np.uint8:
-                    raise FastRemoverError(f"frames must be uint8 [H,W,3], got {frame.dtype} {list(frame.shape)}")
-                if mask.shape != frame.shape[:2]:
-                    raise FastRemoverError(f"mask shape {list(mask.shape)} does not match the frame "
-                                           f"{list(frame.shape[:2])}")
-                item = frame, dilate_masks(np.asarray(mask, bool)[None], options.dilate)[0]
-                if trace is not None:
-                    trace("read", i)
-                yield item
-
-        # Frames [base, base + len(inputs)) of the clip: input, dilated mask, output so far (None: the input).
-        inputs: list[np.ndarray] = []
-        masks: list[np.ndarray] = []
-        outs: list[np.ndarray | None] = []
-        base = 0
-        ended = False
-        result = StreamResult(timer=timer)
-        source = Prefetch(prepared(), depth, name="fastremover-read")
-
-        def fill(count: int) -> None:
-            nonlocal ended
-            while not ended and base + len(inputs) < count:
-                t = time.perf_counter()
-                item = next(source, None)  # waits only when decoding is behind the windows
-                timer.wall_s["read"] = timer.wall_s.get("read", 0.0) + time.perf_counter() - t
-                if item is None:
-                    ended = True
-                    break
-                frame, dilated = item
-                if inputs and frame.shape != inputs[0].shape:
-                    raise FastRemoverError("the video changes resolution mid-stream; re-encode it at one resolution")
-                inputs.append(frame)
-                masks.append(dilated)
-                outs.append(None)
-                result.any_masked |= bool(dilated.any())
-                result.all_masked &= bool(dilated.all())
-
-        emitted = 0  # frames [0, emitted) of the clip went to `emit`
-
-        def hand_out(frame: np.ndarray) -> None:
-            nonlocal emitted
-            t = time.perf_counter()
-            emit(frame)
-            result.emit_s += time.perf_counter() - t
-            if trace is not None:
-                trace("emit", emitted)
-            emitted += 1
-            if progress:  # total 0: unknown (no count in the container, or the count was short)
-                progress("frames", emitted, total_frames if total_frames >= emitted else 0)
-
-        def emit_final(window_out: np.ndarray, first: int, start: int, count: int) -> None:
-            """Frames [start, start + count) of the last window (clip frames first + ...) are final: emit them."""
-            for j in range(start, start + count):
-                if first + j >= emitted:
-                    hand_out(window_out[j])
-
-        def release(upto: int) -> None:
-            nonlocal base
-            while base < upto:
-                out = outs.pop(0)
-                frame = inputs.pop(0)
-                masks.pop(0)
-                if base >= emitted:  # (the last window's frames went out as they were decoded)
-                    hand_out(frame if out is None else out)
-                base += 1
-
-        planned = len(plan_windows(total_frames, options.window, options.overlap)) if total_frames > 0 else 0
-        if progress:
-            progress("window", 0, planned)
-        try:
-            prev: Window | None = None
-            finished = 0
-            index = 0
-            while True:
-                fill(window_lookahead(prev, options.window, options.overlap))
-                win = next_window(prev, base + len(inputs), ended, options.window, options.overlap)
-                if win is None:
-                    break
-                if index == 0:
-                    single = ended and win.stop == base + len(inputs)
-                    result.height, result.width = inputs[0].shape[:2]
-                    if store is not None:
-                        if single:  # nothing to resume in a run of one window
-                            store.clear()
-                            store = None
-                        else:
-                            first = fingerprint_frames(inputs[:4] + masks[:4])
-                            finished = store.start(first)
-                            if store.note:
-                                result.notes.append(store.note)
-                            if finished:
-                                result.notes.append(f"--resume: continued after {finished} finished windows (their "
-                                                    "output rebuilt from the saved state)")
-                    if not single and usable != options.window:
-                        result.notes.append(f"--window {options.window}: using {usable} frames per window "
-                                            "(the VAE works in 4k+1 frames)")
-                release(win.start)
-                span = slice(win.start - base, win.stop - base)
-                frames_w = np.stack(inputs[span])
-                dilated_w = np.stack(masks[span])
-                # The buffers now hold views of the stacks, so each frame is in memory once, not twice.
-                inputs[span], masks[span] = list(frames_w), list(dilated_w)
-                out_w = np.stack([f if o is None else o for f, o in zip(inputs[span], outs[span])])
-                if index < finished:  # a resumed run: this window's output is in the store
-                    record = store.windows[index]
-                    if (record["start"], record["stop"], record["overlap"]) != (win.start, win.stop, win.overlap):
-                        raise RuntimeError(f"saved window {index} is {record}, the plan {win}")
-                    out_w = store.load(index, frames_w)
-                    box = tuple(record["box"]) if record["box"] is not None else None
-                    run_hw = tuple(record["run_hw"]) if record["run_hw"] is not None else None
-                    run = WindowRun(win.start, win.stop, win.overlap, box, run_hw, record["ran"])
-                else:
-                    # Whether the whole clip is masked is known only at its end; until then, "every frame so far".
-                    clip_all_masked = result.all_masked and ended
-                    # The last window: no later window changes its frames, so each goes out as soon as it is
-                    # composited and cross-faded (frames before win.start went out in release above).
-                    last = ended and win.stop == base + len(inputs)
-                    run, _ = self._run_window(out_w, frames_w, dilated_w, win, options, timer, progress,
-                                              crop_mode=crop_mode, clip_all_masked=clip_all_masked,
-                                              on_final=partial(emit_final, out_w, win.start) if last else None,
-                                              trace=trace, index=index)
-                    if store is not None:
-                        store.save(index, {"start": win.start, "stop": win.stop, "overlap": win.overlap,
-                                           "box": run.box, "run_hw": run.run_hw, "ran": run.ran}, out_w, frames_w)
-                # Per frame: None where the output is the input, else its own copy (views would keep the whole
-                # window's array alive as long as any of its frames waits for the next window). Frames already
-                # emitted (the last window's, as they were decoded) are never read again: nothing to keep.
-                outs[span] = [None if win.start + j < emitted or np.array_equal(o, f) else o.copy()
-                              for j, (o, f) in enumerate(zip(out_w, frames_w))]
-                del out_w, frames_w, dilated_w
-                result.windows.append(run)
-                index += 1
-                prev = win
-                if progress:
-                    progress("window", index, max(index, planned))
-            release(base + len(inputs))
-        finally:
-            source.close()
-        assert emitted == base, (emitted, base)
-        if tail is not None and tail.dropped:
-            result.notes.append(_dropped_tail_note(tail.dropped))
-        result.num_frames = base
-        result.resumed_windows = finished
-        result.ran_model = self.models is not None and any(run.ran for run in result.windows)
-        if not result.any_masked:
-            result.notes.append("the mask is empty: nothing to remove, the output is the input")
-        elif result.all_masked:
-            result.notes.append("the mask covers every pixel: the whole video is regenerated, nothing of the input "
-                                "is kept")
-        return result
+        return scheduler.run(pairs, depth)
 
     def _run_window(
         self,
@@ -688,12 +494,10 @@ class RemovalPipeline:
             window_mask[: win.overlap] = False
             # The box only needs to hold what is still to be generated (the shared frames are known already).
             box = choose_crop(window_mask, crop_mode)
-        if self.weights == "nvfp4-w4a4" and box is None and window_mask.any() and not self.force_w4a4:
-            from fastremover.fast.nvfp4_linear import check_w4a4_allowed
-
-            check_w4a4_allowed(crop_active=False, force=False)  # FastRemoverError: full frames collapse (FlashRT)
         if not window_mask.any():  # nothing new to remove: `out` already holds the input / previous output
             return WindowRun(win.start, win.stop, win.overlap, None, None, ran=False), None
+        if self.models is not None:
+            self.plan.check_window(full_frame=box is None)  # the engine's rule (NVFP4 W4A4 refuses full frames)
         if self.models is None and window_mask.all() and not clip_all_masked:
             raise FastRemoverError(
                 f"frames {win.start}..{win.stop - 1} are masked entirely: the classic remover has nothing to "
@@ -858,13 +662,6 @@ class _Filled:
     pixels: torch.Tensor | None = None
 
 
-def _write_window(clip: np.ndarray, window_frames: np.ndarray, win: Window) -> None:
-    """Write one window's frames into the whole clip. The frames it shares with the previous window are cross-faded
-    linearly from what `clip` holds there (the previous window's output) to the new frames, so neither window's
-    content switches abruptly."""
-    _write_frames(clip[win.start : win.stop], window_frames, 0, win.overlap)
-
-
 def _write_frames(window: np.ndarray, frames: np.ndarray, start: int, overlap: int) -> None:
     """Write frames [start, start + k) of a window into `window` (the clip's frames of that window): frames before
     `overlap` (shared with the previous window) are cross-faded from what `window` holds there, the rest copied."""
@@ -879,5 +676,215 @@ def _write_frames(window: np.ndarray, frames: np.ndarray, start: int, overlap: i
             window[i] = frame
 
 
-def warn(message: str) -> None:
-    print(f"fastremover: {message}", file=sys.stderr)
+class WindowScheduler:
+    """One request's window loop (`RemovalPipeline.remove_stream`; `remove` collects what it emits).
+
+    The clip arrives frame by frame. The scheduler reads ahead as far as the next window needs
+    (`windows.window_lookahead`), plans that window from the frames it has (`windows.next_window`: the same windows
+    `windows.plan_windows` gives for the whole clip), runs it (`RemovalPipeline._run_window`), and hands each output
+    frame to `emit` as soon as no later window can change it. It holds the frames [base, base + len(inputs)) of the
+    clip - inputs, dilated masks and outputs so far (None: the output is the input) - so memory is bounded by one
+    window plus the read-ahead, whatever the clip's length."""
+
+    def __init__(self, pipe: "RemovalPipeline", options: RunOptions, emit: Callable[[np.ndarray], None], *,
+                 timer: StageTimer, progress: Progress | None = None, store: "ResumeStore | None" = None,
+                 total_frames: int = 0, trace: "Trace | None" = None,
+                 emit_mask: Callable[[np.ndarray], None] | None = None, keep: bool = False, keep_pixels: bool = False):
+        self.pipe, self.options, self.emit, self.emit_mask = pipe, options, emit, emit_mask
+        self.timer, self.progress, self.store, self.trace = timer, progress, store, trace
+        self.total_frames, self.keep, self.keep_pixels = total_frames, keep, keep_pixels
+        # An explicit --size resizes the whole frame: a crop would be a different geometry, so auto means off then.
+        self.crop_mode = "off" if parse_size(options.size) is not None else options.crop
+        self.inputs: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.outs: list[np.ndarray | None] = []
+        self.base = 0  # the clip's index of inputs[0]
+        self.ended = False  # the source has no more frames
+        self.emitted = 0  # frames [0, emitted) of the clip went to `emit`
+        self.single = False  # the clip is one window (known once the first window is planned)
+        self.result = StreamResult(timer=timer)
+        self.tail: _DropTail | None = None  # frame_tail "drop": the released pipeline keeps the largest 4k+1 prefix
+        if options.frame_tail == "drop" and total_frames > 0:
+            self.total_frames = usable_window_length(total_frames)
+
+    # -- input -------------------------------------------------------------------------------------------------------
+
+    def _prepared(self, pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(frame, dilated mask) per input pair, each checked (run in the read-ahead thread); with frame_tail "drop"
+        without the last 1-3 pairs of a clip that is not 4k+1 long (`self.tail` counts them)."""
+        for i, (frame, mask) in enumerate(pairs if self.tail is None else self.tail):
+            if frame.ndim != 3 or frame.shape[-1] != 3 or frame.dtype != np.uint8:
+                raise FastRemoverError(f"frames must be uint8 [H,W,3], got {frame.dtype} {list(frame.shape)}")
+            if mask.shape != frame.shape[:2]:
+                raise FastRemoverError(f"mask shape {list(mask.shape)} does not match the frame "
+                                       f"{list(frame.shape[:2])}")
+            item = frame, dilate_masks(np.asarray(mask, bool)[None], self.options.dilate)[0]
+            if self.trace is not None:
+                self.trace("read", i)
+            yield item
+
+    def _fill(self, source: Iterator, count: int) -> None:
+        """Read until the clip's frames [0, count) are held (or the source ends)."""
+        timer, result = self.timer, self.result
+        while not self.ended and self.base + len(self.inputs) < count:
+            t = time.perf_counter()
+            item = next(source, None)  # waits only when decoding is behind the windows
+            timer.wall_s["read"] = timer.wall_s.get("read", 0.0) + time.perf_counter() - t
+            if item is None:
+                self.ended = True
+                break
+            frame, dilated = item
+            if self.inputs and frame.shape != self.inputs[0].shape:
+                raise FastRemoverError("the video changes resolution mid-stream; re-encode it at one resolution")
+            self.inputs.append(frame)
+            self.masks.append(dilated)
+            self.outs.append(None)
+            result.any_masked |= bool(dilated.any())
+            result.all_masked &= bool(dilated.all())
+
+    # -- output ------------------------------------------------------------------------------------------------------
+
+    def _hand_out(self, frame: np.ndarray, mask: np.ndarray) -> None:
+        t = time.perf_counter()
+        if self.emit_mask is not None:
+            self.emit_mask(mask)
+        self.emit(frame)
+        self.result.emit_s += time.perf_counter() - t
+        if self.trace is not None:
+            self.trace("emit", self.emitted)
+        self.emitted += 1
+        if self.progress:  # total 0: unknown (no count in the container, or the count was short)
+            total = self.total_frames
+            self.progress("frames", self.emitted, total if total >= self.emitted else 0)
+
+    def _emit_final(self, window_out: np.ndarray, first: int, start: int, count: int) -> None:
+        """Frames [start, start + count) of the last window (clip frames first + ...) are final: emit them."""
+        for j in range(start, start + count):
+            if first + j >= self.emitted:
+                self._hand_out(window_out[j], self.masks[first + j - self.base])
+
+    def _release(self, upto: int) -> None:
+        """Frames before `upto` are final: emit those not emitted yet and drop them."""
+        while self.base < upto:
+            out, frame, mask = self.outs.pop(0), self.inputs.pop(0), self.masks.pop(0)
+            if self.base >= self.emitted:  # (the last window's frames went out as they were decoded)
+                self._hand_out(frame if out is None else out, mask)
+            self.base += 1
+
+    # -- the loop ----------------------------------------------------------------------------------------------------
+
+    def _first_window(self, win: Window) -> int:
+        """What the first window decides for the whole request (the geometry, the resume store, notes); returns the
+        windows a resumed run finished before."""
+        result, options = self.result, self.options
+        self.single = self.ended and win.stop == self.base + len(self.inputs)
+        result.height, result.width = self.inputs[0].shape[:2]
+        finished = 0
+        if self.store is not None:
+            if self.single:  # nothing to resume in a run of one window
+                self.store.clear()
+                self.store = None
+            else:
+                from fastremover.stream import fingerprint_frames
+
+                finished = self.store.start(fingerprint_frames(self.inputs[:4] + self.masks[:4]))
+                if self.store.note:
+                    self._note(self.store.note)
+                if finished:
+                    self._note(f"--resume: continued after {finished} finished windows (their output rebuilt from "
+                               "the saved state)")
+        usable = usable_window_length(options.window)
+        if not self.single and usable != options.window:
+            self._note(f"--window {options.window}: using {usable} frames per window (the VAE works in 4k+1 frames)")
+        return finished
+
+    def _note(self, message: str) -> None:
+        """A note for the user: logged now, and kept in the result."""
+        logger.warning(message)
+        self.result.notes.append(message)
+
+    def _window(self, index: int, win: Window, finished: int) -> WindowRun:
+        """Run (or, resumed, rebuild) one window; its frames' outputs go back into `outs`."""
+        pipe, result, store = self.pipe, self.result, self.store
+        span = slice(win.start - self.base, win.stop - self.base)
+        frames_w = np.stack(self.inputs[span])
+        dilated_w = np.stack(self.masks[span])
+        # The buffers now hold views of the stacks, so each frame is in memory once, not twice.
+        self.inputs[span], self.masks[span] = list(frames_w), list(dilated_w)
+        out_w = np.stack([f if o is None else o for f, o in zip(self.inputs[span], self.outs[span])])
+        if index < finished:  # a resumed run: this window's output is in the store
+            record = store.windows[index]
+            if (record["start"], record["stop"], record["overlap"]) != (win.start, win.stop, win.overlap):
+                raise RuntimeError(f"saved window {index} is {record}, the plan {win}")
+            out_w = store.load(index, frames_w)
+            box = tuple(record["box"]) if record["box"] is not None else None
+            run_hw = tuple(record["run_hw"]) if record["run_hw"] is not None else None
+            run = WindowRun(win.start, win.stop, win.overlap, box, run_hw, record["ran"])
+        else:
+            # Whether the whole clip is masked is known only at its end; until then, "every frame so far".
+            clip_all_masked = result.all_masked and self.ended
+            # The last window: no later window changes its frames, so each goes out as soon as it is composited
+            # and cross-faded (frames before win.start went out in _release).
+            last = self.ended and win.stop == self.base + len(self.inputs)
+            run, filled = pipe._run_window(
+                out_w, frames_w, dilated_w, win, self.options, self.timer, self.progress, crop_mode=self.crop_mode,
+                clip_all_masked=clip_all_masked, keep_whole=self.keep and self.single,
+                keep_pixels=self.keep_pixels, on_final=partial(self._emit_final, out_w, win.start) if last else None,
+                trace=self.trace, index=index)
+            if filled is not None and self.keep and self.single:
+                result.generated, result.latents, result.pixels = filled.frames, filled.latents, filled.pixels
+            if store is not None:
+                store.save(index, {"start": win.start, "stop": win.stop, "overlap": win.overlap, "box": run.box,
+                                   "run_hw": run.run_hw, "ran": run.ran}, out_w, frames_w)
+        # Per frame: None where the output is the input, else its own copy (views would keep the whole window's array
+        # alive as long as any of its frames waits for the next window). Frames already emitted (the last window's,
+        # as they were decoded) are never read again: nothing to keep.
+        self.outs[span] = [None if win.start + j < self.emitted or np.array_equal(o, f) else o.copy()
+                           for j, (o, f) in enumerate(zip(out_w, frames_w))]
+        return run
+
+    def run(self, pairs: Iterable[tuple[np.ndarray, np.ndarray]], prefetch: int) -> StreamResult:
+        """Read `pairs` (ahead by `prefetch` frames in a background thread; 0: as needed), run every window, emit
+        every frame; returns the StreamResult."""
+        from fastremover.stream import Prefetch
+        from fastremover.windows import next_window, window_lookahead
+
+        options, result, progress = self.options, self.result, self.progress
+        if options.frame_tail == "drop":
+            self.tail = _DropTail(pairs)
+        prepared = self._prepared(pairs)
+        source = Prefetch(prepared, prefetch, name="fastremover-read") if prefetch > 0 else prepared
+        total = self.total_frames
+        planned = len(plan_windows(total, options.window, options.overlap)) if total > 0 else 0
+        if progress:
+            progress("window", 0, planned)
+        finished = index = 0
+        prev: Window | None = None
+        try:
+            while True:
+                self._fill(source, window_lookahead(prev, options.window, options.overlap))
+                win = next_window(prev, self.base + len(self.inputs), self.ended, options.window, options.overlap)
+                if win is None:
+                    break
+                if index == 0:
+                    finished = self._first_window(win)
+                self._release(win.start)
+                result.windows.append(self._window(index, win, finished))
+                index += 1
+                prev = win
+                if progress:
+                    progress("window", index, max(index, planned))
+            self._release(self.base + len(self.inputs))
+        finally:
+            source.close()
+        assert self.emitted == self.base, (self.emitted, self.base)
+        if self.tail is not None and self.tail.dropped:
+            self._note(_dropped_tail_note(self.tail.dropped))
+        result.num_frames = self.base
+        result.resumed_windows = finished
+        result.ran_model = self.pipe.models is not None and any(run.ran for run in result.windows)
+        if not result.any_masked:
+            self._note("the mask is empty: nothing to remove, the output is the input")
+        elif result.all_masked:
+            self._note("the mask covers every pixel: the whole video is regenerated, nothing of the input is kept")
+        return result

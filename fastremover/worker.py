@@ -1,7 +1,10 @@
 """The one worker: a loaded pipeline that runs file jobs (video + mask in, one output file or folder out).
 
-The CLI's `remove`, the HTTP service and batch runs are thin layers over `RemovalWorker.run`, so every check of the
-inputs and the output, the decoded-size budget, the atomic write and the audio copy live in one place.
+A worker is a model source and an engine config (fastremover/config.py) plus the pipeline it builds from them on
+first use. The CLI's `remove`, the HTTP service and batch runs (local processes and Ray actors) are thin layers over
+`RemovalWorker.run`, so every check of the inputs and the output, the decoded-size budget, the atomic write and the
+audio copy live in one place; the frames stream through `RemovalPipeline.remove_stream`, the one request loop.
+Notes (engine fallbacks, doubts about the inputs) go to the package logger as they arise, and into the JobResult.
 
 Thread safety: a worker (and the pipeline it owns) serves one job at a time; give each thread or process its own.
 """
@@ -18,38 +21,15 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.errors import FastRemoverError
-from fastremover.options import RunOptions, validate_device, validate_mask_threshold
+from fastremover.log import logger
+from fastremover.options import RunOptions, validate_mask_threshold
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as RemovalPipeline.remove reports it
-Note = Callable[[str], None]
 
 #: Default limit on the host memory of the frames a job holds at a time while streaming (streaming_bytes), in GiB.
 DEFAULT_MAX_DECODED_GIB = 4.0
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model a worker loads and how it runs (RemovalPipeline.from_model's arguments)."""
-
-    model: str = "classic"  # "classic", "random" (preset config, random weights), a checkpoint folder or ORG/NAME[@REV]
-    preset: str = "minimax-remover"
-    weights_seed: int = 0
-    device: str | None = None
-    precision: str | None = None
-    mode: str = "auto"
-    attention: str = "auto"
-    vae_precision: str = "auto"
-    weights: str = "dense"  # dense | nvfp4 | nvfp4-w4a4 (RemovalPipeline's `weights`)
-    force_w4a4: bool = False
-
-    def validate(self) -> None:
-        validate_device(self.device)
-        if self.precision not in (None, "fp16", "bf16", "fp32"):
-            raise FastRemoverError(f"--precision {self.precision!r}: choose fp16, bf16 or fp32")
-        from fastremover.models.hub import check_model
-
-        check_model(self.model)  # a folder that exists, or a Hub id cached (or downloadable when the model loads)
 
 
 @dataclass(frozen=True)
@@ -89,33 +69,27 @@ class JobResult:
 
 
 class RemovalWorker:
-    """Owns one `RemovalPipeline` (built on first use) and runs `Job`s through it, one at a time."""
+    """Owns one `RemovalPipeline` (built on first use from `source` and `config`) and runs `Job`s through it, one at
+    a time. `pipeline`: an already built one (the source and config then only describe it)."""
 
-    def __init__(self, spec: ModelSpec | None = None, *, pipeline=None, note: Note | None = None):
-        self.spec = spec or ModelSpec()
-        self.spec.validate()
+    def __init__(self, source: ModelSource | None = None, config: EngineConfig | None = None, *, pipeline=None):
+        self.source = source or ModelSource()
+        self.source.validate()
+        self.config = config if config is not None else EngineConfig.from_env()
         self._pipeline = pipeline
-        self._note = note or (lambda message: None)
 
     @property
     def pipeline(self):
         if self._pipeline is None:
             from fastremover.pipeline import RemovalPipeline
 
-            s = self.spec
-            self._pipeline = RemovalPipeline.from_model(
-                s.model, preset=s.preset, weights_seed=s.weights_seed, device=s.device, precision=s.precision,
-                mode=s.mode, attention=s.attention, vae_precision=s.vae_precision, weights=s.weights,
-                force_w4a4=s.force_w4a4,
-            )
-            for message in self._pipeline.config.notes:
-                self._note(message)
+            self._pipeline = RemovalPipeline.from_model(self.source, config=self.config)
         return self._pipeline
 
     def check(self, job: Job):
         """Every check that needs no decoding: options, the output path against the inputs, the inputs' existence,
         and the memory the frames held while streaming need (:func:`streaming_bytes`) against the budget. Returns
-        the output target. Raises FastRemoverError."""
+        the output target (hand it to `run` to skip the checks there). Raises FastRemoverError."""
         from fastremover.outputs import check_inputs, check_output
 
         job.validate()
@@ -123,7 +97,7 @@ class RemovalWorker:
         # The clip streams through the windows: its length does not matter, only what one window holds.
         probe = check_inputs(job.video, job.mask)
         target.check_frames(probe.num_frames)
-        model = self.spec.model != "classic"
+        model = self.source.kind != "classic"
         needed = streaming_bytes(probe.num_frames, probe.height, probe.width, job.options, model)
         if needed > job.max_decoded_gib * 2**30:
             held = streaming_frames(probe.num_frames, job.options, model)
@@ -135,15 +109,16 @@ class RemovalWorker:
             )
         return target
 
-    def run(self, job: Job, progress: Progress | None = None) -> JobResult:
+    def run(self, job: Job, progress: Progress | None = None, *, target=None) -> JobResult:
         """Run one job, streaming: frames are decoded as the windows need them and written (by one encoder thread)
         as soon as they are final, so memory does not grow with the clip's length. The output appears atomically
         at the end. Every multi-window run keeps a resume store beside the output (`stream.ResumeStore`) until it
-        finishes; `job.resume` continues from it, otherwise it is cleared first."""
+        finishes; `job.resume` continues from it, otherwise it is cleared first. `target`: what `check(job)`
+        returned when the caller checked the job already (else it is checked here)."""
         from fastremover import media, stream
 
         start = time.perf_counter()
-        target = self.check(job)
+        target = target if target is not None else self.check(job)
         pipe = self.pipeline  # load the model only after the cheap checks passed
         t0 = time.perf_counter()
         clip = stream.open_clip(job.video, job.mask, threshold=job.mask_threshold)
@@ -152,7 +127,7 @@ class RemovalWorker:
             raise FastRemoverError(f"video {job.video} contains no frames; give one with at least one frame")
         notes = media.swapped_inputs_warnings(job.video, first[0][None], job.mask)
         for message in notes:
-            self._note(message)
+            logger.warning(message)
         read_s = time.perf_counter() - t0
         pairs = itertools.chain([first], clip.pairs)
 
@@ -172,8 +147,6 @@ class RemovalWorker:
             writer.abandon()  # no output appears; the resume store stays for --resume
             raise
         store.clear()  # finished: nothing to resume
-        for message in result.notes:
-            self._note(message)
         stages = {"read": read_s + result.timer.wall_s.pop("read", 0.0), **result.timer.wall_s, "write": exposed,
                   "write_overlapped": max(0.0, writer.busy_s - exposed)}
         return JobResult(
@@ -190,7 +163,7 @@ class RemovalWorker:
         engine = {k: v for k, v in pipe.config.describe().items() if k != "notes"}
         return {"video": str(Path(job.video).resolve()), "video_file": file_identity(job.video),
                 "mask": str(Path(job.mask).resolve()), "mask_file": file_identity(job.mask),
-                "options": asdict(job.options), "mask_threshold": job.mask_threshold, "model": asdict(self.spec),
+                "options": asdict(job.options), "mask_threshold": job.mask_threshold, "model": self.source.describe(),
                 "engine": engine, "output": str(Path(job.output).resolve())}
 
     def close(self) -> None:

@@ -21,31 +21,11 @@ from fastremover.batch import Runner, plan_batch, run_batch
 from fastremover.batch.cli import EXIT_CLIPS_FAILED, main as batch_main, pick_slots
 from fastremover.batch.driver import dispatch_order
 from fastremover.batch.plan import IMAGE_ENDINGS, RECORDS_DIR, VIDEO_ENDINGS
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.errors import FastRemoverError
 from fastremover.options import RunOptions
-from fastremover.worker import Job, ModelSpec, RemovalWorker
-
-CLIPS = 12
-HEIGHT, WIDTH, OBJECT = 48, 64, 0.15  # tiny clips: the test's time goes to starting workers, not to removing
-
-
-def synthetic(frames: int, seed: int):
-    return media.synthetic_clip(frames, HEIGHT, WIDTH, seed=seed, object_fraction=OBJECT)
-
-
-def frames_of(i: int) -> int:
-    return (5, 9, 13)[i % 3]
-
-
-def make_clips(root: Path, count: int = CLIPS) -> tuple[Path, Path]:
-    """``count`` clips clip00.mp4 ... in root/in and their masks (same names) in root/masks."""
-    inputs, masks = root / "in", root / "masks"
-    for i in range(count):
-        video, mask = synthetic(frames_of(i), seed=i)
-        name = f"clip{i:02d}.mp4"
-        media.write_video(inputs / name, video.frames, video.fps)
-        media.write_video(masks / name, np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
-    return inputs, masks
+from fastremover.worker import Job, RemovalWorker
+from helpers import CLIPS, frames_of, make_clips, synthetic
 
 
 def read_report(out: Path) -> list[dict]:
@@ -258,7 +238,7 @@ def clips(tmp_path_factory) -> tuple[Path, Path, dict[str, bytes]]:
 
     root = tmp_path_factory.mktemp("clips")
     inputs, masks = make_clips(root)
-    worker = RemovalWorker(ModelSpec())
+    worker = RemovalWorker()
     expected = {}
     for i in range(CLIPS):
         name = f"clip{i:02d}.mp4"
@@ -359,7 +339,7 @@ def test_mismatched_mask_and_missing_mask_are_per_clip_failures(tmp_path):
     (masks / "clip02.mp4").unlink()
     out = tmp_path / "out"
     lines = []
-    summary = run_batch(plan_batch(inputs, out, masks=masks), ModelSpec(), on_line=lines.append)
+    summary = run_batch(plan_batch(inputs, out, masks=masks), ModelSource(), on_line=lines.append)
     assert not summary.all_succeeded and summary.counts == {"ok": 1, "failed": 2, "skipped": 0}
     status = {line["clip"]: line for line in lines}
     assert "7 frames but the video has 5" in status["clip00"]["error"]
@@ -383,7 +363,7 @@ def test_a_bug_on_one_clip_is_recorded_with_its_traceback(clips, tmp_path):
 
     inputs, masks, _ = clips
     task = plan_batch(inputs, tmp_path / "out", masks=masks).tasks[0]
-    entry = run_clip(RemovalWorker(ModelSpec(), pipeline=BrokenPipeline()), task)
+    entry = run_clip(RemovalWorker(pipeline=BrokenPipeline()), task)
     assert (entry["status"], entry["error"]) == ("failed", "internal error: ValueError: boom")
     assert "Traceback" in entry["traceback"] and "boom" in entry["traceback"]
     assert not Path(task.job.output).exists()
@@ -393,10 +373,10 @@ def test_model_that_cannot_load_stops_the_batch(tmp_path):
     inputs, masks = make_clips(tmp_path, count=1)
     plan = plan_batch(inputs, tmp_path / "out", masks=masks)
     with pytest.raises(FastRemoverError, match="unknown preset"):
-        run_batch(plan, ModelSpec(model="random", preset="no-such-preset"), Runner(slots=(None,)))
+        run_batch(plan, ModelSource("random", preset="no-such-preset"), runner=Runner(slots=(None,)))
     # In the worker processes (a checkpoint folder that is not there: refused before torch is imported there).
-    with pytest.raises(FastRemoverError, match="no-checkpoint: does not exist"):
-        run_batch(plan, ModelSpec(model=str(tmp_path / "no-checkpoint")), Runner(slots=(None, None)))
+    with pytest.raises(FastRemoverError, match="not 'classic', 'random' or an existing checkpoint folder"):
+        run_batch(plan, ModelSource(str(tmp_path / "no-checkpoint")), runner=Runner(slots=(None, None)))
 
 
 def test_a_worker_that_dies_costs_its_clip_and_is_replaced(clips, tmp_path):
@@ -412,7 +392,7 @@ def test_a_worker_that_dies_costs_its_clip_and_is_replaced(clips, tmp_path):
         if len(pids) == 1:
             os.kill(pids[0], signal.SIGKILL)
 
-    run_pool(tasks, ModelSpec(), [None], lambda task, entry: entries.setdefault(task.name, entry),
+    run_pool(tasks, ModelSource(), EngineConfig(), [None], lambda task, entry: entries.setdefault(task.name, entry),
              on_start=kill_the_first)
     first = tasks[0].name
     assert entries[first]["status"] == "failed" and "worker process died (exit code -9)" in entries[first]["error"]
@@ -445,7 +425,7 @@ def wait_until_gone(session: int, timeout_s: float = 60) -> None:
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     from fastremover.batch import Runner, plan_batch, run_batch
-    from fastremover.worker import ModelSpec
+    from fastremover.config import ModelSource
 
     def kill_after_five(line, seen=[]):
         seen.append(line)
@@ -454,7 +434,7 @@ KILL_SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":
         inputs, masks, out = sys.argv[1:]
-        run_batch(plan_batch(inputs, out, masks=masks), ModelSpec(), Runner(slots=(None, None)),
+        run_batch(plan_batch(inputs, out, masks=masks), ModelSource(), runner=Runner(slots=(None, None)),
                   on_line=kill_after_five)
 """)
 

@@ -11,8 +11,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (the dev extra installs it; the cluster extra for users)")
 
 from fastremover.batch.cli import EXIT_CLIPS_FAILED, main as batch_main
-from fastremover.worker import Job, ModelSpec, RemovalWorker
-from test_batch import CLIPS, frames_of, make_clips
+from fastremover.worker import Job, RemovalWorker
+from helpers import CLIPS, frames_of, make_clips
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_ray_actors_match_single_remove(local_ray, tmp_path, capsys):
     assert [line["clip"] for line in report] == [f"clip{i:02d}" for i in range(CLIPS)]
     assert [line["status"] for line in report] == ["ok"] * 6 + ["failed"] + ["ok"] * 5
     assert "clip06.mp4 is not a readable video" in report[6]["error"]
-    worker = RemovalWorker(ModelSpec())
+    worker = RemovalWorker()
     places = set()
     for i, line in enumerate(report):
         if i == 6:

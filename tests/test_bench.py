@@ -11,8 +11,11 @@ from fastremover import media
 from fastremover.bench.harness import BenchInputs, compare, dit_flops_per_step, format_table, save_results
 from fastremover.bench.metrics import fidelity, psnr_per_frame, ssim_per_frame
 from fastremover.cli import main
+from fastremover.config import EngineConfig
 from fastremover.models.loading import PRESETS, random_models
 from fastremover.models.transformer import RemoverTransformerConfig
+
+CPU32 = EngineConfig(device="cpu", precision="fp32")
 
 REQUIRED = ["gpu", "torch", "commit", "command", "workload", "steps", "reference", "engine", "speedup_total",
             "speedup_denoise", "speedup_vae", "psnr_mean_db", "psnr_min_db", "ssim_mean", "latent_cos"]
@@ -21,8 +24,7 @@ REQUIRED = ["gpu", "torch", "commit", "command", "workload", "steps", "reference
 def test_harness_eager_vs_reference(tmp_path):
     video, mask = media.synthetic_clip(9, 32, 48, seed=1)
     inputs = BenchInputs("tiny-clip", video.frames, mask, 24.0)
-    results = compare(random_models("tiny", seed=3), inputs, modes=["eager"], steps=3, repeats=1, hash_repeats=2,
-                      device="cpu", precision="fp32")
+    results = compare(random_models("tiny", seed=3), inputs, CPU32, modes=["eager"], steps=3, repeats=1, hash_repeats=2)
     (r,) = results
     assert r["psnr_mean_db"] >= 60 and r["psnr_min_db"] >= 60 and r["psnr_mask_db"] >= 60
     assert r["ssim_mean"] > 0.9999 and r["latent_cos"] > 0.999999
@@ -47,8 +49,8 @@ def test_one_hash_gives_no_determinism_verdict():
     table says determinism was not checked. (The tiny setup of the test above, cut to 1 step and no extra repeats.)"""
     video, mask = media.synthetic_clip(9, 32, 48, seed=1)
     inputs = BenchInputs("tiny-clip", video.frames, mask, 24.0)
-    (r,) = compare(random_models("tiny", seed=3), inputs, modes=["eager"], steps=1, repeats=0, hash_repeats=1,
-                   device="cpu", precision="fp32", count_flops=False)
+    (r,) = compare(random_models("tiny", seed=3), inputs, CPU32, modes=["eager"], steps=1, repeats=0, hash_repeats=1,
+                   count_flops=False)
     assert r["hash_repeats"] == 1 and r["hashes_identical"] is None
     assert len(r["output_sha256"]) == 64
     table = format_table([r])

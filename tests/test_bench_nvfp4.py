@@ -6,7 +6,10 @@ import math
 
 from fastremover import media
 from fastremover.bench.harness import BenchInputs, compare, format_table, nvfp4_fidelity, save_results
+from fastremover.config import EngineConfig
 from fastremover.models.loading import random_models
+
+CPU32 = EngineConfig(device="cpu", precision="fp32")
 
 
 def test_nvfp4_fidelity_rows_end_to_end():
@@ -47,8 +50,8 @@ def test_nvfp4_fidelity_rows_end_to_end():
 def test_compare_puts_the_rows_in_the_bench_json(tmp_path):
     video, mask = media.synthetic_clip(1, 32, 32, seed=2)
     inputs = BenchInputs("tiny-nvfp4-json", video.frames, mask, 24.0)
-    results = compare(random_models("tiny", seed=4), inputs, modes=["eager"], steps=1, repeats=0, device="cpu",
-                      precision="fp32", count_flops=False, nvfp4_rows={"options": ("nvfp4",)})
+    results = compare(random_models("tiny", seed=4), inputs, CPU32, modes=["eager"], steps=1, repeats=0,
+                      count_flops=False, nvfp4_rows={"options": ("nvfp4",)})
     (r,) = results
     rows = r["nvfp4_fidelity"]["rows"]
     assert [row["weights"] for row in rows] == ["dense", "nvfp4"] and rows[1]["nvfp4_calls"] == 6

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fastremover import media
-from fastremover.fast.lru import LRUCache
+from fastremover.config import EngineConfig
+from fastremover.lru import LRUCache
 from fastremover.models.loading import random_init_, random_models
 from fastremover.models.transformer import ROPE_CACHE_SIZE, RemoverTransformer, RemoverTransformerConfig
 from fastremover.options import RunOptions
@@ -36,7 +37,7 @@ def test_rope_tables_are_bounded_and_recomputed_identically():
 def test_v_statistics_counters_are_bounded():
     from fastremover.fast.transformer_fast import SHAPE_CACHE_SIZE, FastTransformer
 
-    fast = FastTransformer(random_init_(RemoverTransformer(TINY), 0), fp8=True, use_triton=True)
+    fast = FastTransformer(random_init_(RemoverTransformer(TINY), 0), linear_method="fp8-rowwise", use_triton=True)
     assert fast.fused_v_stats
     width = TINY.num_attention_heads * TINY.attention_head_dim
     for s in range(8, 8 + SHAPE_CACHE_SIZE + 5):
@@ -46,7 +47,7 @@ def test_v_statistics_counters_are_bounded():
 
 def test_close_releases_the_models_and_refuses_later_runs():
     video, mask = media.synthetic_clip(5, 32, 48, seed=0)
-    with RemovalPipeline(random_models("tiny", 0), device="cpu") as pipe:
+    with RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cpu")) as pipe:
         pipe.remove(video.frames, mask, RunOptions(steps=1))
         assert pipe.models is not None
     assert pipe.closed and pipe.models is None and pipe.denoiser is None and pipe.vae is None

@@ -33,7 +33,7 @@ def test_info_prints_the_engine_config_with_its_sources(monkeypatch, capsys):
     assert "linears.fused_ffn1: off  (FASTREMOVER_FUSED_FFN1)" in out
     assert "tuning.upconv_tune: False  (FASTREMOVER_UPCONV_TUNE)" in out
     assert "attention.backend: auto  (--attention)" in out
-    assert "parallel.world_size: 1" in out
+    assert "parallel.world_size: None  (--gpus)" in out and "parallel.mode: none  (--parallel)" in out
 
 
 @pytest.mark.slow

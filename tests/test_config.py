@@ -2,6 +2,7 @@
 its resolution on a device (fastremover/fast/engine.py) into a plan and, built, a ResolvedEngine that records the input
 it came from."""
 
+import argparse
 import ast
 import dataclasses
 import re
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from fastremover.cli import build_parser
+from fastremover.config import ModelSource
 from fastremover.config import (
     AttentionOptions,
     EngineConfig,
@@ -30,14 +32,17 @@ def test_defaults_are_frozen_and_nested():
     c = EngineConfig()
     assert (c.mode, c.attention.backend, c.linears.weights, c.linears.fused_ffn1, c.vae.precision) == (
         "auto", "auto", "dense", "auto", "auto")
-    assert (c.graphs.cuda_graphs, c.graphs.max_graphs, c.parallel.world_size, c.parallel.transport) == (
-        "auto", 4, 1, "fp16")
+    p = c.parallel
+    assert (c.graphs.cuda_graphs, c.graphs.max_graphs, p.mode, p.world_size, p.transport) == ("auto", 4, "none", None,
+                                                                                                 "fp16")
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.mode = "fast"
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.attention.backend = "sdpa"
     d = c.describe()
-    assert d["attention"] == {"backend": "auto"} and d["parallel"] == {"world_size": 1, "transport": "fp16"}
+    assert d["attention"] == {"backend": "auto"}
+    assert d["parallel"] == {"mode": "none", "world_size": None, "transport": "fp16", "head_groups": 1,
+                             "timeout_s": 300.0}
     changed = c.with_(mode="fast", attention__backend="fp8", graphs__max_graphs=2)
     assert (changed.mode, changed.attention.backend, changed.graphs.max_graphs) == ("fast", "fp8", 2)
     assert c.mode == "auto" and c.attention.backend == "auto"  # the original is untouched
@@ -55,9 +60,13 @@ def test_defaults_are_frozen_and_nested():
     ({"vae__precision": "int8"}, "--vae-precision"),
     ({"graphs__max_graphs": 0}, "max_graphs"),
     ({"graphs__max_graphs": 2.5}, "whole number"),
-    ({"parallel__world_size": 0}, "world_size"),
+    ({"parallel__world_size": 0}, "--gpus 0"),
     ({"parallel__world_size": "2"}, "whole number"),
-    ({"parallel__transport": "int8"}, "transport"),
+    ({"parallel__transport": "int8"}, "--sp-transport"),
+    ({"parallel__mode": "ulysses", "parallel__head_groups": 0}, "--sp-head-groups"),
+    ({"parallel__world_size": 2}, "need --parallel ulysses"),
+    ({"vae__fast__pad_channels": 12}, "multiple of 8"),
+    ({"transformer__gemm": "cutlass"}, "transformer.gemm"),
 ])
 def test_values_out_of_range_are_refused_naming_the_option(changes, match):
     with pytest.raises(FastRemoverError, match=re.escape(match) if "'" in match else match):
@@ -77,9 +86,13 @@ def test_from_args_reads_the_flags_of_each_command():
     c = EngineConfig.from_args(args, environ={})
     assert (c.mode, c.attention.backend, c.vae.precision, c.precision, c.device) == ("fast", "fp8", "fp8", "bf16",
                                                                                      "cuda:1")
-    # bench has no --mode / --weights: those keep their defaults
+    # bench has no --mode (it compares --modes): that keeps its default
     bench = EngineConfig.from_args(build_parser().parse_args(["bench", "--attention", "sdpa"]), environ={})
     assert (bench.mode, bench.attention.backend, bench.linears.weights) == ("auto", "sdpa", "dense")
+    # batch's own --gpus (which GPUs get a worker) is not the parallel ranks' --gpus: only the engine flags a command
+    # got from the config's definitions are read
+    batch = build_parser().parse_args(["batch", "in", "-o", "out", "--gpus", "2", "--mode", "eager"])
+    assert EngineConfig.from_args(batch, environ={}).parallel.world_size is None
     with pytest.raises(FastRemoverError, match="runs in --mode eager only"):
         EngineConfig.from_args(build_parser().parse_args(["remove", "v", "--mask", "m", "-o", "o.mp4", "--mode",
                                                           "exact", "--weights", "nvfp4"]), environ={})
@@ -127,25 +140,29 @@ def test_the_kernels_read_their_switches_through_the_config(monkeypatch):
         conv3d_fp8._tuning_enabled()
 
 
-def test_fastremover_variables_are_read_only_in_config_py():
-    """One place: no other package module reads a FASTREMOVER_* variable (os.environ / os.getenv with that name)."""
+def test_environment_variables_are_read_only_in_config_py():
+    """One place: no other package module reads the environment (os.environ / os.getenv; setting a variable for a
+    child process is not reading it). torchrun's variables are read there too (config.torchrun_env)."""
     readers = []
     for path in sorted((REPO / "fastremover").rglob("*.py")):
         if path.name == "config.py" and path.parent.name == "fastremover":
             continue
         tree = ast.parse(path.read_text())
+        written = {id(n.value) for n in ast.walk(tree)
+                   if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del))}
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                    and str(node.args[0].value).startswith("FASTREMOVER_"):
-                func = ast.unparse(node.func)
-                if "environ" in func or "getenv" in func:
-                    readers.append(f"{path.relative_to(REPO)}:{node.lineno} {func}({node.args[0].value!r})")
-            if isinstance(node, ast.Subscript) and "environ" in ast.unparse(node.value) \
-                    and isinstance(node.slice, ast.Constant) and str(node.slice.value).startswith("FASTREMOVER_"):
-                readers.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    # the service's API key is a deployment secret of `fastremover serve`, not an engine option
-    readers = [r for r in readers if "API_KEY" not in r]
+            text = ast.unparse(node) if isinstance(node, (ast.Attribute, ast.Name)) else ""
+            if text in ("os.environ", "os.getenv", "environ", "getenv") and id(node) not in written:
+                readers.append(f"{path.relative_to(REPO)}:{node.lineno} {text}")
     assert not readers, readers
+    from fastremover.config import torchrun_env
+
+    assert torchrun_env({}) is None and torchrun_env({"WORLD_SIZE": "1"}) is None
+    env = torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert (env.world_size, env.rank, env.local_rank, env.master_addr, env.master_port, env.agent_store) == (
+        2, 1, 1, "127.0.0.1", 29500, True)
+    with pytest.raises(FastRemoverError, match="torchrun environment"):
+        torchrun_env({"WORLD_SIZE": "2"})
 
 
 def test_option_table_lists_every_option_once():
@@ -158,12 +175,16 @@ def test_option_table_lists_every_option_once():
                                                     "FASTREMOVER_UPCONV_TUNE", "FASTREMOVER_CUDNN_CONV_PLANS"}
 
 
-def test_modes_agree_everywhere():
+def test_choice_lists_are_defined_once():
+    """The engine, the registry, the parallel package and the fast VAE use config.py's lists themselves."""
     from fastremover import config
-    from fastremover.fast import engine
+    from fastremover.fast import engine, vae_fast
     from fastremover.ops.attention import registry
+    from fastremover.parallel import context
 
-    assert config.MODES == engine.MODES == registry.MODES
+    assert engine.MODES is config.MODES and not hasattr(registry, "MODES")
+    assert context.TRANSPORTS is config.TRANSPORTS and vae_fast.VAE_PRECISIONS is config.VAE_PRECISIONS
+    assert list(engine.DTYPES) == list(config.PRECISIONS)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -202,8 +223,8 @@ def test_build_records_what_runs_and_the_input():
     from fastremover.fast.engine import build
     from fastremover.models.loading import random_models
 
-    config = EngineConfig(mode="exact")
-    engine = build(random_models("tiny", 0), config, CPU, torch.float32, "fp32")
+    config = EngineConfig(mode="exact", device="cpu")
+    engine = build(random_models("tiny", 0), config)
     r = engine.resolved
     assert isinstance(r, ResolvedEngine)
     assert (r.mode, r.requested_mode, r.vae, r.attention, r.device, r.precision) == ("eager", "exact", "eager",
@@ -211,7 +232,7 @@ def test_build_records_what_runs_and_the_input():
     assert r.config == config.describe() and r.tuning == KernelTuning.from_env().describe()
     assert r.notes and "mode exact needs a CUDA GPU" in r.notes[0]
     assert engine.denoiser is not None and engine.vae is not None
-    classic = build(None, config, CPU, torch.float32, "fp32")
+    classic = build(None, config)
     assert classic.denoiser is None and classic.vae is None
     assert (classic.resolved.model, classic.resolved.mode, classic.resolved.vae) == ("classic", "eager", "none")
 
@@ -245,11 +266,104 @@ def test_build_denoiser_keeps_its_signature_and_reads_the_environment(monkeypatc
     assert not any("FFN" in n for n in notes) and denoiser._graphs.max_items == 2
 
 
-def test_parallel_options_match_the_parallel_package():
-    """The transports are the ones fastremover/parallel implements; the default is one rank, 16-bit exchange."""
-    from fastremover.config import TRANSPORTS
+def test_parallel_options_default_to_one_process():
+    """The default is one process, 16-bit exchange; the flags of `remove --parallel` set the section."""
+    assert ParallelOptions() == ParallelOptions(mode="none", world_size=None, transport="fp16")
+    changed = EngineConfig().with_(parallel__mode="ulysses", parallel__world_size=4, parallel__transport="fp8")
+    assert changed.parallel.world_size == 4
+    args = build_parser().parse_args(["remove", "v", "--mask", "m", "-o", "o.mp4", "--parallel", "ulysses",
+                                      "--gpus", "2", "--sp-transport", "fp8", "--sp-head-groups", "3",
+                                      "--parallel-timeout", "60"])
+    assert EngineConfig.from_args(args, environ={}).parallel == ParallelOptions("ulysses", 2, "fp8", 3, 60.0)
 
-    context = pytest.importorskip("fastremover.parallel.context")
-    assert TRANSPORTS == context.TRANSPORTS
-    assert ParallelOptions() == ParallelOptions(world_size=1, transport="fp16")
-    assert EngineConfig().with_(parallel__world_size=4, parallel__transport="fp8").parallel.world_size == 4
+
+def _engine_actions(parser) -> dict:
+    """{flag: (dest, choices, default, help, nargs)} of the engine flags a parser has."""
+    return {a.option_strings[0]: (a.dest, a.choices, a.default, a.help, a.nargs) for a in parser._actions
+            if a.option_strings and a.dest in {row["flag"] for row in option_table() if row["flag"]}}
+
+
+def _subparser(name: str):
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_every_command_takes_the_engine_flags_from_the_one_definition():
+    """remove, demo, batch, serve, bench and verify: each engine flag is the one config.py's field metadata defines
+    (same choices, default and help), so `fastremover serve --help` shows --mode, --attention, --vae-precision,
+    --weights ... exactly as `remove` does. bench / verify compare --modes instead of taking --mode."""
+    remove = _engine_actions(_subparser("remove"))
+    engine_flags = {"--device", "--precision", "--mode", "--attention", "--weights", "--force-w4a4",
+                    "--vae-precision"}
+    assert engine_flags | {"--parallel", "--gpus", "--sp-transport", "--sp-head-groups", "--parallel-timeout"} == set(
+        remove)
+    mode = EngineConfig.__dataclass_fields__["mode"]
+    assert remove["--mode"] == ("mode", ["auto", "eager", "exact", "fast"], "auto", mode.metadata["help"], None)
+    for command in ("demo", "batch", "serve", "bench", "verify"):
+        actions = _engine_actions(_subparser(command))
+        expected = engine_flags - ({"--mode"} if command in ("bench", "verify") else set())
+        assert expected <= set(actions), (command, expected - set(actions))
+        for flag in expected - {"--device"}:  # serve words --device's default its own way (one worker per GPU)
+            assert actions[flag] == remove[flag], (command, flag)
+    assert "one worker per GPU" in _engine_actions(_subparser("serve"))["--device"][3]
+
+
+def test_serve_builds_its_engine_config_from_the_flags(monkeypatch):
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from fastremover.serve.cli import config_from_args
+
+    args = build_parser().parse_args(["serve", "--model", "random", "--preset", "tiny", "--mode", "eager",
+                                      "--attention", "sdpa", "--vae-precision", "fp16", "--weights", "nvfp4"])
+    config = config_from_args(args)
+    assert config.model == ModelSource("random", preset="tiny")
+    assert (config.engine.mode, config.engine.attention.backend, config.engine.vae.precision,
+            config.engine.linears.weights) == ("eager", "sdpa", "fp16", "nvfp4")
+    with pytest.raises(FastRemoverError, match="runs in --mode eager only"):
+        config_from_args(build_parser().parse_args(["serve", "--mode", "exact", "--weights", "nvfp4"]))
+
+
+def test_model_source():
+    assert ModelSource().kind == "classic" and ModelSource.of(None) == ModelSource()
+    random = ModelSource.of("random", preset="tiny", weights_seed=3)
+    assert (random.kind, random.preset, random.weights_seed, random.label) == ("random", "tiny", 3, "random")
+    assert ModelSource.of(random) is random
+    assert ModelSource.of(random, preset="minimax-remover").preset == "minimax-remover"
+    with pytest.raises(FastRemoverError, match="not 'classic', 'random' or an existing checkpoint folder"):
+        ModelSource("/no/such/folder").validate()
+    assert ModelSource(str(REPO)).kind == "folder" and ModelSource(str(REPO)).label == REPO.name
+    with pytest.raises(FastRemoverError, match="--weights-seed"):
+        ModelSource("random", weights_seed=-1).validate()
+    args = build_parser().parse_args(["remove", "v", "--mask", "m", "-o", "o.mp4", "--model", "random",
+                                      "--weights-seed", "5"])
+    assert ModelSource.from_args(args) == ModelSource("random", weights_seed=5)
+    assert ModelSource.from_args(build_parser().parse_args(["remove", "v", "--mask", "m", "-o", "o.mp4"])).kind == \
+        "classic"
+
+
+def test_device_and_precision_are_resolved_in_the_engine():
+    from fastremover.fast.engine import resolve, resolve_device, resolve_precision
+
+    assert resolve_device("cpu") == CPU and resolve_precision(None, CPU) == "fp32"
+    assert resolve_precision(None, torch.device("cuda")) == "fp16" and resolve_precision("bf16", CPU) == "bf16"
+    plan = resolve(EngineConfig(device="cpu"))
+    assert (plan.device, plan.precision, plan.dtype) == (CPU, "fp32", torch.float32)
+    if not torch.cuda.is_available():
+        assert resolve_device(None) == CPU
+        with pytest.raises(FastRemoverError, match="no CUDA GPU"):
+            resolve(EngineConfig(device="cuda"))
+
+
+def test_run_options_are_checked_once_per_instance(monkeypatch):
+    """RunOptions is frozen, so its check runs once however many layers call validate()."""
+    import fastremover.options as options
+
+    calls = []
+    real = options.validate_windows
+    monkeypatch.setattr(options, "validate_windows", lambda *a: calls.append(a) or real(*a))
+    opts = options.RunOptions(window=9, overlap=2)
+    assert opts.validate() is opts and opts.validate() is opts
+    assert calls == [(9, 2)]
+    with pytest.raises(FastRemoverError, match="--window"):
+        options.RunOptions(window=0).validate()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.steps = 3

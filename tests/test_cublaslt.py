@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from fastremover.config import TransformerOptions
 from fastremover.fast import cublaslt
 from fastremover.fast.fp8 import Fp8Linear
 
@@ -177,8 +178,9 @@ def test_fast_transformer_gemm_option_on_cpu():
     from fastremover.fast.transformer_fast import FastTransformer
 
     model = tiny_model(3)
-    fast = FastTransformer(model, fp8=True, use_triton=False)
+    fast = FastTransformer(model, linear_method="fp8-rowwise", use_triton=False)
     assert fast.describe()["fp8_gemm"] == "torch._scaled_mm"
     assert all(blk[name].gemm == "torch" for blk in fast.fp8_blocks for name in ("qkv", "o", "ff1", "ff2"))
     with pytest.raises(ValueError, match="gemm='cublaslt' cannot run here"):
-        FastTransformer(model, fp8=True, use_triton=False, gemm="cublaslt")
+        FastTransformer(model, linear_method="fp8-rowwise", use_triton=False,
+                        options=TransformerOptions(gemm="cublaslt"))

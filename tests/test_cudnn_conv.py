@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastremover.config import FastVAEOptions
 from fastremover.errors import FastRemoverError
 from fastremover.fast import cudnn_conv
 from fastremover.fast.cudnn_conv import ConvPlans, choose
@@ -146,9 +147,9 @@ def test_gating_and_the_environment_switch(monkeypatch):
     vae = random_init_(WanVAE(WanVAEConfig.from_dict(PRESETS["tiny"]["vae"])), 0).eval()
     assert FastWanVAE(vae, device="cpu", dtype=torch.float32).conv_plans is None
     with pytest.raises(FastRemoverError, match="conv_plans=True: cuDNN plans need a CUDA device"):
-        FastWanVAE(vae, device="cpu", dtype=torch.float32, conv_plans=True)
+        FastWanVAE(vae, device="cpu", dtype=torch.float32, options=FastVAEOptions(conv_plans=True))
     with pytest.raises(ValueError, match="conv_plans must be"):
-        FastWanVAE(vae, device="cpu", dtype=torch.float32, conv_plans="yes")
+        FastWanVAE(vae, device="cpu", dtype=torch.float32, options=FastVAEOptions(conv_plans="yes"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_gpu_fast_vae_w2_same_bits_with_and_without_plans():
     m = torch.from_numpy(mask).to(dev)[None, None].expand(1, 3, -1, -1, -1).half().contiguous()
     outs = {}
     for on in (False, True):
-        fast = FastWanVAE(vae, device=dev, dtype=torch.float16, conv_plans=on)
+        fast = FastWanVAE(vae, device=dev, dtype=torch.float16, options=FastVAEOptions(conv_plans=on))
         fast.encode_removal_inputs(x, m)  # the plans' first calls (and Triton's compiles)
         za, zb = fast.encode_removal_inputs(x, m)
         outs[on] = (za, zb, fast.decode(za))

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastremover.config import TransformerOptions
 from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
 from fastremover.fast.engine import build_denoiser, resolve_mode
 from fastremover.fast.fp8 import Fp8Linear
@@ -40,7 +41,7 @@ def inputs(seed, shape=(1, 48, 3, 8, 12), device="cpu", dtype=torch.float32):
 def test_exact_mode_matches_eager_module(use_triton):
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     model = tiny_model(seed)
-    fast = FastTransformer(model, fp8=False, use_triton=use_triton)
+    fast = FastTransformer(model, use_triton=use_triton)
     timesteps = torch.tensor([999.0, 500.0, 3.0])
     cond = fast.conditioning(timesteps, batch=1)
     x = inputs(seed)
@@ -75,9 +76,10 @@ def test_fp8_mode_with_the_fused_ffn_gemm_matches_the_unfused_ops():
         pytest.skip("the Triton ops run on this test's CPU tensors only in the interpreter (conftest.py sets "
                     "TRITON_INTERPRET=1 without a GPU); the GPU path is test_gemm_fp8's real-shape test")
     model = tiny_model(5)
-    fused = FastTransformer(model, fp8=True, use_triton=True)  # the default where the kernel runs
-    plain = FastTransformer(model, fp8=True, use_triton=False)  # no Triton: the unfused ops
-    assert not FastTransformer(model, fp8=True, use_triton=True, fused_ffn1=False).describe()["ffn1"].startswith("fused")
+    fused = FastTransformer(model, linear_method="fp8-rowwise", use_triton=True)  # the default where the kernel runs
+    plain = FastTransformer(model, linear_method="fp8-rowwise", use_triton=False)  # no Triton: the unfused ops
+    assert not FastTransformer(model, linear_method="fp8-rowwise", use_triton=True,
+                               fused_ffn1=False).describe()["ffn1"].startswith("fused")
     assert fused.describe()["ffn1"].startswith("fused") and not plain.describe()["ffn1"].startswith("fused")
     x = inputs(6)
     cond = fused.conditioning(torch.tensor([600.0]), batch=1)
@@ -88,7 +90,7 @@ def test_fp8_mode_with_the_fused_ffn_gemm_matches_the_unfused_ops():
 
 def test_fp8_mode_is_close_but_not_identical():
     model = tiny_model(2)
-    fast = FastTransformer(model, fp8=True, use_triton=False)
+    fast = FastTransformer(model, linear_method="fp8-rowwise", use_triton=False)
     x = inputs(3)
     cond = fast.conditioning(torch.tensor([600.0]), batch=1)
     with torch.no_grad():
@@ -116,7 +118,7 @@ def test_cudnn_fp8_codes_path_folds_the_v_centre_into_the_o_projection(monkeypat
     if batch == 2:
         x[1].add_(10.0)  # the batches' V means then differ: a centre applied to the wrong batch shows
 
-    generic = FastTransformer(model, fp8=True, use_triton=False)
+    generic = FastTransformer(model, linear_method="fp8-rowwise", use_triton=False)
     cond = generic.conditioning(t, batch=batch)
     with torch.no_grad():
         expect = [generic.forward_step(x, cond, i) for i in (0, 1)]
@@ -124,7 +126,7 @@ def test_cudnn_fp8_codes_path_folds_the_v_centre_into_the_o_projection(monkeypat
     fake = attention_fakes.registered("test-cudnn-like", codes_call=attention_fakes.fake_cudnn_codes,
                                       output="fp8-codes")
     with fake:
-        codes = FastTransformer(model, fp8=True, use_triton=False, attention="test-cudnn-like")
+        codes = FastTransformer(model, linear_method="fp8-rowwise", use_triton=False, attention="test-cudnn-like")
     assert codes.fp8_attention_codes and not codes.fp8_attention_requant
     biases = []
     o_proj = codes.fp8_blocks[0]["o"]
@@ -163,7 +165,7 @@ def test_static_fp8_bounds_hold_and_are_not_absurd(monkeypatch, batch):
     x = inputs(14, shape=(batch, 48, 3, 8, 12))
     with attention_fakes.registered("test-flash3-like", codes_call=attention_fakes.fake_flash3_codes,
                                     output="centred-16bit", row_split_block_m=128):
-        fast = FastTransformer(model, fp8=True, use_triton=False, attention="test-flash3-like")
+        fast = FastTransformer(model, linear_method="fp8-rowwise", use_triton=False, attention="test-flash3-like")
     assert fast.fp8_attention_requant
     seen = []
     real = fast.ops.quant_static
@@ -221,8 +223,8 @@ def test_attention_tail_split_matches_one_call(monkeypatch):
     for overlap in (True, False):
         with attention_fakes.registered("test-flash3-like", codes_call=fake_flash3, output="centred-16bit",
                                         row_split_block_m=16):  # a 16-row query tile, 4 SMs (below)
-            fast = FastTransformer(model, fp8=True, use_triton=False, tail_overlap=overlap,
-                                   attention="test-flash3-like")
+            fast = FastTransformer(model, linear_method="fp8-rowwise", use_triton=False, attention="test-flash3-like",
+                                   options=TransformerOptions(tail_overlap=overlap))
         fast.sm_count = 4
         cond = fast.conditioning(torch.tensor([900.0, 500.0]), batch=1)
         calls.clear()
@@ -248,8 +250,8 @@ def test_fused_v_statistics_equal_the_three_kernel_chain(monkeypatch):
     for fused in (True, False):
         with attention_fakes.registered("test-flash3-like", codes_call=attention_fakes.fake_flash3_codes,
                                         output="centred-16bit", row_split_block_m=128):
-            fast = FastTransformer(model, fp8=True, use_triton=True, fused_v_stats=fused,
-                                   attention="test-flash3-like")
+            fast = FastTransformer(model, linear_method="fp8-rowwise", use_triton=True, attention="test-flash3-like",
+                                   options=TransformerOptions(fused_v_stats=fused))
         assert fast.fp8_attention_requant
         assert fast.fused_v_stats == fused
         cond = fast.conditioning(torch.tensor([900.0]), batch=1)
@@ -399,12 +401,13 @@ def test_gpu_exact_and_fast_vs_eager_at_real_config(real_model):
     t = torch.tensor([937.0], device="cuda")
     with torch.no_grad():
         eager = real_model(x, t)
-        exact = FastTransformer(real_model, fp8=False)
+        exact = FastTransformer(real_model)
         got_exact = exact.forward_step(x, exact.conditioning(t, 1), 0)
-        fast = FastTransformer(real_model, fp8=True)
+        fast = FastTransformer(real_model, linear_method="fp8-rowwise")
         cond = fast.conditioning(t, 1)  # an fp8 transformer's: it carries the FFN's static quantization bounds
         got_fast = fast.forward_step(x, cond, 0)
-        got_fast_attn = FastTransformer(real_model, fp8=True, attention="fp8").forward_step(x, cond, 0)
+        got_fast_attn = FastTransformer(real_model, linear_method="fp8-rowwise", attention="fp8").forward_step(x, cond,
+                                                                                                               0)
     c_exact, c_fast, c_attn = cos(got_exact, eager), cos(got_fast, eager), cos(got_fast_attn, eager)
     print(f"cos vs eager fp16: exact {c_exact:.6f}, fast(fp8 linears) {c_fast:.6f}, "
           f"fast(fp8 linears + fp8 attention) {c_attn:.6f}")
@@ -474,8 +477,8 @@ def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
     t = torch.tensor([937.0, 500.0], device="cuda")
     outs = {}
     for concurrent, tail_overlap in ((True, True), (False, True), (False, False)):
-        fast = FastTransformer(real_model, fp8=True, attention=backend, concurrent=concurrent,
-                               tail_overlap=tail_overlap)
+        fast = FastTransformer(real_model, linear_method="fp8-rowwise", attention=backend,
+                               options=TransformerOptions(concurrent=concurrent, tail_overlap=tail_overlap))
         assert fast.describe()["concurrent_branches"] == concurrent
         if backend == "flashattn3-fp8" and tail_overlap and fast.sm_count == 132:  # H200 / H100 SXM: 684 tiles, rows
             assert fast.split_rows(1, 7290, 12) == 7040  # [7040, 7290) are the last wave's 24
@@ -533,7 +536,8 @@ def test_denoiser_description_fits_the_engine_config(fp8):
 
     from fastremover.config import ResolvedEngine as EngineConfig  # the pipeline's record of what runs
 
-    denoiser = FastDenoiser(FastTransformer(tiny_model(1), fp8=fp8, use_triton=False), DEFAULT_SCHEDULER_CONFIG,
+    denoiser = FastDenoiser(FastTransformer(tiny_model(1), linear_method="fp8-rowwise" if fp8 else "dense",
+                            use_triton=False), DEFAULT_SCHEDULER_CONFIG,
                             cuda_graphs=False)
     described = denoiser.describe()
     assert set(described) <= {f.name for f in fields(EngineConfig)}, set(described)

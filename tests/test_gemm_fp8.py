@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
 FP8 = torch.float8_e4m3fn
-from test_kernels import ulp_distance  # noqa: E402  (fp8 codes -> their distance in e4m3 steps)
+from helpers import ulp_distance  # noqa: E402  (fp8 codes -> their distance in e4m3 steps)
 
 TINY = (32, 32, 32, 2, 2, 4, 1, "sigmoid")  # a configuration small enough for the interpreter's tiny shapes
 

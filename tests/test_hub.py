@@ -30,7 +30,8 @@ COMMIT_B = hashlib.sha1(b"revision b").hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A cache in huggingface_hub's layout: models--org--name/{refs/<branch>, snapshots/<commit>/<file> -> ../../blobs/<hash>}
+# A cache in huggingface_hub's layout:
+# models--org--name/{refs/<branch>, snapshots/<commit>/<file> -> ../../blobs/<hash>}
 
 
 def storage(cache: Path, repo_id: str = REPO) -> Path:
@@ -162,15 +163,16 @@ def test_remove_runs_offline_from_the_cache(cached, tmp_path, capsys):
 def test_the_record_and_the_bench_json_name_the_commit(cached, tmp_path):
     from fastremover.options import RunOptions
     from fastremover.pipeline import RemovalPipeline
-    from fastremover.worker import Job, ModelSpec, RemovalWorker
+    from fastremover.config import EngineConfig, ModelSource
+    from fastremover.worker import Job, RemovalWorker
 
     models = load_models(REPO)
     assert (models.repo_id, models.revision, models.source) == (REPO, COMMIT_A, f"{REPO}@{COMMIT_A}")
-    pipe = RemovalPipeline(models, device="cpu", precision="fp32")
+    pipe = RemovalPipeline(models, EngineConfig(device="cpu", precision="fp32"))
     assert pipe.config.describe()["model"] == f"{REPO}@{COMMIT_A}"  # the bench JSON's "model"
     v, m = write_clip(tmp_path)
     job = Job(str(v), str(m), str(tmp_path / "o.mp4"), RunOptions(steps=1))
-    worker = RemovalWorker(ModelSpec(model=REPO), pipeline=pipe)
+    worker = RemovalWorker(ModelSource(REPO), pipeline=pipe)
     assert worker.run(job).describe["model"] == f"{REPO}@{COMMIT_A}"  # the JobResult
     assert worker._identity(job, pipe)["engine"]["model"] == f"{REPO}@{COMMIT_A}"  # what a resumed run must match
 
@@ -254,6 +256,31 @@ def test_without_huggingface_hub_one_line_names_the_extra(tmp_path, capsys, monk
 
 def test_a_folder_that_does_not_exist(tmp_path, capsys):
     failing_remove(str(tmp_path / "no-checkpoint"), tmp_path, capsys, "does not exist")
+
+
+def test_model_source_takes_hub_ids(cached, cache, tmp_path, capsys):
+    """The engine's ModelSource (what every command and the worker pass on) accepts ORG/NAME[@REV] and hf: ids,
+    checks them as --model does, and loads them through pipeline.load_source."""
+    from fastremover.cli import build_parser
+    from fastremover.config import ModelSource
+    from fastremover.pipeline import load_source
+
+    for name, label in ((REPO, REPO), (f"{REPO}@{COMMIT_B}", f"{REPO}@{COMMIT_B}"), (f"hf:{REPO}", REPO)):
+        source = ModelSource(name)
+        source.validate()
+        assert (source.kind, source.label) == ("hub", label), name
+    assert ModelSource(str(tmp_path)).kind == "folder"
+    args = build_parser().parse_args(["serve", "--model", f"{REPO}@{COMMIT_B}"])
+    assert ModelSource.from_args(args) == ModelSource(f"{REPO}@{COMMIT_B}")
+    models = load_source(ModelSource(f"{REPO}@{COMMIT_B}"))
+    assert models.source == f"{REPO}@{COMMIT_B}"
+    with pytest.raises(hub.NotCached, match="HF_HUB_OFFLINE=1"):
+        ModelSource("org/other").validate()  # not cached, offline: refused before anything loads
+    with pytest.raises(FastRemoverError, match="not a Hugging Face Hub id"):
+        ModelSource("hf:not-an-id").validate()
+    # serve checks it before it starts (one line, exit 2)
+    code, _, err = run_cli(["serve", "--model", "org/other", "--data-dir", tmp_path / "data"], capsys)
+    assert_one_line_error(code, err, "not in the local Hugging Face cache")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import ulp_distance
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -40,23 +42,6 @@ gpu_real = pytest.mark.skipif(INTERPRET, reason="TRITON_INTERPRET=1: the real-sh
 
 # ----------------------------------------------------------------------------------------------------------------------
 # helpers
-
-
-def ordered(t: torch.Tensor) -> torch.Tensor:
-    """Float bits -> integers in value order (+0 and -0 both 0), as int64."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
-    i = t.view(bits).long()
-    if t.element_size() == 1:
-        i = torch.where(i >= 128, -(i - 128), i)
-    else:
-        nbits = 8 * t.element_size()
-        i = torch.where(i < 0, -(i & ((1 << (nbits - 1)) - 1)), i)
-    return i
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    assert a.dtype == b.dtype and a.shape == b.shape
-    return (ordered(a) - ordered(b)).abs()
 
 
 def lowp_stats(got: torch.Tensor, ref: torch.Tensor, near_zero_ulps: int = 1) -> dict:

@@ -17,7 +17,6 @@ from fastremover.errors import FastRemoverError
 from fastremover.fast import nvfp4 as n
 from fastremover.fast.nvfp4_linear import (
     Nvfp4Linear,
-    check_w4a4_allowed,
     nvfp4_memory_estimate,
     quantize_linears_nvfp4,
     resident_bytes,
@@ -434,10 +433,18 @@ def test_quantize_linears_user_errors():
 
 
 def test_w4a4_refused_on_full_frames_unless_forced():
+    """The engine plan's per-window rule (fastremover/fast/engine.py Plan.check_window)."""
+    from fastremover.config import EngineConfig, LinearOptions
+    from fastremover.fast.engine import resolve
+
+    plan = resolve(EngineConfig(device="cpu", linears=LinearOptions(weights="nvfp4-w4a4")))
+    assert plan.linear_method == "nvfp4-w4a4"
     with pytest.raises(FastRemoverError, match="--crop on"):
-        check_w4a4_allowed(crop_active=False, force=False)
-    check_w4a4_allowed(crop_active=True, force=False)
-    check_w4a4_allowed(crop_active=False, force=True)
+        plan.check_window(full_frame=True)
+    plan.check_window(full_frame=False)
+    forced = resolve(EngineConfig(device="cpu", linears=LinearOptions(weights="nvfp4-w4a4", force_w4a4=True)))
+    forced.check_window(full_frame=True)
+    resolve(EngineConfig(device="cpu", linears=LinearOptions(weights="nvfp4"))).check_window(full_frame=True)
 
 
 def test_memory_estimate_at_released_config():

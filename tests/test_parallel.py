@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastremover.config import EngineConfig, ModelSource, ParallelOptions
 from fastremover.errors import FastRemoverError
 from fastremover.parallel import transport
 from fastremover.parallel.context import SINGLE, ParallelContext, ParallelError, check_heads, set_parallel, split_sizes
@@ -96,7 +97,8 @@ def _rank_checks(ctx):
     # statistics all-reduced, the e4m3 codes themselves on the wire
     with attention_fakes.registered("test-cudnn-like", codes_call=attention_fakes.fake_cudnn_codes,
                                     output="fp8-codes"):
-        fp8 = FastDenoiser(FastTransformer(model, fp8=True, use_triton=False, attention="test-cudnn-like"), SCHED,
+        fp8 = FastDenoiser(FastTransformer(model, linear_method="fp8-rowwise", use_triton=False,
+                           attention="test-cudnn-like"), SCHED,
                            cuda_graphs=False)
     out["fp8_attention"] = _denoise_pair(ctx, fp8, fp8.fast, inputs)
     # the raw exchange: identity "attention" (returns v) on e4m3 codes must give back exactly what went in
@@ -315,17 +317,15 @@ def test_degree_must_divide_heads():
 
 
 def test_parallel_flags_are_checked_before_anything_loads():
-    from fastremover.parallel.options import check_parallel_flags
-
-    check_parallel_flags("ulysses", 2, "fp8", 3, 60.0)
-    check_parallel_flags()  # the defaults: one process
-    for kwargs, words in (({"parallel": "ring"}, "--parallel 'ring'"), ({"parallel": "ulysses", "gpus": 0}, "--gpus 0"),
-                          ({"parallel": "ulysses", "transport": "int8"}, "--sp-transport 'int8'"),
-                          ({"parallel": "ulysses", "head_groups": 0}, "--sp-head-groups 0"),
-                          ({"parallel": "ulysses", "timeout_s": -1}, "--parallel-timeout -1"),
-                          ({"gpus": 2}, "need --parallel ulysses")):
+    ParallelOptions(mode="ulysses", world_size=2, transport="fp8", head_groups=3, timeout_s=60.0).validate()
+    ParallelOptions().validate()  # the defaults: one process
+    for kwargs, words in (({"mode": "ring"}, "--parallel 'ring'"), ({"mode": "ulysses", "world_size": 0}, "--gpus 0"),
+                          ({"mode": "ulysses", "transport": "int8"}, "--sp-transport 'int8'"),
+                          ({"mode": "ulysses", "head_groups": 0}, "--sp-head-groups 0"),
+                          ({"mode": "ulysses", "timeout_s": -1}, "--parallel-timeout -1"),
+                          ({"world_size": 2}, "need --parallel ulysses")):
         with pytest.raises(FastRemoverError, match=words.replace("(", r"\(")):
-            check_parallel_flags(**kwargs)
+            EngineConfig(parallel=ParallelOptions(**kwargs))
 
 
 def test_size_one_context_changes_nothing():
@@ -346,6 +346,27 @@ def test_size_one_context_changes_nothing():
 # A whole removal, and its failures
 
 
+def test_the_engine_builds_the_parallel_denoiser_and_vae():
+    """A context of several ranks given to the pipeline: the engine's build makes the sequence-parallel denoiser and
+    VAE around the modules (no proxies swapped onto a built pipeline) and records the run's parallel shape. Building
+    communicates nothing (this context has no process group)."""
+    from fastremover.models.loading import random_models
+    from fastremover.parallel.engine import ParallelDenoiser, ParallelVAE
+    from fastremover.pipeline import RemovalPipeline
+
+    ctx = ParallelContext(rank=0, world_size=2)
+    pipe = RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cpu", mode="eager"), parallel=ctx)
+    assert isinstance(pipe.denoiser, ParallelDenoiser) and isinstance(pipe.vae, ParallelVAE)
+    assert pipe.denoiser is pipe.engine.denoiser and pipe.engine.parallel.inner_denoiser.transformer.parallel is ctx
+    assert pipe.engine.parallel.decoder is not None  # the eager VAE decodes by rows
+    assert (pipe.config.parallel, pipe.config.world_size, pipe.config.sp_transport) == ("ulysses", 2, "fp16")
+    assert pipe.vae.describe() == "eager (parallel over 2 ranks)"
+    with pytest.raises(FastRemoverError, match="needs a model"):
+        RemovalPipeline(None, EngineConfig(device="cpu"), parallel=ctx)
+    one = RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cpu", mode="eager"), parallel=SINGLE)
+    assert one.engine.parallel is None and one.config.parallel == "none"
+
+
 def _clip(tmp: Path) -> tuple[str, str]:
     from PIL import Image
 
@@ -360,13 +381,13 @@ def _clip(tmp: Path) -> tuple[str, str]:
     return str(tmp / "in"), str(tmp / "mask")
 
 
-def _build_failing_on_rank1(spec):
+def _build_failing_on_rank1(source, config, ctx):
     """A pipeline whose transformer raises on rank 1 (the others run normally)."""
     import torch.distributed as dist
 
     from fastremover.parallel.launch import build_pipeline
 
-    pipe = build_pipeline(spec)
+    pipe = build_pipeline(source, config, ctx)
     if dist.get_rank() == 1:
         def boom(*args, **kwargs):
             raise ValueError("injected failure in the transformer")
@@ -384,15 +405,15 @@ def test_parallel_remove_matches_serial_and_failures_stop_every_rank(tmp_path):
     from PIL import Image
 
     from fastremover.options import RunOptions
-    from fastremover.worker import Job, ModelSpec, RemovalWorker
+    from fastremover.worker import Job, RemovalWorker
 
     video, mask = _clip(tmp_path)
-    spec = ModelSpec(model="random", preset="tiny", device="cpu", mode="eager")
+    source, config = ModelSource("random", preset="tiny"), EngineConfig(device="cpu", mode="eager")
     opts = RunOptions(steps=2, seed=1)
-    RemovalWorker(spec).run(Job(video, mask, str(tmp_path / "serial") + "/", options=opts))  # one process
+    RemovalWorker(source, config).run(Job(video, mask, str(tmp_path / "serial") + "/", options=opts))  # one process
     # what `remove --parallel ulysses --gpus 2 --device cpu` calls
-    par = run_remove(spec, Job(video, mask, str(tmp_path / "par") + "/", options=opts), gpus=2,
-                     timeout_s=COLLECTIVE_TIMEOUT_S)
+    parallel = config.with_(parallel__mode="ulysses", parallel__world_size=2, parallel__timeout_s=COLLECTIVE_TIMEOUT_S)
+    par = run_remove(source, parallel, Job(video, mask, str(tmp_path / "par") + "/", options=opts))
     assert par.describe["world_size"] == 2 and par.describe["parallel"] == "ulysses"
     # uint8 frames: the denoise is exact, the decode within 1e-5 (test_parallel_decode_matches_serial), so a pixel
     # may round to the other side of a step
@@ -403,15 +424,15 @@ def test_parallel_remove_matches_serial_and_failures_stop_every_rank(tmp_path):
     before = sorted(os.listdir(tmp_path))
     t = time.monotonic()
     with pytest.raises(ParallelError, match="rank 1 failed: ValueError: injected failure in the transformer"):
-        spawn(remove_rank, 2, (spec, Job(video, mask, str(tmp_path / "broken") + "/", options=opts), None,
+        spawn(remove_rank, 2, (source, config, Job(video, mask, str(tmp_path / "broken") + "/", options=opts), None,
                                _build_failing_on_rank1),
               threads=1, timeout_s=SPAWN_TIMEOUT_S, collective_timeout_s=FAILURE_TIMEOUT_S)
     assert time.monotonic() - t < FAILURE_TIMEOUT_S
     assert sorted(os.listdir(tmp_path)) == before  # no output, no temporary file
 
     with pytest.raises(ParallelError, match="rank 0: .*missing.mp4"):
-        spawn(remove_rank, 2, (spec, Job(str(tmp_path / "missing.mp4"), mask, str(tmp_path / "x") + "/",
-                                         options=opts)),
+        spawn(remove_rank, 2, (source, config, Job(str(tmp_path / "missing.mp4"), mask, str(tmp_path / "x") + "/",
+                                                   options=opts)),
               threads=1, timeout_s=SPAWN_TIMEOUT_S, collective_timeout_s=FAILURE_TIMEOUT_S)
     assert sorted(os.listdir(tmp_path)) == before
 
@@ -449,7 +470,7 @@ def _nccl_graph_checks(ctx, num_layers=2):
     model = random_init_(RemoverTransformer(cfg), 0).eval().to(ctx.device).to_inference_dtype(torch.float16)
     out = {}
     for fp8 in (False, True):
-        fast = FastTransformer(model, fp8=fp8)
+        fast = FastTransformer(model, linear_method="fp8-rowwise" if fp8 else "dense")
         set_parallel(fast, ctx)
         eager = FastDenoiser(fast, SCHED, cuda_graphs=False)
         graphs = FastDenoiser(fast, SCHED, cuda_graphs=True)
@@ -478,7 +499,8 @@ def test_gpu_nccl_collectives_inside_cuda_graphs_one_gpu():
                    always_communicate=True)
     for mode, r in res.items():
         assert r["communicated"] and r["captured"] == 1 and not r["notes"], (mode, r)
-        assert r["warmup_equal"] and r["replay_equal"] and r["replay_new_inputs_equal"] and r["inputs_differ"], (mode, r)
+        assert r["warmup_equal"] and r["replay_equal"] and r["replay_new_inputs_equal"] and r["inputs_differ"], (mode,
+                                                                                                                 r)
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fastremover.config import EngineConfig, ParallelOptions
 from fastremover.parallel.bench import bench_denoise, exposed_time, info_lines, latent_shape, parallel_info
 
 
@@ -19,8 +20,8 @@ def test_bench_denoise_records_a_parallel_run_against_the_reference():
     (fp16 transport: exact; 4 tokens per rank - with 3 or fewer rows the CPU BLAS takes another GEMM kernel, whose
     rows differ in the last bit from the same rows of a larger GEMM). The CPU has no GPU timeline, so exposed_comm_s is None; the host time in the
     collectives is recorded."""
-    rec = bench_denoise(2, preset="tiny", mode="eager", latent_shape=(1, 16, 1, 4, 8), steps=1, repeats=1,
-                        device="cpu", timeout_s=120, threads=1)
+    config = EngineConfig(device="cpu", mode="eager", parallel=ParallelOptions("ulysses", 2, timeout_s=120))
+    rec = bench_denoise(config, preset="tiny", latent_shape=(1, 16, 1, 4, 8), steps=1, repeats=1, threads=1)
     assert rec["world_size"] == 2 and rec["sp_transport"] == "fp16" and rec["parallel"] == "ulysses"
     assert rec["max_rel_diff"] == 0.0
     assert rec["reference_s"] > 0 and rec["parallel_s"] > 0 and rec["collective_host_s"] > 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fastremover.bench.reference import ReferencePipeline
+from fastremover.config import EngineConfig
 from fastremover.errors import FastRemoverError
 from fastremover.masks import dilate_masks
 from fastremover.media import synthetic_clip
@@ -37,7 +38,7 @@ def test_pipeline_matches_upstream_reference(clip, scheduler_config):
     ref = ReferencePipeline(models, device="cpu", dtype=torch.float32)
     expected = ref(frames, mask, height=32, width=48, steps=4, seed=seed, iterations=2)
 
-    pipe = RemovalPipeline(models, device="cpu", precision="fp32")
+    pipe = RemovalPipeline(models, EngineConfig(device="cpu", precision="fp32"))
     prep = pipe.prepare(frames, dilate_masks(mask, 2), size=(48, 32))
     latents = pipe.denoise(*pipe.encode(prep), steps=4, seed=seed)
     pixels = pipe.decode(latents)
@@ -50,7 +51,7 @@ def test_pipeline_matches_upstream_reference(clip, scheduler_config):
 
 @pytest.fixture(scope="module")
 def tiny_pipe():
-    return RemovalPipeline(random_models("tiny", seed=0), device="cpu", precision="fp32")
+    return RemovalPipeline(random_models("tiny", seed=0), EngineConfig(device="cpu", precision="fp32"))
 
 
 def test_native_size_odd_frames_and_composite(tiny_pipe):
@@ -102,7 +103,7 @@ def test_deterministic_across_runs(tiny_pipe):
 
 def test_classic_backend():
     video, mask = synthetic_clip(12, 48, 64, seed=7)
-    pipe = RemovalPipeline(None, device="cpu")
+    pipe = RemovalPipeline(None, EngineConfig(device="cpu"))
     result = pipe.remove(video.frames, mask, RunOptions(dilate=3))
     assert not result.ran_model and pipe.config.model == "classic"
     outside = ~result.mask
@@ -120,4 +121,31 @@ def test_options_validation():
     with pytest.raises(FastRemoverError, match="steps"):
         RunOptions(steps=0).validate()
     with pytest.raises(FastRemoverError, match="precision"):
-        RemovalPipeline(None, device="cpu", precision="fp8")
+        RemovalPipeline(None, EngineConfig(device="cpu", precision="fp8"))
+
+
+@pytest.mark.parametrize("model", ["classic", "tiny"])
+def test_remove_and_remove_stream_run_the_one_request_loop(model, tiny_pipe, monkeypatch):
+    """remove() collects what remove_stream() emits: both entry points go through the one window loop
+    (pipeline.WindowScheduler.run, observed by wrapping it) and give the same frames, here over three windows."""
+    from fastremover import pipeline
+
+    calls = []
+    real_run = pipeline.WindowScheduler.run
+
+    def observed(self, pairs, prefetch):
+        calls.append(self.options)
+        return real_run(self, pairs, prefetch)
+
+    monkeypatch.setattr(pipeline.WindowScheduler, "run", observed)
+    pipe = tiny_pipe if model == "tiny" else RemovalPipeline(None, EngineConfig(device="cpu"))
+    video, mask = synthetic_clip(17, 32, 48, seed=11)
+    options = RunOptions(steps=1, window=9, overlap=2, crop="off")
+    whole = pipe.remove(video.frames, mask, options)
+    assert len(calls) == 1 and calls[0] is options and len(whole.windows) == 3
+    emitted = []
+    streamed = pipe.remove_stream(zip(video.frames, mask), emitted.append, options)
+    assert len(calls) == 2 and calls[1] is options
+    assert np.array_equal(np.stack(emitted), whole.frames)
+    assert streamed.windows == whole.windows and streamed.notes == whole.notes
+    assert whole.ran_model == (model == "tiny") == streamed.ran_model

@@ -1,9 +1,12 @@
 """--schedule: the released pipeline's UniPC schedule (diffusers 0.33.1's, the default) and today's diffusers one."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
 
+from fastremover.config import EngineConfig
 from fastremover.errors import FastRemoverError
 from fastremover.masks import dilate_masks
 from fastremover.media import synthetic_clip
@@ -51,7 +54,8 @@ def test_default_schedule_is_the_released_one():
 @pytest.mark.parametrize("steps", sorted(RELEASED))
 def test_released_schedule_reproduces_diffusers_0331(steps):
     timesteps, sigmas = RELEASED[steps]
-    for sched in (build_scheduler(None, steps), build_scheduler(DEFAULT_SCHEDULER_CONFIG, steps, "cpu", "minimax-remover")):
+    for sched in (build_scheduler(None, steps),
+                  build_scheduler(DEFAULT_SCHEDULER_CONFIG, steps, "cpu", "minimax-remover")):
         assert torch.equal(sched.timesteps, torch.tensor(timesteps, dtype=torch.float32))
         assert torch.equal(sched.sigmas, torch.tensor(sigmas, dtype=torch.float32))
 
@@ -85,6 +89,54 @@ def test_euler_is_the_same_under_both_names():
 def test_options_refuse_an_unknown_schedule():
     with pytest.raises(FastRemoverError, match="--schedule"):
         RunOptions(schedule="0.33.1").validate()
+
+
+class _Ctx:
+    """A rank of a 2-rank run without a process group: tensors pass unchanged; rank 0's announcements are recorded,
+    the other rank receives `commands`."""
+
+    def __init__(self, rank: int, commands=()):
+        self.rank, self.world_size, self.is_root = rank, 2, rank == 0
+        self.sent, self.commands = [], list(commands)
+
+    def broadcast_tensor(self, t):
+        return t
+
+    def broadcast_object(self, obj):
+        if obj is None:
+            return self.commands.pop(0)
+        self.sent.append(obj)
+        return obj
+
+
+class _Inner:
+    """A one-process denoiser that records the schedule of each call."""
+
+    cuda_graphs = False
+
+    def __init__(self):
+        self.schedules = []
+
+    def parallelize(self, ctx):
+        pass
+
+    def __call__(self, noise, masked_latents, mask_latents, steps, progress=None, schedule=DEFAULT_SCHEDULE):
+        self.schedules.append((steps, schedule))
+        return noise
+
+
+def test_the_schedule_reaches_every_rank():
+    # Rank 0's denoiser announces the schedule with the stage; a following rank runs the one it is told.
+    from fastremover.parallel.engine import ParallelEngine
+
+    x = torch.zeros(1)
+    vae = types.SimpleNamespace(config=None, device=torch.device("cpu"), dtype=torch.float32)  # decodes on rank 0
+    root = ParallelEngine(_Ctx(0), 2, _Inner(), vae)
+    root.denoiser(x, x, x, 3, schedule="diffusers")
+    assert root.ctx.sent == [("denoise", 3, "diffusers")] and root.inner_denoiser.schedules == [(3, "diffusers")]
+    follower = ParallelEngine(_Ctx(1, [*root.ctx.sent, ("stop",)]), 2, _Inner(), vae)
+    follower.follow()
+    assert follower.inner_denoiser.schedules == [(3, "diffusers")]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -121,7 +173,7 @@ def test_whole_pipeline_follows_the_schedule_it_is_given():
     frames, seed = video.frames, 2
     models = random_models("tiny", seed=seed)
     ref = ReferencePipeline(models, device="cpu", dtype=torch.float32)
-    pipe = RemovalPipeline(models, device="cpu", precision="fp32")
+    pipe = RemovalPipeline(models, EngineConfig(device="cpu", precision="fp32"))
     prep = pipe.prepare(frames, dilate_masks(mask, 2), size=(48, 32))
     encoded = pipe.encode(prep)
     ours, theirs = {}, {}
@@ -147,7 +199,7 @@ def test_whole_pipeline_follows_the_schedule_it_is_given():
 
 @pytest.fixture(scope="module")
 def tiny_pipe():
-    return RemovalPipeline(random_models("tiny", seed=0), device="cpu", precision="fp32")
+    return RemovalPipeline(random_models("tiny", seed=0), EngineConfig(device="cpu", precision="fp32"))
 
 
 def test_rounding_truncate_is_upstreams_export(tiny_pipe):
@@ -217,7 +269,7 @@ def test_upstream_compatible_matches_the_released_pipelines_order():
     ref = ReferencePipeline(models, device="cpu", dtype=torch.float32)
     up = ref(video.frames[:5], mask[:5], height=32, width=32, steps=4, seed=7, iterations=6)
     theirs = ((up.pixels[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).numpy() * 255).astype(np.uint8)
-    pipe = RemovalPipeline(models, device="cpu", precision="fp32")
+    pipe = RemovalPipeline(models, EngineConfig(device="cpu", precision="fp32"))
     ours = pipe.remove(video.frames, mask, upstream_compatible(RunOptions(steps=4, seed=7))).frames
     assert ours.shape == theirs.shape == (5, 32, 32, 3)
     assert psnr(ours, theirs) >= 80

@@ -2,7 +2,7 @@
 pipeline; a gate in the progress callback holds a job running where a test needs that), plus the URL fetcher against a
 local HTTP server on 127.0.0.1 with an injected resolver.
 
-The helpers at the top are shared with test_serve_client.py, test_serve_browser.py and test_serve_faults.py.
+The helpers these and test_serve_client.py, test_serve_browser.py and test_serve_faults.py share are in helpers.py.
 """
 
 from __future__ import annotations
@@ -10,11 +10,8 @@ from __future__ import annotations
 import hashlib
 import http.server
 import os
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,69 +23,13 @@ from fastremover import media
 from fastremover.errors import FastRemoverError
 from fastremover.serve import security
 from fastremover.serve.app import ServeConfig, create_app
-from fastremover.serve.jobs import JobStore
+from fastremover.serve.jobs import JobStore, new_id
 from fastremover.serve.runner import Cleaner
-from fastremover.worker import ModelSpec, RemovalWorker
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, gated_worker, write_clip
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Shared helpers
-
-
-def write_clip(folder: Path, frames: int = 9, height: int = 48, width: int = 64, seed: int = 0) -> tuple[Path, Path]:
-    """A synthetic clip and its mask as mp4 files in `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    video, mask = media.synthetic_clip(frames, height, width, seed=seed)
-    media.write_video(folder / "clip.mp4", video.frames, video.fps)
-    media.write_video(folder / "mask.mp4", np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
-    return folder / "clip.mp4", folder / "mask.mp4"
-
-
-class GatedPipeline:
-    """The real classic pipeline, held at a progress report (`hold_at`, default its first) while `release` is clear
-    (the hold keeps calling the worker's callback, so cancel and stop take effect there exactly as in a long run)."""
-
-    def __init__(self):
-        from fastremover.pipeline import RemovalPipeline
-
-        self.inner = RemovalPipeline.from_model("classic")
-        self.config = self.inner.config
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.release.set()
-        self.hold_at = ("window", 0)  # the (stage, done) report to hold at
-        self.fail: Exception | None = None  # raised there instead, once (an internal error inside the run)
-
-    def _gate(self, progress):
-        def gated(stage: str, done: int, total: int) -> None:
-            if progress is not None:
-                progress(stage, done, total)
-            if (stage, done) == self.hold_at:
-                if self.fail is not None:
-                    error, self.fail = self.fail, None
-                    raise error
-                self.entered.set()
-                while not self.release.wait(0.02):
-                    if progress is not None:
-                        progress(stage, done, total)
-
-        return gated
-
-    def remove(self, frames, mask, options=None, *, progress=None, **kwargs):
-        return self.inner.remove(frames, mask, options, progress=self._gate(progress), **kwargs)
-
-    def remove_stream(self, pairs, emit, options=None, *, progress=None, **kwargs):
-        return self.inner.remove_stream(pairs, emit, options, progress=self._gate(progress), **kwargs)
-
-    def __getattr__(self, name):  # everything else (close, closed, ...) is the real pipeline's
-        return getattr(self.inner, name)
-
-
-def gated_worker() -> tuple[RemovalWorker, GatedPipeline]:
-    pipe = GatedPipeline()
-    return RemovalWorker(ModelSpec(), pipeline=pipe), pipe
+# Helpers
 
 
 def wait_status(client, video_id: str, statuses=("completed", "failed", "cancelled"), timeout_s: float = 60) -> dict:
@@ -107,65 +48,6 @@ def files_outside(data_dir: Path, before: set[Path], roots: list[Path]) -> list[
     return sorted(p for p in now - before if not p.is_relative_to(data_dir))
 
 
-@contextmanager
-def live_server(data_dir: Path, *extra: str, env: dict | None = None, script: str | None = None):
-    """`python -m fastremover.serve --port 0 ...` (or `python -c script ...`) on 127.0.0.1; yields (process, url)."""
-    args = [sys.executable, "-c", script] if script else [sys.executable, "-m", "fastremover.serve"]
-    cmd = args + ["--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    try:
-        line = proc.stdout.readline()
-        if "listening on http://" not in line:
-            proc.kill()
-            raise AssertionError(f"server did not start: {line!r} {proc.stderr.read()}")
-        url = line.split("listening on ", 1)[1].split()[0]
-        wait_healthy(url, proc)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-        proc.stdout.close()
-        proc.stderr.close()
-
-
-@contextmanager
-def thread_server(app):
-    """uvicorn serving `app` on 127.0.0.1 (a random port) in a thread of this process; yields the base URL."""
-    import uvicorn
-
-    from fastremover.serve.cli import bind
-
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        wait_healthy(url)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
-
-
-def wait_healthy(url: str, proc=None, timeout_s: float = 60) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc is None or proc.poll() is None, f"server exited: {proc.stderr.read()}"
-        assert time.monotonic() < deadline, "server never became healthy"
-        time.sleep(0.05)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Fixtures
 
@@ -182,7 +64,8 @@ def clips(tmp_path_factory):
 
 
 class _Files(http.server.BaseHTTPRequestHandler):
-    """/clip.mp4 and /mask.mp4 from the media folder; /redirect?to=URL; /big (4 MiB); /slow (answers after 1.5 s)."""
+    """/clip.mp4 and /mask.mp4 from the media folder; /redirect?to=URL; /big (4 MiB); /slow (answers after 1.5 s);
+    /short (10 of the 1000 bytes its Content-Length says); /empty (no bytes)."""
 
     folder: Path
 
@@ -195,6 +78,12 @@ class _Files(http.server.BaseHTTPRequestHandler):
             time.sleep(1.5)
             self.send_response(200)
             self.end_headers()
+        elif self.path in ("/short", "/empty"):
+            self.send_response(200)
+            if self.path == "/short":
+                self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"\x00" * 10 if self.path == "/short" else b"")
         elif self.path == "/big":
             self.send_response(200)
             self.end_headers()
@@ -255,7 +144,7 @@ def service(clips, http_server, tmp_path_factory):
     config = ServeConfig(data_dir=str(data), media_roots=[str(clips["root"])], max_upload_bytes=512 * 1024,
                          max_queue=2, allow_urls=True, poll_after_ms=20, sync_timeout_s=30)
     app = create_app(config, workers=[worker], fetcher=fake_fetcher(http_server))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, raise_server_exceptions=False, base_url="http://localhost") as client:
         yield {"client": client, "gate": gate, "data": data, "app": app}
     gate.release.set()
 
@@ -558,7 +447,7 @@ def test_job_that_fails_while_running_reports_the_reason(service, clips, tmp_pat
 
 def test_api_key(tmp_path, clips):
     config = ServeConfig(data_dir=str(tmp_path / "data"), api_key="s3cret-key")
-    with TestClient(create_app(config, workers=[gated_worker()[0]])) as c:
+    with TestClient(create_app(config, workers=[gated_worker()[0]]), base_url="http://localhost") as c:
         assert c.get("/health").status_code == 200
         assert c.get("/").status_code == 200 and c.get("/static/app.js").status_code == 200  # the page: no data
         for method, path in [("GET", "/v1/models"), ("GET", "/v1/videos"), ("POST", "/v1/videos"),
@@ -600,6 +489,14 @@ def test_cli_bind_rules_and_flags(tmp_path):
         config("--model", str(tmp_path / "missing"))
     with pytest.raises(FastRemoverError, match="--keep-hours"):
         config("--keep-hours", "0")
+    assert config("--allowed-host", "media.example", "--allowed-host", "*.lan").allowed_hosts == ["media.example",
+                                                                                                 "*.lan"]
+    for bad in ("foo*", "*foo.lan", "a/b", ""):
+        with pytest.raises(FastRemoverError, match="--allowed-host"):
+            config("--allowed-host", bad)
+    assert config("--url-timeout", "5").url_timeout_s == 5
+    with pytest.raises(FastRemoverError, match="--url-timeout"):
+        config("--url-timeout", "0")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -631,14 +528,15 @@ def test_store_recovery_and_retention(tmp_path):
         store.job_dir(vid).mkdir(parents=True, exist_ok=True)
     store.finish(ids[0], "failed", "x", "y")
     store._exec("UPDATE videos SET completed_at = completed_at - 7200 WHERE id = ?", (ids[0],))
-    (tmp_path / "files" / "file-old").mkdir()
-    store.add_file("file-old", "a.mp4", 1, "user_data", tmp_path / "files" / "file-old" / "upload.mp4")
+    old_file = new_id("file-")
+    store.file_dir(old_file).mkdir()
+    store.add_file(old_file, "a.mp4", 1, "user_data", store.file_dir(old_file) / "upload.mp4")
     store._exec("UPDATE files SET created_at = created_at - 7200")
     assert Cleaner(store, keep_hours=1).sweep() == (1, 1)  # ids[1] failed just now: kept
     assert store.get_video(ids[0]) is None and not store.job_dir(ids[0]).exists()
     assert store.get_video(ids[1]).status == "failed" and store.job_dir(ids[1]).exists()
     assert store.get_video(ids[2]).status == "in_progress" and store.job_dir(ids[2]).exists()
-    assert store.get_file("file-old") is None
+    assert store.get_file(old_file) is None and not store.file_dir(old_file).exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -657,6 +555,8 @@ def test_url_fetcher_rules(http_server, tmp_path):
         ("http://media.test/redirect?to=http://[::1]:80/", "non-public"),
         ("http://media.test/redirect?to=file:///etc/passwd", "only http(s)"),
         ("http://media.test/missing.mp4", "HTTP 404"),
+        ("http://media.test/short", "ended after 10 of 1000 bytes"),
+        ("http://media.test/empty", "file is empty"),
         ("http://user:pw@media.test/clip.mp4", "credentials"),
         ("data:video/mp4;base64,AAAA", "data: URLs"),
         ("ftp://media.test/clip.mp4", "only http(s)"),
@@ -668,7 +568,7 @@ def test_url_fetcher_rules(http_server, tmp_path):
     # The time cap: a host that does not answer within timeout_s.
     slow = fake_fetcher(http_server)
     slow.timeout_s = 0.3
-    with pytest.raises(FastRemoverError, match="cannot download the URL"):
+    with pytest.raises(FastRemoverError, match="took longer than 0.3 s"):
         slow.fetch("http://media.test/slow", dest, "video")
     assert not dest.exists()
     # With private addresses allowed (tests only) the system resolver's loopback answer is fetched for real;
@@ -709,7 +609,6 @@ def test_load_tool_20_concurrent_requests(capsys):
 
 def test_box_instead_of_a_mask(service, clips):
     """A box on one frame instead of a mask: the worker thread builds the mask (fastremover.masktools) and removes."""
-    pytest.importorskip("fastremover.masktools", reason="the mask tool is not in this tree")
     c = service["client"]
     video, mask = media.synthetic_clip(9, 48, 64, seed=0)
     ys, xs = np.nonzero(mask[4])
@@ -726,3 +625,26 @@ def test_box_instead_of_a_mask(service, clips):
                           ({"box": box, "mask": "mask.mp4"}, "not both"),
                           ({"box_frame": 2, "mask": "mask.mp4"}, "needs a box")]:
         assert words in error_of(c.post("/v1/videos", json={"input_reference": "clip.mp4", **fields}), 400)
+
+
+def test_host_rules_with_a_key_and_allowed_hosts(tmp_path):
+    """Without a key only loopback names, --host and --allowed-host are answered; with a key any Host is (a page
+    elsewhere has no key), unless --allowed-host names them; an Origin of an allowed host may post."""
+    from fastremover.serve.app import allowed_hosts, same_origin
+
+    assert allowed_hosts(ServeConfig(data_dir="d")) == ["localhost", "127.0.0.1", "[::1]"]
+    assert allowed_hosts(ServeConfig(data_dir="d", bind_host="192.168.1.5"))[-1] == "192.168.1.5"
+    assert allowed_hosts(ServeConfig(data_dir="d", bind_host="0.0.0.0")) == ["localhost", "127.0.0.1", "[::1]"]
+    assert allowed_hosts(ServeConfig(data_dir="d", bind_host="fd00::5"))[-1] == "[fd00::5]"
+    assert allowed_hosts(ServeConfig(data_dir="d", api_key="k")) == ["*"]
+    assert "media.lan" in allowed_hosts(ServeConfig(data_dir="d", api_key="k", allowed_hosts=["media.lan"]))
+    assert same_origin("http://127.0.0.1:8000", "127.0.0.1:8000", []) and not same_origin("null", "x", [])
+    assert not same_origin("http://127.0.0.1:8001", "127.0.0.1:8000", ["*"])
+    assert same_origin("https://media.lan", "127.0.0.1:8000", ["media.lan"])
+    assert same_origin("https://a.media.lan", "127.0.0.1:8000", ["*.media.lan"])
+    assert not same_origin("https://amedia.lan", "127.0.0.1:8000", ["*.media.lan"])
+    for hosts, expected in ((None, 200), (["media.lan"], 400)):
+        config = ServeConfig(data_dir=str(tmp_path / "data"), api_key="k", allowed_hosts=hosts)
+        with TestClient(create_app(config, workers=[gated_worker()[0]]), base_url="http://elsewhere.example") as c:
+            assert c.get("/health").status_code == expected
+            assert c.get("/health", headers={"Host": "media.lan"}).status_code == 200

@@ -1,18 +1,22 @@
 """The web page in a real headless Chromium (Debian's `chromium`, driven by Playwright with `executable_path`):
-upload the demo clip and its mask, wait for the job, and check that the result <video> loads with a duration > 0.
-A screenshot is saved to $FASTREMOVER_ARTIFACTS (default: the test's tmp folder)."""
+upload the demo clip and its mask, wait for the job, and check that the result <video> loads with a duration > 0,
+under the server's Content-Security-Policy (no violation reported). A screenshot is saved to $FASTREMOVER_ARTIFACTS
+(default: the test's tmp folder). And a page on another origin that posts a job with `fetch(..., {mode: "no-cors"})`
+(no preflight) creates nothing."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 
 import numpy as np
 from playwright import sync_api  # in the dev extra: no skip (only a missing browser binary skips, outside CI)
-from test_serve import gated_worker, thread_server, write_clip
+from helpers import gated_worker, thread_server, write_clip
 
 from fastremover import media
 from fastremover.serve.app import ServeConfig, create_app
@@ -25,13 +29,18 @@ def chromium_path() -> str | None:
     return None
 
 
-def test_page_uploads_polls_and_plays_the_result(tmp_path):
+def require_chromium() -> str:
     executable = chromium_path()
     if executable is None:
         if os.environ.get("FASTREMOVER_REQUIRE_CHROMIUM"):  # CI sets it: there a missing browser is a failure
             pytest.fail("FASTREMOVER_REQUIRE_CHROMIUM is set but no chromium is on PATH (apt-get install chromium)")
         print("SKIPPED: no chromium on PATH (apt-get install chromium)")
         pytest.skip("no chromium on PATH: apt-get install chromium (CI's .ci/run installs it)")
+    return executable
+
+
+def test_page_uploads_polls_and_plays_the_result(tmp_path):
+    executable = require_chromium()
     # The demo clip (`fastremover demo`'s synthetic clip, seed 0) at a small size.
     video, mask = write_clip(tmp_path / "media", frames=17, height=96, width=128)
     mask_frames = media.synthetic_clip(17, 96, 128, seed=0)[1]
@@ -47,6 +56,7 @@ def test_page_uploads_polls_and_plays_the_result(tmp_path):
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("requestfailed", lambda r: errors.append(f"{r.url} {r.failure}") if "blob:" not in r.url else None)
+            page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
             page.goto(url + "/")
             assert page.title() == "fastremover"
             page.set_input_files("#video", str(video))
@@ -100,3 +110,62 @@ def test_page_uploads_polls_and_plays_the_result(tmp_path):
             assert errors == []
         finally:
             browser.close()
+
+
+class _Attacker(http.server.BaseHTTPRequestHandler):
+    """A page on another origin: it posts a clip and its mask (served from its own origin) as a multipart job to the
+    server with `no-cors` (no preflight is sent)."""
+
+    target: str
+    media: Path
+
+    def do_GET(self):  # noqa: N802
+        if self.path in ("/clip.mp4", "/mask.mp4"):
+            body, kind = (self.media / self.path[1:]).read_bytes(), "video/mp4"
+        else:
+            body, kind = f"""<!doctype html><title>elsewhere</title><script>
+            const form = new FormData();
+            window.posted = Promise.all(["clip", "mask"].map((n) => fetch("/" + n + ".mp4").then((r) => r.blob())))
+              .then(([clip, mask]) => {{
+                form.append("input_reference", clip, "clip.mp4");
+                form.append("mask", mask, "mask.mp4");
+                return fetch("{self.target}/v1/videos", {{method: "POST", mode: "no-cors", body: form}});
+              }}).then(() => "sent", (e) => "failed: " + e);
+            </script>""".encode(), "text/html"
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_page_elsewhere_cannot_post_a_job(tmp_path):
+    """A no-cors multipart POST from another origin reached the keyless server and ran on ecf8a4b; now the Origin
+    check refuses it (403) and the data dir is as it was."""
+    executable = require_chromium()
+    write_clip(tmp_path / "media")
+    worker, _ = gated_worker()
+    data = tmp_path / "data"
+    app = create_app(ServeConfig(data_dir=str(data)), workers=[worker])
+    with thread_server(app) as url, sync_api.sync_playwright() as pw:
+        handler = type("Attacker", (_Attacker,), {"target": url, "media": tmp_path / "media"})
+        attacker = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=attacker.serve_forever, daemon=True).start()
+        browser = pw.chromium.launch(executable_path=executable, headless=True, args=["--no-sandbox"])
+        try:
+            before = sorted(str(p.relative_to(data)) for p in data.rglob("*") if "sqlite" not in p.name)
+            seen: list[int] = []
+            page = browser.new_page()
+            page.on("response", lambda r: seen.append(r.status) if r.url.endswith("/v1/videos") else None)
+            page.goto(f"http://localhost:{attacker.server_address[1]}/")  # another origin than 127.0.0.1:PORT
+            assert page.evaluate("window.posted") == "sent"  # the browser sent it; the answer is opaque to the page
+            assert seen == [403], seen
+            after = sorted(str(p.relative_to(data)) for p in data.rglob("*") if "sqlite" not in p.name)
+            assert after == before and list((data / "jobs").iterdir()) == []
+        finally:
+            browser.close()
+            attacker.shutdown()
+            attacker.server_close()

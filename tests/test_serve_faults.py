@@ -8,16 +8,17 @@ import signal
 import time
 
 import httpx
-from test_serve import live_server, write_clip
+from helpers import live_server, write_clip
 
 # A server whose (real, classic) worker holds every job at its first progress report until the file named by
 # $GATE exists: the test decides when a job may finish.
 GATED_SERVER = """
 import os, sys, threading, time
 sys.path.insert(0, "tests")
-from test_serve import GatedPipeline
+from helpers import GatedPipeline
+from fastremover.config import ModelSource
 from fastremover.serve.cli import add_serve_parser, config_from_args, serve
-from fastremover.worker import ModelSpec, RemovalWorker
+from fastremover.worker import RemovalWorker
 import argparse
 parser = argparse.ArgumentParser()
 add_serve_parser(parser.add_subparsers(dest="command"))
@@ -30,7 +31,7 @@ def watch():
     pipe.release.set()
 threading.Thread(target=watch, daemon=True).start()
 sys.exit(serve(config_from_args(args), args.host, args.port, log_level=args.log_level,
-               workers=[RemovalWorker(ModelSpec(), pipeline=pipe)]))
+               workers=[RemovalWorker(ModelSource(), pipeline=pipe)]))
 """
 
 

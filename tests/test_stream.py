@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 
 from fastremover import media, stream
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.errors import FastRemoverError
 from fastremover.models.loading import random_models
 from fastremover.options import RunOptions
 from fastremover.pipeline import RemovalPipeline
 from fastremover.windows import next_window, plan_windows, window_lookahead
-from fastremover.worker import Job, ModelSpec, RemovalWorker
+from fastremover.worker import Job, RemovalWorker
 
 from av_clips import write_av_clip
 
@@ -159,7 +160,7 @@ def test_open_clip_matches_read_mask_and_single_image_masks(tmp_path):
 
 @pytest.fixture(scope="module")
 def classic_worker():
-    worker = RemovalWorker(ModelSpec("classic"))
+    worker = RemovalWorker()  # the classic remover
     yield worker
     worker.close()
 
@@ -182,8 +183,8 @@ def test_streaming_equals_in_memory_classic_with_crops_and_audio(tmp_path, class
 @pytest.mark.slow
 @pytest.mark.parametrize("frames", [5, 9, 13])
 def test_streaming_equals_in_memory_tiny_model(tmp_path, frames):
-    pipe = RemovalPipeline(random_models("tiny", seed=0), device="cpu", precision="fp32")
-    worker = RemovalWorker(ModelSpec("random", preset="tiny"), pipeline=pipe)
+    pipe = RemovalPipeline(random_models("tiny", seed=0), EngineConfig(device="cpu", precision="fp32"))
+    worker = RemovalWorker(ModelSource("random", preset="tiny"), pipeline=pipe)
     v, m = _inputs(tmp_path, frames, 32, 48, audio=True, travel=1.0, object_fraction=0.12)
     options = RunOptions(steps=1, dilate=2, window=5, overlap=1, crop="off")
     out, ref = tmp_path / "out.mp4", tmp_path / "ref.mp4"
@@ -212,13 +213,13 @@ def test_streaming_frame_folder_in_and_out(tmp_path, classic_worker):
 _KILLED_RUN = textwrap.dedent("""
     import os, signal, sys
     from fastremover.options import RunOptions
-    from fastremover.worker import Job, ModelSpec, RemovalWorker
+    from fastremover.worker import Job, RemovalWorker
 
     video, mask, out = sys.argv[1:4]
     def progress(stage, done, total):
         if stage == "window" and done == 2:  # two of three windows finished (and saved)
             os.kill(os.getpid(), signal.SIGKILL)
-    RemovalWorker(ModelSpec("classic")).run(Job(video, mask, out, options=RunOptions(window=9, overlap=2)), progress)
+    RemovalWorker().run(Job(video, mask, out, options=RunOptions(window=9, overlap=2)), progress)
 """)
 
 
@@ -298,6 +299,7 @@ def test_store_load_rebuilds_the_window(tmp_path):
 _PEAK_RSS = textwrap.dedent("""
     import resource, sys
     import numpy as np
+    from fastremover.config import EngineConfig
     from fastremover.options import RunOptions
     from fastremover.pipeline import RemovalPipeline
 
@@ -317,8 +319,7 @@ _PEAK_RSS = textwrap.dedent("""
     if kind == "classic":
         pipe = RemovalPipeline.from_model("classic")
     else:
-        from fastremover.models.loading import random_models
-        pipe = RemovalPipeline(random_models("tiny", seed=0), device="cpu", precision="fp32")
+        pipe = RemovalPipeline.from_model("random", preset="tiny", config=EngineConfig(device="cpu"))
     count = []
     result = pipe.remove_stream(pairs(), lambda frame: count.append(frame.shape), options)
     assert len(count) == frames and len(result.windows) > 1
@@ -356,18 +357,19 @@ def test_memory_tiny_model_is_flat():
     assert long <= 1.10 * short, (short, long)
 
 
-def test_5000_frames_run_with_flat_memory(tmp_path):
-    """A 5000-frame 64x64 clip through the worker (decode, the tiny model where the mask is, H.264 write) in the
-    memory of a 500-frame one.
+def test_2500_frames_run_with_flat_memory(tmp_path):
+    """A 2500-frame 64x64 clip through the worker (decode, the tiny model where the mask is, H.264 write) in the
+    memory of a 250-frame one: ten times the frames, no more memory.
 
-    It also needs more than the 0.05 GiB budget given here if it were decoded whole (5000 x 64 x 64 x 4 bytes = 0.08
-    GiB): the whole-clip path refused it; streaming holds one window."""
+    It also needs more than the 0.03 GiB budget given here if it were decoded whole (2500 x 64 x 64 x 4 bytes = 0.038
+    GiB): the whole-clip path refused it; streaming holds one window (about 0.01 GiB)."""
     script = textwrap.dedent("""
         import sys
         import numpy as np
         from fastremover import media
+        from fastremover.config import EngineConfig, ModelSource
         from fastremover.options import RunOptions
-        from fastremover.worker import Job, ModelSpec, RemovalWorker
+        from fastremover.worker import Job, RemovalWorker
         frames, folder = int(sys.argv[1]), sys.argv[2]
         rng = np.random.default_rng(0)
         texture = rng.integers(0, 256, (64, 64 + frames, 3), dtype=np.uint8)
@@ -377,24 +379,24 @@ def test_5000_frames_run_with_flat_memory(tmp_path):
         disc = lambda i: ((yy - 32) ** 2 + (xx - 16 - i % 32) ** 2 < 36) & (frames // 2 <= i < frames // 2 + 10)
         masks = (np.repeat((disc(i) * 255).astype(np.uint8)[..., None], 3, 2) for i in range(frames))
         media.write_frames(f"{folder}/mask.mp4", masks, 24, preset="ultrafast")  # a disc in 10 frames mid-clip
-        result = RemovalWorker(ModelSpec("random", preset="tiny", device="cpu")).run(Job(f"{folder}/in.mp4",
-            f"{folder}/mask.mp4", f"{folder}/out.mp4", options=RunOptions(steps=1, dilate=2),
-            max_decoded_gib=0.05))
+        worker = RemovalWorker(ModelSource("random", preset="tiny"), EngineConfig(device="cpu"))
+        result = worker.run(Job(f"{folder}/in.mp4", f"{folder}/mask.mp4", f"{folder}/out.mp4",
+                                options=RunOptions(steps=1, dilate=2), max_decoded_gib=0.03))
         assert result.ran_model
         assert result.num_frames == frames
         with open("/proc/self/status") as f:
             print([line.split()[1] for line in f if line.startswith("VmHWM")][0])
     """)
     peaks = []
-    for frames in (500, 5000):
+    for frames in (250, 2500):
         folder = tmp_path / str(frames)
         folder.mkdir()
         done = subprocess.run([sys.executable, "-c", script, str(frames), str(folder)], cwd=REPO,
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-2000:]
         peaks.append(int(done.stdout.split()[-1]) / 1024)
-    assert media.probe(tmp_path / "5000" / "out.mp4")["num_frames"] == 5000
-    # In memory, the 4500 more frames would hold input + output + mask + dilated mask: 4500 x 64 x 64 x 8 B = 141 MiB.
+    assert media.probe(tmp_path / "2500" / "out.mp4")["num_frames"] == 2500
+    # In memory, the 2250 more frames would hold input + output + mask + dilated mask: 2250 x 64 x 64 x 8 B = 70 MiB.
     assert peaks[1] - peaks[0] < 30, peaks
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastremover import media
+from fastremover.config import EngineConfig
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import random_models
 from fastremover.options import RunOptions
@@ -20,7 +21,7 @@ from fastremover.windows import STREAM_PREFETCH, plan_windows
 @pytest.fixture(scope="module")
 def tiny_pipe():
     torch.set_num_threads(1)
-    return RemovalPipeline(random_models("tiny", seed=0), device="cpu", precision="fp32")
+    return RemovalPipeline(random_models("tiny", seed=0), EngineConfig(device="cpu", precision="fp32"))
 
 
 def _clip(frames, height=32, width=48, seed=3):
@@ -129,19 +130,24 @@ def test_streamed_decode_equals_the_whole_decode(tiny_pipe):
     assert np.array_equal(np.concatenate(chunks), tiny_pipe.finish(whole, prep))
 
 
-def test_emit_time_is_recorded(tiny_pipe):
+def test_emit_time_is_recorded(tiny_pipe, monkeypatch):
     """StreamResult.emit_s: the time the window loop spent inside `emit` (the write time a writer thread did not
-    hide; the worker reports it as the exposed write)."""
-    import time
+    hide; the worker reports it as the exposed write). The loop's clock is replaced by one that moves only while
+    `emit` runs (one unit per call), so emit_s counts exactly the time inside `emit`, no wall clock involved."""
+    import types
 
+    from fastremover import pipeline
+
+    clock = [0.0]
+    monkeypatch.setattr(pipeline, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     options = RunOptions(steps=1, window=9, overlap=1, crop="off", dilate=2)
     frames, mask = _clip(9)
 
-    def slow_emit(frame):
-        time.sleep(0.02)
+    def emit(frame):
+        clock[0] += 1.0
 
-    result = tiny_pipe.remove_stream(zip(frames, mask), slow_emit, options)
-    assert result.emit_s >= 0.9 * 0.02 * 9
+    result = tiny_pipe.remove_stream(zip(frames, mask), emit, options)
+    assert result.emit_s == 9.0 and result.timer.wall_s["read"] == 0.0
 
 
 def test_worker_budget_counts_the_deeper_read_ahead():

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastremover.config import FastVAEOptions
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -158,7 +160,8 @@ def test_fast_vae_decoder_uses_the_subpixel_conv(monkeypatch):
     monkeypatch.setattr(vae_fast, "_load_upconv", lambda device, dtype: Up)
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 5).eval().half()
     sub = vae_fast.FastWanVAE(vae, device="cpu", dtype=F16, kernels="torch")
-    eager = vae_fast.FastWanVAE(vae, device="cpu", dtype=F16, kernels="torch", upsample_conv="eager")
+    eager = vae_fast.FastWanVAE(vae, device="cpu", dtype=F16, kernels="torch",
+                                options=FastVAEOptions(upsample_conv="eager"))
     assert sub.upsample_conv == "subpixel" and eager.upsample_conv == "eager"
     z = torch.randn(1, 16, 2, 3, 4, generator=gen(6)).half()
     a, b = sub.decode(z), eager.decode(z)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from fastremover.config import EngineConfig, FastVAEOptions, VAEOptions
 from fastremover.errors import FastRemoverError  # noqa: E402
 from fastremover.models.loading import random_init_  # noqa: E402
 from fastremover.models.vae import CausalCache, CausalConv3d, WanVAE, WanVAEConfig  # noqa: E402
@@ -555,14 +556,15 @@ def test_fp8_static_scales_stream_cache_and_residual(monkeypatch):
     with pytest.raises(AssertionError, match="static FP8"):
         fast._causal(r.conv1, _Stream(), 1, (1, 64, 2, 3), fast._copy_fill(x[:, :, :1]))
     # dynamic scales on request: no static scale, the causal_conv3d_fp8 path
-    dyn = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_scales="dynamic")
+    dyn = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
+                     options=FastVAEOptions(fp8_scales="dynamic"))
     assert dyn._conv[r.conv1].act_scale is None and dyn.describe() == "fast-fp8+dynamic-scales"
     # encoder levels: all of them with static scales, the 96-channel-class ones (<= 128) with dynamic scales
     assert fast.fp8_encoder_max_channels == 384 and dyn.fp8_encoder_max_channels == 128
     wide = [m for m in fast._conv if m in fast._encoder_modules and fast._conv[m].fp8 is not None]
     assert wide and all(dyn._conv[m].fp8 is not None for m in wide)  # the tiny config's widest encoder level is 64
-    narrow = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_encoder_max_channels=64,
-                        fp8_max_channels=64)
+    narrow = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
+                        options=FastVAEOptions(fp8_encoder_max_channels=64, fp8_max_channels=64))
     assert narrow.describe() == "fast-fp8+max64ch+enc64ch"
 
 
@@ -621,7 +623,8 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
     ref = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch").decode(z)
     torch.testing.assert_close(fast.decode(z), ref, rtol=1e-5, atol=1e-5)
     assert set(accs) == {False}  # no promotion by default; fp8_precise_acc=True hands the kernel True
-    precise = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fp8_precise_acc=True)
+    precise = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
+                         options=FastVAEOptions(fp8_precise_acc=True))
     assert precise.describe() == "fast-fp8+precise-acc+dynamic-scales"
     precise.decode(z)
     assert accs[-1] is True
@@ -667,8 +670,8 @@ def test_fast_vae_matches_eager(tiny, frames, pad_rgb, tap_head):
     from fastremover.fast.vae_fast import FastWanVAE
 
     vae, x, z, d = tiny
-    fast = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=frames[0], decode_frames=frames[1],
-                      pad_rgb=pad_rgb, tap_head=tap_head)
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(encode_frames=frames[0],
+                      decode_frames=frames[1], pad_rgb=pad_rgb, tap_head=tap_head))
     steps = []
     zf = fast.encode(x, progress=lambda done, total: steps.append((done, total)))
     assert steps == [(i, 4) for i in range(1, 5)]
@@ -693,12 +696,12 @@ def test_frames_per_step_auto_policy(tiny):
     assert 240 * 432 <= SMALL_FRAME_PIXELS < 480 * 832
     assert (fast.frames_per_step("encode", 240, 432), fast.frames_per_step("decode", 240, 432)) == (2, None)
     assert (fast.frames_per_step("encode", 480, 832), fast.frames_per_step("decode", 480, 832)) == (2, 1)
-    fixed = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=3, decode_frames=None)
+    fixed = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(encode_frames=3, decode_frames=None))
     fixed.device = torch.device("cuda")
     assert (fixed.frames_per_step("encode", 240, 432), fixed.frames_per_step("decode", 480, 832)) == (3, None)
     for bad in ("all", 0, 1.5, True):
         with pytest.raises(ValueError, match="decode_frames"):
-            FastWanVAE(vae, device="cpu", dtype=F32, decode_frames=bad)
+            FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(decode_frames=bad))
     frames_arg = _vae_bench().__globals__["_frames_arg"]  # the bench's --encode-frames / --decode-frames parser
     assert frames_arg("all") is None and frames_arg("auto") == "auto"
     assert frames_arg("2") == 2
@@ -714,7 +717,7 @@ def test_frames_per_step_gets_full_resolution_sizes(tiny, monkeypatch):
     real = FastWanVAE.frames_per_step
     monkeypatch.setattr(FastWanVAE, "frames_per_step",
                         lambda self, op, h, w: asked.append((op, h, w)) or real(self, op, h, w))
-    fast = FastWanVAE(vae, device="cpu", dtype=F32, pair=False)
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(pair=False))
     fast.encode(x)
     fast.decode(z)
     full = tuple(x.shape[3:])
@@ -743,7 +746,7 @@ def test_encode_removal_inputs(tiny, pair):
     vae, x, _, _ = tiny
     frames = x[:1]
     mask = (x[1:, :1] > 0.3).float().expand(1, 3, -1, -1, -1)
-    fast = FastWanVAE(vae, device="cpu", dtype=F32, pair=pair)
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(pair=pair))
     assert fast.pair_fits(1, 13, 32, 48) is pair
     steps = []
     za, zb = fast.encode_removal_inputs(frames, mask, progress=lambda d, t: steps.append((d, t)))
@@ -791,17 +794,20 @@ def test_padded_channels_match_eager(padded_model, kernels):
     from fastremover.fast.vae_fast import FastWanVAE
 
     vae, x, z, d = padded_model
-    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, pad_channels=8, pad_encoder=True, pair=True)
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, options=FastVAEOptions(pad_channels=8,
+                      pad_encoder=True, pair=True))
     widths = {c.weight.shape[0] for c in fast._conv.values()} | {c.weight.shape[1] for c in fast._conv.values()}
     assert {16, 24, 40} <= widths and not {12, 18, 36} & widths  # every 12/18/36 became 16/24/40
     assert fast._norm_channels and set(fast._norm_channels.values()) <= {12, 18, 36}
-    decoder_only = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, pad_channels=8)  # pad_encoder=False
+    decoder_only = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels,
+                              options=FastVAEOptions(pad_channels=8))  # pad_encoder=False
     enc_w = {decoder_only._conv[m].weight.shape[1] for m in vae.encoder.modules() if m in decoder_only._conv}
     dec_w = {decoder_only._conv[m].weight.shape[1] for m in vae.decoder.modules() if m in decoder_only._conv}
     assert 12 in enc_w and 16 not in enc_w and {16, 24, 40} <= dec_w
     assert rel_err(decoder_only.encode(x), z) <= 1e-5 and rel_err(decoder_only.decode(z), d) <= 1e-5
     # row stripes on padded inputs with real-width caches (1-frame decode steps)
-    striped = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, pad_channels=8, stripe_mib=0.0005)
+    striped = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, options=FastVAEOptions(pad_channels=8,
+                         stripe_mib=0.0005))
     seen = []
     orig = striped._causal_striped
     striped._causal_striped = lambda conv, *a, **k: seen.append(conv) or orig(conv, *a, **k)
@@ -812,7 +818,7 @@ def test_padded_channels_match_eager(padded_model, kernels):
     assert rel_err(za, vae.encode(x * (1 - mask))) <= 1e-5 and rel_err(zb, vae.encode(2 * mask - 1.0)) <= 1e-5
     df = fast.decode(z)
     assert df.shape == d.shape and rel_err(df, d) <= 1e-5
-    plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, pad_channels=0)
+    plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, options=FastVAEOptions(pad_channels=0))
     assert not plain._norm_channels and rel_err(plain.decode(z), df) <= 1e-5
 
 
@@ -824,7 +830,7 @@ def test_grouped_convs_are_padded_group_by_group_only(padded_model, pad):
     from fastremover.fast.vae_fast import FastWanVAE
 
     vae, _, z, d = padded_model
-    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", pad_channels=pad)
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", options=FastVAEOptions(pad_channels=pad))
     attn = vae.decoder.mid_block.attentions[0]
     width = fast._width(attn.to_qkv.in_channels, attn.to_qkv)
     assert tuple(fast._conv[attn.to_qkv].weight.shape[:2]) == (3 * width, width)
@@ -843,7 +849,8 @@ def test_padded_channels_hold_exact_zeros(padded_model, monkeypatch):
     from fastremover.fast.vae_fast import FastWanVAE
 
     vae, x, z, _ = padded_model
-    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", pad_channels=8, pad_encoder=True)
+    fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", options=FastVAEOptions(pad_channels=8,
+                      pad_encoder=True))
     streams = []
     real_stream = vae_fast._Stream
 
@@ -885,7 +892,7 @@ def test_pad_channels_widths_and_argument_checks():
                                                                                448]
     for bad in (-8, 12, 1.5, True):
         with pytest.raises(ValueError, match="pad_channels"):
-            FastWanVAE(vae, device="cpu", pad_channels=bad)
+            FastWanVAE(vae, device="cpu", options=FastVAEOptions(pad_channels=bad))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU tests run the compiled kernels at real sizes")
@@ -908,7 +915,8 @@ def test_precise_norm_option(tiny):
     vae, _, z, _ = tiny
     out = {}
     for precise_norm in (False, True):
-        fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precise_norm=precise_norm)
+        fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch",
+                          options=FastVAEOptions(precise_norm=precise_norm))
         assert fast.precise_norm is precise_norm
         assert fast.describe() == "fast-fp32" + ("+precise-norm" if precise_norm else "")
         seen, norm_fn = [], fast._norm_fn
@@ -921,7 +929,8 @@ def test_precise_norm_option(tiny):
         out[precise_norm] = fast.decode(z[:1, :, :2, :2, :2])
         assert seen and set(seen) == {True if precise_norm else "default"}, set(seen)
     assert torch.equal(out[False], out[True])
-    assert FastWanVAE(vae, device="cpu", dtype=F32, fuse_bias=False, precise_norm=True).describe() == (
+    assert FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(fuse_bias=False,
+                      precise_norm=True)).describe() == (
         "fast-fp32+unfused-bias+precise-norm")
 
 
@@ -940,7 +949,8 @@ def test_precise_norm_changes_the_triton_vae_in_fp32():
         eager = (vae.encode(x), vae.decode(z))
     out = {}
     for precise_norm in (False, True):
-        fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="triton", precise_norm=precise_norm)
+        fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="triton",
+                          options=FastVAEOptions(precise_norm=precise_norm))
         out[precise_norm] = (fast.encode(x), fast.decode(z))
     for name, a, b, ref in zip(("latents", "video"), out[False], out[True], eager):
         n_diff = int((a != b).sum())
@@ -963,11 +973,11 @@ def test_build_vae_and_pipeline_wiring():
         build_vae(vae, "exact", torch.device("cpu"), F32, "fp8")
     with pytest.raises(FastRemoverError, match="--vae-precision"):
         build_vae(vae, "exact", torch.device("cpu"), F32, "fp4")
-    pipe = RemovalPipeline(random_models("tiny", 0), device="cpu", precision="fp32")
+    pipe = RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cpu", precision="fp32"))
     assert pipe.config.vae == "eager" and pipe.config.describe()["vae_precision"] == "auto"
     assert isinstance(pipe.vae, EagerVideoVAE) and pipe.vae.module is pipe.models.vae
     with pytest.raises(FastRemoverError, match="fp8"):
-        RemovalPipeline(random_models("tiny", 0), device="cpu", precision="fp32", vae_precision="fp8")
+        RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cpu", precision="fp32", vae=VAEOptions("fp8")))
 
 
 def test_cli_flag_parses():
@@ -1172,9 +1182,9 @@ def test_gpu_pipeline_builds_the_fast_vae():
     from fastremover.models.loading import random_models
     from fastremover.pipeline import RemovalPipeline
 
-    fast = RemovalPipeline(random_models("tiny", 0), device="cuda", precision="fp16", mode="exact")
+    fast = RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cuda", precision="fp16", mode="exact"))
     assert fast.config.vae == "fast-fp16" and fast.vae is not fast.models.vae
-    eager = RemovalPipeline(random_models("tiny", 0), device="cuda", precision="fp16", mode="eager")
+    eager = RemovalPipeline(random_models("tiny", 0), EngineConfig(device="cuda", precision="fp16", mode="eager"))
     assert eager.config.vae == "eager"
 
 
@@ -1193,7 +1203,7 @@ def test_gpu_fp8_vae_path(monkeypatch):
     fp16 = FastWanVAE(vae, device="cuda", dtype=F16)
     fp8 = FastWanVAE(vae, device="cuda", dtype=F16, precision="fp8")
     assert fp8.describe() == "fast-fp8" and fp8.fp8_convs > 0 and fp8.fp8_scales == "static"
-    dyn = FastWanVAE(vae, device="cuda", dtype=F16, precision="fp8", fp8_scales="dynamic")
+    dyn = FastWanVAE(vae, device="cuda", dtype=F16, precision="fp8", options=FastVAEOptions(fp8_scales="dynamic"))
     a, b, d = fp16.decode(z), fp8.decode(z), dyn.decode(z)
     psnr, psnr_d = _psnr(b, a), _psnr(d, a)
     print(f"fp8 VAE decode vs fp16 fast VAE: static scales {psnr:.2f} dB, dynamic {psnr_d:.2f} dB over "
@@ -1210,8 +1220,9 @@ def test_row_stripes_change_nothing(tiny, encode_frames, monkeypatch):
     from fastremover.fast.vae_fast import FastWanVAE
 
     vae, x, z, d = tiny
-    plain = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=encode_frames)
-    striped = FastWanVAE(vae, device="cpu", dtype=F32, encode_frames=encode_frames, stripe_mib=0.004)
+    plain = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(encode_frames=encode_frames))
+    striped = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(encode_frames=encode_frames,
+                         stripe_mib=0.004))
     calls = count_calls(monkeypatch, vae_fast.FastWanVAE, "_causal_striped")
     assert rel_err(striped.decode(z), plain.decode(z)) <= 1e-6
     n_dec = calls["n"]
@@ -1506,7 +1517,8 @@ def test_fuse_bias_is_bit_exact_with_the_interpreted_kernels(tiny_big_bias, dtyp
     no_bias = _cudnn_like_convs(monkeypatch)
     res = {}
     for fuse in (False, True):
-        fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", pair=True, fuse_bias=fuse)
+        fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", options=FastVAEOptions(pair=True,
+                          fuse_bias=fuse))
         assert fast.fuse_bias is fuse and fast.describe().endswith("+unfused-bias") is (not fuse)
         no_bias.clear()
         res[fuse] = (*fast.encode_removal_inputs(frames, mask), fast.decode(z))
@@ -1532,9 +1544,9 @@ def test_fuse_bias_is_bit_exact_with_the_torch_kernels_and_stripes(tiny_big_bias
     striped = count_calls(monkeypatch, vae_fast.FastWanVAE, "_causal_striped")
     out = {}
     for fuse in (False, True):
-        kw = dict(device="cpu", dtype=dtype, kernels="torch", fuse_bias=fuse)
-        a = FastWanVAE(vae, encode_frames=1, stripe_mib=0.002, pair=False, **kw)
-        b = FastWanVAE(vae, encode_frames=None, pair=True, **kw)
+        kw = dict(device="cpu", dtype=dtype, kernels="torch")
+        a = FastWanVAE(vae, options=FastVAEOptions(encode_frames=1, stripe_mib=0.002, pair=False, fuse_bias=fuse), **kw)
+        b = FastWanVAE(vae, options=FastVAEOptions(encode_frames=None, pair=True, fuse_bias=fuse), **kw)
         out[fuse] = (*a.encode_pair(x[:1], x[1:]), a.decode(z), *b.encode_pair(x[:1], x[1:]), b.decode(z))
     assert striped["n"] > 0
     for i, (p, q) in enumerate(zip(out[False], out[True])):
@@ -1581,8 +1593,8 @@ def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype,
     monkeypatch.setattr(vae_fast.FastWanVAE, "_causal_striped", striped)
     res, seen = {}, {}
     for bias_kernel in (False, True):
-        fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", pair=True, fuse_bias=fuse_bias,
-                          stripe_mib=stripe_mib)
+        fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", options=FastVAEOptions(pair=True,
+                          fuse_bias=fuse_bias, stripe_mib=stripe_mib))
         assert fast._bias_kernel is False  # off on the CPU by default; switched on as on CUDA
         fast._bias_kernel = bias_kernel
         calls.clear()
@@ -1616,8 +1628,10 @@ def test_fuse_bias_skips_fp8_convs(monkeypatch):
     monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
     _cudnn_like_convs(monkeypatch)
-    plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fuse_bias=False)
-    fused = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8", fuse_bias=True)
+    plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
+                       options=FastVAEOptions(fuse_bias=False))
+    fused = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
+                       options=FastVAEOptions(fuse_bias=True))
     convs = [r.conv1 for r in vae.decoder.up_blocks[0].resnets] + [r.conv1 for r in vae.decoder.up_blocks[-1].resnets]
     fp8 = [m for m in convs if fused._conv[m].fp8 is not None]
     not_fp8 = [m for m in convs if fused._conv[m].fp8 is None]
@@ -1660,7 +1674,8 @@ def test_gpu_fuse_bias_is_bit_exact_w2_chunk(dtype):
     m = torch.from_numpy(mask).to(dev)[None, None].expand(1, 3, -1, -1, -1).to(dtype).contiguous()
 
     def run(fuse, pair, stripe_mib=None, bias_kernel=True):
-        fast = FastWanVAE(vae, device=dev, dtype=dtype, pair=pair, stripe_mib=stripe_mib, fuse_bias=fuse)
+        fast = FastWanVAE(vae, device=dev, dtype=dtype, options=FastVAEOptions(pair=pair, stripe_mib=stripe_mib,
+                          fuse_bias=fuse))
         assert fast._bias_kernel
         fast._bias_kernel = bias_kernel
         za, zb = fast.encode_removal_inputs(x, m)

@@ -12,6 +12,9 @@ from fastremover.errors import FastRemoverError
 from fastremover.fast import vae_tiling as vt
 from fastremover.models.loading import PRESETS, random_init_
 from fastremover.models.vae import WanVAE, WanVAEConfig
+from helpers import load_tool
+
+lab = load_tool("vae_tiling_check")  # the live-tensor-byte counter and the GPU check (lab code, tools/)
 
 REAL = WanVAEConfig.from_dict(PRESETS["minimax-remover"]["vae"])
 TINY = WanVAEConfig.from_dict(PRESETS["tiny"]["vae"])
@@ -253,7 +256,7 @@ def _measure(cfg, op, frames, h, w, dtype, device):
     else:
         x = torch.zeros(1, cfg.z_dim, (frames - 1) // 4 + 1, h // 8, w // 8, dtype=dtype, device=device)
         fn = vae.decode
-    peak, _ = vt.measure_call_bytes(fn, x, vae)
+    peak, _ = lab.measure_call_bytes(fn, x, vae)
     return peak, vae
 
 
@@ -276,7 +279,7 @@ def test_memory_model_on_a_real_cpu_run(tiny_vae):
     for op, lo, hi in (("encode", 1.0, 1.4), ("decode", 1.0, 1.4)):
         x = smooth_video(9, 64, 96) if op == "encode" else torch.randn(1, 16, 3, 8, 12)
         fn = tiny_vae.encode if op == "encode" else tiny_vae.decode
-        measured, _ = vt.measure_call_bytes(fn, x, tiny_vae)
+        measured, _ = lab.measure_call_bytes(fn, x, tiny_vae)
         model = vt.estimate_call_bytes(op, 9, 64, 96, torch.float32, TINY).total
         print(f"cpu {op}: measured {measured} model {model} ratio {measured / model:.3f}")
         assert lo < measured / model < hi
@@ -294,8 +297,8 @@ def test_tiled_memory_measured_below_estimate(op):
     else:
         x = torch.zeros(1, 16, 3, h // 8, w // 8, dtype=torch.float16, device="meta")
         fn = lambda t: vt.decode_tiled(vae.decode, t, tile // 8, overlap // 8)  # noqa: E731
-    tiled, y = vt.measure_call_bytes(fn, x, vae)
-    untiled, _ = vt.measure_call_bytes(vae.encode if op == "encode" else vae.decode, x, vae)
+    tiled, y = lab.measure_call_bytes(fn, x, vae)
+    untiled, _ = lab.measure_call_bytes(vae.encode if op == "encode" else vae.decode, x, vae)
     model = vt.estimate_tiled_bytes(op, frames, h, w, torch.float16, REAL, (tile, tile), (overlap, overlap))
     print(f"{op}: tiled {tiled} model {model} untiled {untiled}")
     assert tiled <= model <= 1.1 * tiled
@@ -345,7 +348,7 @@ def test_choose_tiling_impossible_budget_raises():
 def test_gpu_check_plumbing_on_cpu():
     # tiny preset, fp32 on the CPU; a "cap" far below the untiled need forces tiles (no memory statistics on CPU)
     need = vt.estimate_call_bytes("decode", 5, 64, 256, torch.float32, TINY).total
-    result = vt.gpu_check(5, 64, 256, cap_gib=0.75 * need / 2**30, preset="tiny", device="cpu", small=(5, 64, 96))
+    result = lab.gpu_check(5, 64, 256, cap_gib=0.75 * need / 2**30, preset="tiny", device="cpu", small=(5, 64, 96))
     json.dumps(result)
     assert result["tiles"] >= 2 and result["plan"]["model_gib"] * 1.15 <= result["budget_gib"]
     assert result["latent_shape"] == [1, 16, 2, 8, 32] and result["video_shape"] == [1, 3, 5, 64, 256]
@@ -356,7 +359,7 @@ def test_gpu_check_plumbing_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast", [False, True], ids=["eager-vae", "fast-vae"])
 def test_gpu_1080p_encode_decode_under_24_gib(fast):
-    result = vt.gpu_check(81, 1088, 1920, cap_gib=24.0, fast=fast)
+    result = lab.gpu_check(81, 1088, 1920, cap_gib=24.0, fast=fast)
     print(json.dumps(result))
     assert result["peak_reserved_gib"] <= 24.0  # the plan's promise, whichever VAE plans it
     if not fast:  # the eager VAE's memory model needs tiles at 1080p under 24 GiB; the fast VAE plans with its own

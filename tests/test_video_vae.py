@@ -6,11 +6,15 @@ import inspect
 import pytest
 import torch
 
+from fastremover.config import FastVAEOptions
 from fastremover.fast import vae_tiling as vt
 from fastremover.fast.vae_fast import FastWanVAE, build_vae
 from fastremover.models.loading import PRESETS, random_init_
 from fastremover.models.vae import WanVAE, WanVAEConfig
 from fastremover.vae_api import EagerVideoVAE, VideoVAE
+from helpers import load_tool
+
+lab = load_tool("vae_tiling_check")  # the live-tensor-byte counter and the GPU check (lab code, tools/)
 
 TINY = WanVAEConfig.from_dict(PRESETS["tiny"]["vae"])
 REAL = WanVAEConfig()
@@ -56,7 +60,7 @@ def test_decode_iter_equals_decode_bitwise(tiny):
     assert [c.shape[2] for c in chunks] == [1, 4, 4]
     assert torch.equal(torch.cat(chunks, dim=2), tiny.decode(z))
     for kw in ({}, {"decode_frames": None}, {"decode_frames": 2, "tap_head": False}):
-        fast = FastWanVAE(tiny, device="cpu", dtype=F32, kernels="torch", **kw)
+        fast = FastWanVAE(tiny, device="cpu", dtype=F32, kernels="torch", options=FastVAEOptions(**kw))
         parts = list(fast.decode_iter(z))
         assert [c.shape[2] for c in parts] == [1, 4, 4], kw
         assert all(c.is_contiguous() for c in parts)
@@ -75,7 +79,7 @@ def test_encode_removal_is_the_pipelines_two_encodes(tiny):
     assert torch.equal(za, tiny.normalize(tiny.encode(frames * (1 - mask))))
     assert torch.equal(zb, tiny.normalize(tiny.encode(2 * mask - 1.0)))
     for pair in (True, False):
-        fast = FastWanVAE(tiny, device="cpu", dtype=F32, kernels="torch", pair=pair)
+        fast = FastWanVAE(tiny, device="cpu", dtype=F32, kernels="torch", options=FastVAEOptions(pair=pair))
         fa, fb = fast.encode_removal(frames, mask)
         torch.testing.assert_close(fa, za, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fb, zb, rtol=1e-5, atol=1e-5)
@@ -115,7 +119,7 @@ def test_tiled_calls_follow_the_vaes_memory_budget(tiny, monkeypatch):
 def _fast_on_meta(cfg, dtype, **kw):
     with torch.device("meta"):
         module = WanVAE(cfg).to(dtype)
-    return module, FastWanVAE(module, device="meta", dtype=dtype, kernels="torch", **kw)
+    return module, FastWanVAE(module, device="meta", dtype=dtype, kernels="torch", options=FastVAEOptions(**kw))
 
 
 def _live_peak(module, fast, op, frames, h, w, dtype):
@@ -128,7 +132,7 @@ def _live_peak(module, fast, op, frames, h, w, dtype):
     held = [x, *module.parameters(), *fast._gamma.values()]
     for c in fast._conv.values():
         held += [t for t in (c.weight, c.bias) if t is not None]
-    meter = vt.LiveTensorBytes(held)
+    meter = lab.LiveTensorBytes(held)
     with meter:
         fn(x)
     return meter.peak

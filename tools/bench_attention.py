@@ -28,6 +28,46 @@ def _load() -> None:
     global unavailable_reason
     unavailable_reason = registry.unavailable_reason
 
+
+# ----------------------------------------------------------------------------------------------------------------------
+# cuDNN plan surveys (every plan cuDNN can build for a shape, timed; the engine runs the heuristics' choice)
+
+
+def _survey(graph, run_plan, time_ms, check=None) -> list[dict]:
+    """Time run_plan(i) for every plan the graph built; check() adds fields measured after each plan's runs."""
+    rows = []
+    for i in range(graph.plans):
+        name = graph.graph.get_plan_name_at_index(i)
+        try:
+            ms = time_ms(lambda: run_plan(i))
+            rows.append({"plan": i, "name": name, "ms": ms, **(check() if check else {})})
+        except Exception as exc:
+            rows.append({"plan": i, "name": name, "error": repr(exc)[:200]})
+    return rows
+
+
+def survey_plans(q, k, v, dq, dk, dv, time_ms) -> list[dict]:
+    """Every FP8 plan cuDNN can build for these inputs, timed with `time_ms(fn)`."""
+    from fastremover.fast.cudnn_sdpa import FP8, _bhsd, _Fp8Graph
+
+    out = torch.empty(q.shape, dtype=FP8, device=q.device)
+    graph = _Fp8Graph(q, k, v, _bhsd(out), FP8, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
+    scale_o = torch.reciprocal(dv)
+    return _survey(graph, lambda i: graph.run(q, k, v, dq, dk, dv, out, scale_o, plan=i), time_ms)
+
+
+def survey_plans_half(q, k, v, time_ms) -> list[dict]:
+    """Every fp16/bf16 SDPA plan cuDNN can build for these inputs, timed, with each one's output compared to the
+    heuristics' choice."""
+    from fastremover.fast.cudnn_sdpa import _HalfGraph, sdpa_half
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ref = sdpa_half(q, k, v)
+    graph = _HalfGraph(q, k, v, out, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
+    return _survey(graph, lambda i: graph.run(q, k, v, out, plan=i), time_ms,
+                   check=lambda: {"equal_to_default": bool(torch.equal(out, ref))})
+
+
 def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: float = 1.0,
           v_bias: float = 0.0) -> list[dict]:
     """fp16 SDPA vs the 8-bit backends at the DiT's shapes; q, k ~ N(0, 1) with a shared per-channel offset on K of
@@ -100,8 +140,6 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
                 rows.append({"seq": s, "backend": "fp8 kernel only (fp8 out)", "ms": ms, "tflops": flop / ms / 1e9,
                              "cos": _cos(o8.float() * sv, ref), "speedup": base_ms / ms})
                 try:
-                    from fastremover.fast.cudnn_sdpa import survey_plans
-
                     for plan in survey_plans(q8, k8, v8, sq, sk, sv, _time_ms):
                         if "ms" in plan:
                             plan["tflops"] = flop / plan["ms"] / 1e9
@@ -176,8 +214,6 @@ def bench_layouts(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128) 
             except Exception as exc:
                 rows.append({"seq": s, "backend": f"cudnn-fe-fp16 in={name}", "error": repr(exc)[:300]})
         if unavailable_reason("cudnn-fp8", dev) is None:
-            from fastremover.fast.cudnn_sdpa import survey_plans_half
-
             try:  # is there a faster fp16 engine than the heuristics' choice?
                 for plan in survey_plans_half(*layouts["bshd"], _time_ms):
                     if "ms" in plan:

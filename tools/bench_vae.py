@@ -15,10 +15,11 @@ import sys
 
 import torch
 
-from fastremover.fast.vae_fast import FP8_SCALES, PRECISIONS, UPSAMPLE_CONVS, FastWanVAE
+from fastremover.config import VAE_PRECISIONS, FastVAEOptions, option_table
+from fastremover.fast.vae_fast import FastWanVAE
 from fastremover.models.vae import WanVAE
 
-
+CHOICES = {row["option"]: row["choices"] for row in option_table()}
 
 
 def _stage(fn, device: torch.device) -> tuple[object, float, float, float]:
@@ -95,7 +96,7 @@ def bench(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=832)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--precision", choices=["fp16", "bf16"], default="fp16")
-    p.add_argument("--vae-precision", choices=list(PRECISIONS), default="auto")
+    p.add_argument("--vae-precision", choices=list(VAE_PRECISIONS), default="auto")
     p.add_argument("--encode-frames", type=_frames_arg, default="auto", help="'auto' (default), 'all' or N")
     p.add_argument("--decode-frames", type=_frames_arg, default="auto", help="'auto' (default), 'all' or N")
     p.add_argument("--pair", choices=["auto", "on", "off", "both"], default="both",
@@ -115,9 +116,9 @@ def bench(argv: list[str] | None = None) -> int:
     p.add_argument("--conv-plans", choices=["auto", "off", "both"], default="auto",
                    help="the convs on cuDNN plans with torch's bits (fast/cudnn_conv.py; auto: where they can run), "
                         "torch's convs (off), or each variant both ways")
-    p.add_argument("--upsample-conv", nargs="+", choices=list(UPSAMPLE_CONVS), default=None,
+    p.add_argument("--upsample-conv", nargs="+", choices=list(CHOICES["vae.fast.upsample_conv"]), default=None,
                    help="measure every variant with each of these upsample_conv values")
-    p.add_argument("--fp8-scales", nargs="+", choices=list(FP8_SCALES), default=None,
+    p.add_argument("--fp8-scales", nargs="+", choices=list(CHOICES["vae.fast.fp8_scales"]), default=None,
                    help="with --vae-precision fp8: measure every variant with each of these fp8_scales values")
     p.add_argument("--pad-channels", type=int, nargs="+", default=None,
                    help="measure every variant at each of these pad_channels values (default: the VAE's default "
@@ -221,8 +222,9 @@ def bench(argv: list[str] | None = None) -> int:
     unfused = runs_unfused = None  # the last variant without fuse_bias: its outputs (CPU) and timings
     for v in variants:
         fast = FastWanVAE(vae, device=device, dtype=dtype, precision=args.vae_precision,
-                          encode_frames=args.encode_frames, decode_frames=args.decode_frames,
-                          pad_rgb=not args.no_pad_rgb, tap_head=not args.no_tap_head, pad_encoder=args.pad_encoder, **v)
+                          options=FastVAEOptions(encode_frames=args.encode_frames, decode_frames=args.decode_frames,
+                                                 pad_rgb=not args.no_pad_rgb, tap_head=not args.no_tap_head,
+                                                 pad_encoder=args.pad_encoder, **v))
         name = (f"fast ({fast.describe()}, pair={v['pair']}, cudnn.benchmark={v['cudnn_benchmark']}, "
                 f"pad {fast.pad_channels}"
                 + (f", stripes {v['stripe_mib']} MiB)" if v.get("stripe_mib") else ")"))

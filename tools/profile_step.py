@@ -20,6 +20,8 @@ import time
 from collections import defaultdict
 from typing import Callable
 
+from fastremover.config import TransformerOptions
+
 
 GROUPS = (  # kernel-name patterns -> a readable group (first match wins)
     ("attention", r"fmha|flash|attention|sdpa|cudnn_generated|sm90_xmma_fprop|_attn"),
@@ -106,7 +108,7 @@ def capture(step: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
 def profile(model, workload: str, mode: str, attention: str, steps: int = 12, graph: bool = False) -> dict:
     device = torch.device("cuda")
     backend, notes = resolve_attention(attention, mode, device)
-    fast = FastTransformer(model, fp8=(mode == "fast"), attention=backend)
+    fast = FastTransformer(model, linear_method="fp8-rowwise" if mode == "fast" else "dense", attention=backend)
     x = step_latents(model, workload, device)
     timesteps = torch.linspace(999, 1, steps, device=device)
     cond = fast.conditioning(timesteps, 1)
@@ -175,7 +177,10 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
     timesteps = torch.linspace(999, 1, 12, device=device)
     runs = {}
     for label in labels:
-        fast = FastTransformer(model, fp8=True, attention=backend, **VARIANTS[label])
+        switches = dict(VARIANTS[label])
+        fused_ffn1 = switches.pop("fused_ffn1", True)
+        fast = FastTransformer(model, linear_method="fp8-rowwise", attention=backend, fused_ffn1=fused_ffn1,
+                               options=TransformerOptions(**switches))
         cond = fast.conditioning(timesteps, 1)
         fast.forward_step(x, cond, 0)
         g, out = capture(lambda fast=fast, cond=cond: fast.forward_step(x, cond, step))

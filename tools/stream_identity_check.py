@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fastremover.config import EngineConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -47,7 +49,7 @@ def run_mode(models, inputs, mode: str, steps: int, workdir: str, device: str = 
     from fastremover.pipeline import RemovalPipeline, StageTimer
     from fastremover.stream import OrderedWriter
 
-    pipe = RemovalPipeline(models, device=device, precision="fp16" if device.startswith("cuda") else "fp32", mode=mode)
+    pipe = RemovalPipeline(models, EngineConfig(device=device, mode=mode))  # fp16 on a GPU, fp32 on the CPU
     options = fidelity_options(inputs, steps, 42)
     log: dict[str, list] = {}
     current: list = []
@@ -133,7 +135,7 @@ def file_check(models, inputs, mode: str, steps: int, workdir: str, device: str 
     from fastremover.pipeline import RemovalPipeline
     from fastremover.stream import OrderedWriter
 
-    pipe = RemovalPipeline(models, device=device, precision="fp16" if device.startswith("cuda") else "fp32", mode=mode)
+    pipe = RemovalPipeline(models, EngineConfig(device=device, mode=mode))  # fp16 on a GPU, fp32 on the CPU
     options = fidelity_options(inputs, steps, 42)
     pipe.remove(inputs.frames, inputs.mask, options)  # warm-up
     ref = pipe.remove(inputs.frames, inputs.mask, options).frames

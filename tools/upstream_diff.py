@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastremover.bench.harness import script_environment  # noqa: E402
 from fastremover.bench.reference import ReferencePipeline  # noqa: E402
+from fastremover.config import EngineConfig  # noqa: E402
 from fastremover.masks import dilate_masks  # noqa: E402
 from fastremover.media import synthetic_clip  # noqa: E402
 from fastremover.models.loading import random_models  # noqa: E402
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
 
     models = random_models(args.preset, seed=args.weights_seed)
     ref = ReferencePipeline(models, device="cpu", dtype=torch.float32)
-    pipe = RemovalPipeline(models, device="cpu", precision="fp32", mode="eager")
+    pipe = RemovalPipeline(models, EngineConfig(device="cpu", precision="fp32", mode="eager"))
     base = RunOptions(steps=args.steps, seed=args.seed, dilate=args.dilate)
     compat = upstream_compatible(base)
     default = RunOptions()

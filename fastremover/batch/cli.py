@@ -25,8 +25,8 @@ def add_batch_parser(subparsers, add_model_args: Callable[[argparse.ArgumentPars
         "clips already done with the same inputs and options are skipped; OUT_DIR/report.jsonl has one line per clip.",
     )
     p.add_argument("inputs", metavar="INPUTS", help="folder of clips (videos, or folders of numbered frames), or a "
-                   "manifest .csv/.jsonl with columns video[,mask,output,steps,seed,dilate,size,window,overlap,crop,schedule,"
-                   "composite,mask_threshold]")
+                   "manifest .csv/.jsonl with columns video[,mask,output,steps,seed,dilate,size,window,overlap,crop,"
+                   "schedule,composite,mask_threshold]")
     p.add_argument("--masks", default=None, help="folder of masks, matched by name: clip.mp4 takes clip.* or "
                    "clip_mask.* (video, image or frame folder); a manifest may list masks instead")
     p.add_argument("-o", "--output-dir", dest="output_dir", required=True, metavar="OUT_DIR",
@@ -103,10 +103,10 @@ def cmd_batch(args) -> int:
     """Plan, run and report a batch; returns the exit code (FastRemoverError for a problem with the batch itself)."""
     from fastremover.batch.driver import Runner, run_batch
     from fastremover.batch.plan import plan_batch
-    from fastremover.cli import _announce_model, _model_spec, _options_from_args
+    from fastremover.cli import _announce_model, _options_from_args, model_and_config
 
     options = _options_from_args(args)  # the same flags -> the same options and model as `remove`
-    spec = _model_spec(args)
+    source, config = model_and_config(args)
     if args.ray is not None:
         if args.gpus is not None:
             raise FastRemoverError("--gpus is for one host; with --ray each actor takes one GPU of the cluster "
@@ -122,7 +122,7 @@ def cmd_batch(args) -> int:
     plan = plan_batch(args.inputs, args.output_dir, masks=args.masks, options=options,
                       mask_threshold=args.mask_threshold, max_decoded_gib=args.max_decoded_gib)
     _announce_model(args)
-    summary = run_batch(plan, spec, runner, force=args.force, progress=not args.quiet)
+    summary = run_batch(plan, source, config, runner, force=args.force, progress=not args.quiet)
     print(summary.table())
     return 0 if summary.all_succeeded else EXIT_CLIPS_FAILED
 

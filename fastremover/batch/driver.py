@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from fastremover.batch.plan import BatchPlan, ClipTask, finished_result, record_key, write_record
 from fastremover.batch.report import BatchBars, ReportWriter, Summary
-from fastremover.worker import ModelSpec
+from fastremover.config import EngineConfig, ModelSource
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,14 @@ def dispatch_order(tasks: Sequence[ClipTask]) -> list[ClipTask]:
     return sorted(tasks, key=lambda t: (-t.frames, t.index))
 
 
-def run_batch(plan: BatchPlan, spec: ModelSpec, runner: Runner = Runner(), *, force: bool = False,
-              progress: bool = False, on_line: Callable[[dict], None] | None = None) -> Summary:
-    """Run every clip of ``plan`` that is not already done (all of them with ``force``) and write the report.
+def run_batch(plan: BatchPlan, source: ModelSource, config: EngineConfig | None = None, runner: Runner = Runner(), *,
+              force: bool = False, progress: bool = False, on_line: Callable[[dict], None] | None = None) -> Summary:
+    """Run every clip of ``plan`` that is not already done (all of them with ``force``) with the model ``source``
+    and the engine ``config`` (None: the defaults with the environment's overrides) and write the report.
 
     A failing clip is reported and the others go on; ``on_line`` gets each report line as it is written. Raises
     FastRemoverError only for the batch as a whole (the model cannot be loaded, Ray is missing or unreachable)."""
+    config = config if config is not None else EngineConfig.from_env()
     report = ReportWriter(plan)
     summary = Summary(total=len(plan.tasks), report=str(plan.report_path))
     keys: dict[int, dict] = {}  # what each clip's record will say it was made from, taken before it runs
@@ -56,13 +58,13 @@ def run_batch(plan: BatchPlan, spec: ModelSpec, runner: Runner = Runner(), *, fo
     try:
         todo: list[ClipTask] = []
         for task in plan.tasks:
-            previous = None if force or task.error else finished_result(plan, task, spec)
+            previous = None if force or task.error else finished_result(plan, task, source, config)
             if previous is not None:
                 add(task, {**previous, "status": "skipped", "error": None})
             elif task.error is not None:
                 add(task, {"status": "failed", "error": task.error})
             else:
-                keys[task.index] = record_key(task, spec)
+                keys[task.index] = record_key(task, source, config)
                 # A clip killed mid-way continues from its last finished window (the worker's resume store; the
                 # output is the same bytes); --force starts it over.
                 task.job = dataclasses.replace(task.job, resume=not force)
@@ -80,7 +82,7 @@ def run_batch(plan: BatchPlan, spec: ModelSpec, runner: Runner = Runner(), *, fo
 
         try:
             if order:
-                _run(order, spec, runner, on_done)
+                _run(order, source, config, runner, on_done)
         finally:
             bars.close()
     finally:
@@ -91,13 +93,13 @@ def run_batch(plan: BatchPlan, spec: ModelSpec, runner: Runner = Runner(), *, fo
 RECORDED = ("seconds", "frames", "sha256", "worker", "notes")  # a finished clip's report fields, kept in its record
 
 
-def _run(order: list[ClipTask], spec: ModelSpec, runner: Runner, on_done) -> None:
+def _run(order: list[ClipTask], source: ModelSource, config: EngineConfig, runner: Runner, on_done) -> None:
     if runner.kind == "ray":
         from fastremover.batch import ray_runner
 
         connected = ray_runner.connect(runner.address)
         try:
-            ray_runner.run_ray(order, spec, on_done, workers=runner.workers)
+            ray_runner.run_ray(order, source, config, on_done, workers=runner.workers)
         finally:
             if connected:
                 ray_runner.import_ray().shutdown()
@@ -106,8 +108,8 @@ def _run(order: list[ClipTask], spec: ModelSpec, runner: Runner, on_done) -> Non
     elif len(runner.slots) == 1:
         from fastremover.batch.local import run_in_process
 
-        run_in_process(order, spec, on_done, gpu=runner.slots[0])
+        run_in_process(order, source, config, on_done, gpu=runner.slots[0])
     else:
         from fastremover.batch.local import run_pool
 
-        run_pool(order, spec, runner.slots, on_done)
+        run_pool(order, source, config, runner.slots, on_done)

@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 import traceback
 
 from fastremover.batch.plan import ClipTask
+from fastremover.config import visible_cuda_devices
 from fastremover.errors import FastRemoverError
 from fastremover.worker import Progress, RemovalWorker
 
 
 def where() -> str:
     """This worker's place for the report: host, process id and visible GPUs."""
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible_cuda_devices()
     return f"{socket.gethostname()}:{os.getpid()}" + (f" gpu {gpus}" if gpus else "")
-
-
-def note(message: str) -> None:
-    """A worker's warnings (model notes, per-clip notes; the latter are in the report too) go to stderr."""
-    print(f"fastremover: {message}", file=sys.stderr)
 
 
 def failed(task: ClipTask, error: str, *, seconds: float | None = None, worker: str | None = None,

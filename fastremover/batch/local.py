@@ -13,7 +13,6 @@ One slot runs in the driver's own process (no spawn, same results).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -22,10 +21,12 @@ import time
 import traceback
 from typing import Callable, Sequence
 
-from fastremover.batch.execute import failed, note, run_clip, where
+from fastremover.batch.execute import failed, run_clip, where
 from fastremover.batch.plan import ClipTask
+from fastremover.config import EngineConfig, ModelSource, visible_cuda_devices
 from fastremover.errors import FastRemoverError
-from fastremover.worker import ModelSpec, RemovalWorker
+from fastremover.log import setup_cli
+from fastremover.worker import RemovalWorker
 
 OnStart = Callable[[ClipTask, str], None]  # (task, worker)
 OnDone = Callable[[ClipTask, dict], None]  # (task, report entry)
@@ -33,17 +34,20 @@ OnDone = Callable[[ClipTask, dict], None]  # (task, report entry)
 POLL_S = 0.5  # how often the driver looks for workers that died
 
 
-def slot_spec(spec: ModelSpec, gpu: str | None) -> ModelSpec:
-    """The spec a slot's worker loads: a GPU slot sees only its GPU (CUDA_VISIBLE_DEVICES), as device "cuda"."""
-    return spec if gpu is None else dataclasses.replace(spec, device="cuda")
+def slot_config(config: EngineConfig, gpu: str | None) -> EngineConfig:
+    """The engine config a slot's worker runs: a GPU slot sees only its GPU (CUDA_VISIBLE_DEVICES), as "cuda"."""
+    return config if gpu is None else config.with_(device="cuda")
 
 
-def _worker_main(slot: int, gpu: str | None, spec: ModelSpec, tasks, events, parent: int) -> None:
+def _worker_main(slot: int, gpu: str | None, source: ModelSource, config: EngineConfig, tasks, events,
+                 parent: int) -> None:
     """A worker process: load the model, then run clips from ``tasks`` until its end marker. CUDA_VISIBLE_DEVICES
-    is already ``gpu`` (set in the environment the process was spawned with)."""
+    is already ``gpu`` (set in the environment the process was spawned with). Its notes go to stderr (the package
+    logger's CLI handler)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it stops the workers
+    setup_cli(0)
     try:
-        worker = RemovalWorker(slot_spec(spec, gpu), note=note)
+        worker = RemovalWorker(source, slot_config(config, gpu))
         worker.pipeline  # noqa: B018 - one model load per worker, before the first clip
     except FastRemoverError as exc:
         events.put(("init_failed", slot, str(exc), True))
@@ -67,7 +71,7 @@ def _cuda_visible(gpu: str | None):
     if gpu is None:
         yield
         return
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    before = visible_cuda_devices()
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     try:
         yield
@@ -84,12 +88,12 @@ def _raise_init_error(message: str, user: bool) -> None:
     raise RuntimeError(f"a batch worker failed to start:\n{message}")
 
 
-def run_in_process(tasks: Sequence[ClipTask], spec: ModelSpec, on_done: OnDone, on_start: OnStart | None = None,
-                   gpu: int | None = None) -> None:
+def run_in_process(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfig, on_done: OnDone,
+                   on_start: OnStart | None = None, gpu: int | None = None) -> None:
     """Run ``tasks`` in order in this process on one worker (``gpu``: an index of the visible GPUs)."""
-    if gpu is not None and spec.device is None:
-        spec = dataclasses.replace(spec, device=f"cuda:{gpu}")
-    worker = RemovalWorker(spec, note=note)
+    if gpu is not None and config.device is None:
+        config = config.with_(device=f"cuda:{gpu}")
+    worker = RemovalWorker(source, config)
     worker.pipeline  # noqa: B018 - load before the first clip, so a bad model stops the batch with its error
     try:
         for task in tasks:
@@ -102,15 +106,15 @@ def run_in_process(tasks: Sequence[ClipTask], spec: ModelSpec, on_done: OnDone, 
 
 def visible_gpu_ids(indices: Sequence[int]) -> list[str]:
     """CUDA_VISIBLE_DEVICES values for indices of the GPUs this process sees (it may itself be limited to some)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = visible_cuda_devices()
     if visible is None or not visible.strip():
         return [str(i) for i in indices]
     names = [v.strip() for v in visible.split(",") if v.strip()]
     return [names[i] for i in indices]
 
 
-def run_pool(tasks: Sequence[ClipTask], spec: ModelSpec, slots: Sequence[int | None], on_done: OnDone,
-             on_start: OnStart | None = None) -> None:
+def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfig, slots: Sequence[int | None],
+             on_done: OnDone, on_start: OnStart | None = None) -> None:
     """Run ``tasks`` on one spawned worker process per slot (the index of a GPU this process sees, or None for a CPU
     worker); each GPU worker sees only its GPU.
 
@@ -132,7 +136,7 @@ def run_pool(tasks: Sequence[ClipTask], spec: ModelSpec, slots: Sequence[int | N
     procs: dict[int, mp.process.BaseProcess] = {}
 
     def start(slot: int) -> None:
-        proc = ctx.Process(target=_worker_main, args=(slot, gpus[slot], spec, task_q, events, parent),
+        proc = ctx.Process(target=_worker_main, args=(slot, gpus[slot], source, config, task_q, events, parent),
                            name=f"fastremover-batch-{slot}")
         with _cuda_visible(gpus[slot]):  # inherited from the start: nothing the child imports can see other GPUs
             proc.start()

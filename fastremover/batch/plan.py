@@ -32,10 +32,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.errors import FastRemoverError
 from fastremover.options import RunOptions, validate_mask_threshold
 from fastremover.outputs import VIDEO_OUTPUTS
-from fastremover.worker import DEFAULT_MAX_DECODED_GIB, Job, ModelSpec
+from fastremover.worker import DEFAULT_MAX_DECODED_GIB, Job
 
 #: Endings read as videos and as images (= fastremover.media.VIDEO_EXTENSIONS / IMAGE_EXTENSIONS, kept here so
 #: planning imports no media library; tests/test_batch.py checks they agree).
@@ -413,8 +414,8 @@ def _stat_identity(path: Path) -> dict:
         return {"path": str(path), "missing": True}
 
 
-def record_key(task: ClipTask, spec: ModelSpec) -> dict:
-    """What must not change for a finished clip to be skipped: inputs, options, threshold and model."""
+def record_key(task: ClipTask, source: ModelSource, config: EngineConfig) -> dict:
+    """What must not change for a finished clip to be skipped: inputs, options, threshold, model and engine."""
     job = task.job
     return {
         "version": RECORD_VERSION,
@@ -423,7 +424,8 @@ def record_key(task: ClipTask, spec: ModelSpec) -> dict:
         "output": job.output,
         "options": dataclasses.asdict(job.options),
         "mask_threshold": job.mask_threshold,
-        "model": dataclasses.asdict(spec),
+        "model": source.describe(),
+        "engine": config.describe(),
     }
 
 
@@ -449,13 +451,13 @@ def write_record(plan: BatchPlan, task: ClipTask, key: dict, result: dict) -> No
         raise FastRemoverError(f"cannot write the batch record {path}: {exc.strerror or exc}") from None
 
 
-def finished_result(plan: BatchPlan, task: ClipTask, spec: ModelSpec) -> dict | None:
+def finished_result(plan: BatchPlan, task: ClipTask, source: ModelSource, config: EngineConfig) -> dict | None:
     """The recorded result of ``task`` when its record matches the inputs, options, model and output now; else None."""
     try:
         data = json.loads(plan.record_path(task).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(record_key(task, spec))):
+    if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(record_key(task, source, config))):
         return None
     output = _stat_identity(_output_target(task.job.output))
     if output.get("missing") or data.get("output") != output:

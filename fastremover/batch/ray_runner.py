@@ -16,21 +16,24 @@ import collections
 import traceback
 from typing import Sequence
 
-from fastremover.batch.execute import failed, note, run_clip, where
+from fastremover.batch.execute import failed, run_clip, where
 from fastremover.batch.local import OnDone, OnStart, _raise_init_error
 from fastremover.batch.plan import ClipTask
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.errors import FastRemoverError
-from fastremover.worker import ModelSpec, RemovalWorker
+from fastremover.log import setup_cli
+from fastremover.worker import RemovalWorker
 
 
 class ClipActor:
     """The Ray actor's class (wrapped with ``ray.remote`` at run time): one worker, one clip per call."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, source: ModelSource, config: EngineConfig):
         self.init_error: tuple[str, bool] | None = None
         self.worker = None
+        setup_cli(0)  # the actor's notes on its stderr (Ray forwards it to the driver)
         try:
-            self.worker = RemovalWorker(spec, note=note)
+            self.worker = RemovalWorker(source, config)
             self.worker.pipeline  # noqa: B018 - one model load per actor, before the first clip
         except FastRemoverError as exc:
             self.init_error = (str(exc), True)
@@ -94,20 +97,18 @@ def actor_layout(workers: int | None, use_gpus: bool | None) -> tuple[int, dict]
     return (workers or max(1, cpus)), {"num_cpus": 1}
 
 
-def run_ray(tasks: Sequence[ClipTask], spec: ModelSpec, on_done: OnDone, on_start: OnStart | None = None, *,
-            workers: int | None = None) -> None:
+def run_ray(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfig, on_done: OnDone,
+            on_start: OnStart | None = None, *, workers: int | None = None) -> None:
     """Run ``tasks`` (sorted by the caller, longest first) on Ray actors of the connected cluster; ``on_done`` is called
     in the driver once per task. Actors are killed when this returns or raises."""
     if not tasks:
         return
     ray = import_ray()
-    use_gpus = None if spec.device is None else spec.device.startswith("cuda")
+    use_gpus = None if config.device is None else config.device.startswith("cuda")
     count, reserve = actor_layout(workers, use_gpus)
-    actor_spec = spec
+    actor_config = config
     if reserve.get("num_gpus"):
-        from dataclasses import replace
-
-        actor_spec = replace(spec, device="cuda")  # Ray sets the actor's CUDA_VISIBLE_DEVICES to its GPU
+        actor_config = config.with_(device="cuda")  # Ray sets the actor's CUDA_VISIBLE_DEVICES to its GPU
     remote = ray.remote(**reserve)(ClipActor)
     pending = collections.deque(tasks)
     actors: list = []
@@ -116,7 +117,7 @@ def run_ray(tasks: Sequence[ClipTask], spec: ModelSpec, on_done: OnDone, on_star
     places: dict = {}  # actor -> where it runs
 
     def launch() -> None:
-        actor = remote.remote(actor_spec)
+        actor = remote.remote(source, actor_config)
         actors.append(actor)
         starting[actor.ready.remote()] = actor
 

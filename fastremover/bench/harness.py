@@ -36,6 +36,7 @@ import torch
 
 from fastremover import media
 from fastremover.bench.metrics import fidelity
+from fastremover.config import EngineConfig, LinearOptions, VAEOptions
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import RemoverModels
 from fastremover.pipeline import RemovalPipeline, RunOptions
@@ -361,38 +362,27 @@ def script_environment() -> dict:
     return {**environment(), "command": " ".join(["python", *sys.argv])}
 
 
-def save_experiment(path: str | None, rows: list, **fields) -> None:
-    """An experiment script's JSON (experiments/): its rows with the provenance the results need (GPU, torch,
-    commit, the command line as run)."""
-    if not path:
-        return
-    env = script_environment()
-    with open(path, "w") as f:
-        json.dump({**env, **fields, "rows": rows}, f, indent=1)
-
-
 def compare(
     models: RemoverModels,
     inputs: BenchInputs,
+    config: EngineConfig | None = None,
     *,
     modes: list[str],
     steps: int = 12,
     seed: int = 42,
     repeats: int = 1,
     hash_repeats: int = 0,
-    device: str | None = None,
-    precision: str | None = None,
     count_flops: bool = True,
     window: int = DEFAULT_WINDOW,
     overlap: int | None = None,
     crop: str | None = None,
-    vae_precision: str = "auto",
-    attention: str = "auto",
     on_result=None,
     nvfp4_rows: bool | dict = False,
     schedule: str = DEFAULT_SCHEDULE,
 ) -> list[dict]:
-    """Run the reference and each engine mode on `inputs`; returns one result dict per mode.
+    """Run the reference and each engine mode on `inputs`; returns one result dict per mode. `config`: the engine
+    config every mode runs with (its `mode` replaced by each of `modes`; None: the defaults with the environment's
+    overrides); its device and precision are the reference's too.
 
     Fidelity is always the reference vs the engine in one window on the whole frame. If the clip has more than
     `window` frames, the engine also runs in windows of `window` (`overlap` shared, None = the default) and the seam
@@ -407,10 +397,12 @@ def compare(
     # bad flags fail before the long runs
     RunOptions(window=window, overlap=overlap, crop=crop or "off", schedule=schedule).validate()
     from fastremover.bench.reference import ReferencePipeline
-    from fastremover.pipeline import PRECISIONS, default_device
+    from fastremover.fast.engine import DTYPES, resolve_device, resolve_precision
 
-    device = torch.device(device or default_device())
-    precision = precision or ("fp16" if device.type == "cuda" else "fp32")
+    config = config if config is not None else EngineConfig.from_env()
+    device = resolve_device(config.device)
+    precision = resolve_precision(config.precision, device)
+    config = config.with_(device=str(device), precision=precision)
     env = environment()
     work = dit_flops_per_step(models, *inputs.frames.shape[:3])
     started = time.perf_counter()
@@ -419,7 +411,7 @@ def compare(
         print(f"bench: {what} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="fastremover-bench-") as workdir:
-        ref = ReferencePipeline(models, device=device, dtype=PRECISIONS[precision])
+        ref = ReferencePipeline(models, device=device, dtype=DTYPES[precision])
         ref_run = run_reference(ref, inputs, steps, seed, repeats, workdir, schedule)
         log(f"reference: {1 + repeats} runs done")
         ref.to("cpu")
@@ -433,8 +425,7 @@ def compare(
             log("nvfp4 fidelity rows done")
         results = []
         for mode in modes:
-            pipe = RemovalPipeline(models, device=str(device), precision=precision, mode=mode,
-                                   vae_precision=vae_precision, attention=attention)
+            pipe = RemovalPipeline(models, config.with_(mode=mode))
             eng = run_engine(pipe, inputs, steps, seed, repeats, workdir, hash_repeats, streamed=True,
                              options=fidelity_options(inputs, steps, seed, schedule))
             log(f"{mode}: {1 + repeats} timed runs + {hash_repeats} hash runs done")
@@ -522,8 +513,6 @@ def _pipeline_for(models: RemoverModels, weights: str, device, precision: str, v
     from fastremover.models.vae import WanVAE
 
     dit = {"nvfp4+vae": "nvfp4"}.get(weights, weights)
-    from fastremover.config import EngineConfig, LinearOptions, VAEOptions
-
     config = EngineConfig(device=str(device), precision=precision, mode="eager",  # the VAE's convs: the +vae row only
                           linears=LinearOptions(weights=dit, force_w4a4=True),  # W4A4 runs on a crop; the CLI refuses
                           vae=VAEOptions(nvfp4_convs=False)).with_env()
@@ -553,14 +542,14 @@ def nvfp4_fidelity(models: RemoverModels, inputs: BenchInputs, *, steps: int = 1
     bytes and what was packed. Every run is on a private copy of `models`. `crop_inputs`: the crop rows' clip (default `inputs`)."""
     from fastremover.bench.metrics import cosine
     from fastremover.fast.nvfp4_conv import MIN_IN_CHANNELS, Nvfp4CausalConv3d
+    from fastremover.fast.engine import resolve_device, resolve_precision
     from fastremover.fast.nvfp4_linear import Nvfp4Linear, resident_bytes
-    from fastremover.pipeline import default_device
 
     unknown = [o for o in options if o not in NVFP4_OPTIONS]
     if unknown:
         raise ValueError(f"unknown NVFP4 options {unknown}: choose from {list(NVFP4_OPTIONS)}")
-    device = torch.device(device or default_device())
-    precision = precision or ("fp16" if device.type == "cuda" else "fp32")
+    device = resolve_device(device)
+    precision = resolve_precision(precision, device)
     vae_min = MIN_IN_CHANNELS if vae_min_in_channels is None else vae_min_in_channels
     crop_inputs = crop_inputs or inputs
     full = fidelity_options(inputs, steps, seed)

@@ -317,11 +317,12 @@ def default_methods() -> dict[str, Method]:
             "telea": _classic_method(telea_remove)}
 
 
-def model_method(model: str, **pipeline_kwargs) -> Method:
-    """The diffusion pipeline (checkpoint dir or "random") as a benchmark method, default run options (dilation 6)."""
+def model_method(model: str, config=None) -> Method:
+    """The diffusion pipeline (checkpoint dir or "random") as a benchmark method, default run options (dilation 6);
+    `config`: its EngineConfig (None: the defaults with the environment's overrides)."""
     from fastremover.pipeline import RemovalPipeline, RunOptions
 
-    pipe = RemovalPipeline.from_model(model, **pipeline_kwargs)
+    pipe = RemovalPipeline.from_model(model, config=config)
 
     def run(frames: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return pipe.remove(frames, mask, RunOptions(dilate=DILATE)).frames

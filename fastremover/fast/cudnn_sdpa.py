@@ -82,7 +82,7 @@ def _build(g, device: torch.device, all_plans: bool = False):
 
     Only the heuristics' first choice is built for real runs: picking the fastest of several plans by timing could
     pick differently in another process and change the output bits (runs must be reproducible). all_plans=True is
-    for the benchmark's plan survey."""
+    for tools/bench_attention.py's plan survey."""
     cudnn = _cudnn()
     g.validate()
     g.build_operation_graph()
@@ -98,26 +98,13 @@ class _Graph:
     """A built graph (self.graph, .workspace, .handle, .plans) and how it runs on torch's current stream."""
 
     def _execute(self, pack: dict, device: torch.device, plan: int | None) -> None:
-        """The heuristics' plan (plan None), or plan number `plan` (the benchmark's survey)."""
+        """The heuristics' plan (plan None), or plan number `plan` (tools/bench_attention.py's survey)."""
         cudnn = _cudnn()
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(device).cuda_stream)
         if plan is None:
             self.graph.execute(pack, self.workspace, handle=self.handle)
         else:
             self.graph.execute_plan_at_index(pack, self.workspace, plan, handle=self.handle)
-
-
-def _survey(graph: _Graph, run_plan, time_ms, check=None) -> list[dict]:
-    """Time run_plan(i) for every plan the graph built; check() adds fields measured after each plan's runs."""
-    rows = []
-    for i in range(graph.plans):
-        name = graph.graph.get_plan_name_at_index(i)
-        try:
-            ms = time_ms(lambda: run_plan(i))
-            rows.append({"plan": i, "name": name, "ms": ms, **(check() if check else {})})
-        except Exception as exc:
-            rows.append({"plan": i, "name": name, "error": repr(exc)[:200]})
-    return rows
 
 
 class _Fp8Graph(_Graph):
@@ -172,14 +159,6 @@ class _Fp8Graph(_Graph):
         return out
 
 
-def survey_plans(q, k, v, dq, dk, dv, time_ms) -> list[dict]:
-    """Every FP8 plan cuDNN can build for these inputs, timed with `time_ms(fn)` (benchmark use only)."""
-    out = torch.empty(q.shape, dtype=FP8, device=q.device)
-    graph = _Fp8Graph(q, k, v, _bhsd(out), FP8, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
-    scale_o = torch.reciprocal(dv)
-    return _survey(graph, lambda i: graph.run(q, k, v, dq, dk, dv, out, scale_o, plan=i), time_ms)
-
-
 class _HalfGraph(_Graph):
     """cuDNN's fp16/bf16 SDPA through the frontend (the same library torch's SDPA calls, with its own heuristics)."""
 
@@ -205,16 +184,6 @@ class _HalfGraph(_Graph):
     def run(self, q, k, v, out, plan: int | None = None):
         self._execute({self.q: q, self.k: k, self.v: v, self.o: out}, q.device, plan)
         return out
-
-
-def survey_plans_half(q, k, v, time_ms) -> list[dict]:
-    """Every fp16/bf16 SDPA plan cuDNN can build for these inputs, timed, with each one's output compared to the
-    heuristics' choice (benchmark use only)."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ref = sdpa_half(q, k, v)
-    graph = _HalfGraph(q, k, v, out, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
-    return _survey(graph, lambda i: graph.run(q, k, v, out, plan=i), time_ms,
-                   check=lambda: {"equal_to_default": bool(torch.equal(out, ref))})
 
 
 def sdpa_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from fastremover.fast.lru import LRUCache
 from fastremover.log import logger
+from fastremover.lru import LRUCache
 from fastremover.models.transformer import RemoverTransformer
 from fastremover.schedulers import DEFAULT_SCHEDULE, build_scheduler
 
@@ -61,6 +61,12 @@ class EagerDenoiser:
     def describe(self) -> dict:
         return {"fused_kernels": "none", "fp8_linears": False, "attention": "sdpa", "cuda_graphs": False}
 
+    def parallelize(self, ctx) -> None:
+        """The parallel hook: the transformer runs this rank's tokens of ctx (fastremover/parallel/context.py)."""
+        from fastremover.parallel.context import set_parallel
+
+        set_parallel(self.transformer, ctx)
+
     @torch.no_grad()
     def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None,
                  schedule: str = DEFAULT_SCHEDULE):
@@ -89,6 +95,13 @@ class FastDenoiser:
 
     def describe(self) -> dict:
         return {**self.fast.describe(), "cuda_graphs": self.cuda_graphs}
+
+    def parallelize(self, ctx) -> None:
+        """The parallel hook: the fast transformer runs this rank's tokens of ctx (a captured graph records the
+        collectives of the context it ran under: the graph cache's key includes it)."""
+        from fastremover.parallel.context import set_parallel
+
+        set_parallel(self.fast, ctx)
 
     @property
     def _context(self):

@@ -1,9 +1,12 @@
 """The engine: one `EngineConfig` (fastremover/config.py) resolved against a device, then built into modules, once,
 when the pipeline is built.
 
-    resolve(config, device) -> Plan       the mode that runs (after fallbacks), its attention backend, the FFN path,
-                                          and the notes that explain every fallback
-    build(models, config, device) -> Engine(denoiser, vae, resolved: ResolvedEngine)
+    resolve(config) -> Plan       the device and dtype, the mode that runs (after fallbacks), its attention backend,
+                                  the transformer's linear method, the FFN path, and the notes that explain every
+                                  fallback; `Plan.check_window` is the per-window rule of the plan (W4A4 on full frames)
+    build(models, config, parallel=None) -> Engine(denoiser, vae, resolved: ResolvedEngine, plan)
+                                  with a ParallelContext of several ranks, the sequence-parallel denoiser and the
+                                  parallel VAE (fastremover/parallel/engine.py) around them
 
 Modes:
 
@@ -14,27 +17,54 @@ Modes:
            attention with a note where none does)                         (GPUs with FP8 tensor cores, sm_89+)
 
 A mode the device cannot run falls back to the next safer one with a note (never silently); an explicit attention
-backend that cannot run is an error with its validator's reasons (fastremover/ops/attention/registry.py). NVFP4
-weights (`linears.weights`) run in the eager mode only.
+backend that cannot run is an error with its validator's reasons (fastremover/ops/attention/registry.py).
+
+Linear methods (fast/linear_methods.py): the plan names the transformer's block-linear method - `dense` (exact),
+`fp8-rowwise` (fast), or `--weights` (`nvfp4`, `nvfp4-w4a4`: eager mode only, put into the eager transformer by the
+method's `prepare_eager`). The engine passes the `LinearMethod` itself to the modules it builds.
 
 The fast mode's first FFN GEMM carries the GELU and its quantization in its epilogue where that kernel runs
 (fast/kernels/gemm_fp8.py: sm_90), else the two-pass path (`_scaled_mm`, then the GELU quantization):
 `linears.fused_ffn1` auto / on (a note where it cannot run) / off (FASTREMOVER_FUSED_FFN1=1 / 0).
+
+Device and precision are resolved here only (`resolve_device`, `resolve_precision`): no device given means a CUDA GPU
+if one is visible, else the CPU; no precision means fp16 on a GPU, fp32 on the CPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from fastremover.config import MODES, EngineConfig, ResolvedEngine, kernel_tuning
+from fastremover.config import MODES, PRECISIONS, EngineConfig, ResolvedEngine, kernel_tuning
+from fastremover.errors import FastRemoverError
+from fastremover.fast import linear_methods
 from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
+from fastremover.log import logger
 from fastremover.models.transformer import RemoverTransformer
 from fastremover.ops import attention as attention_backends
 
-__all__ = ["MODES", "Engine", "Plan", "build", "build_denoiser", "fp8_supported", "resolve", "resolve_attention",
-           "resolve_mode", "triton_available"]
+__all__ = ["DTYPES", "MODES", "Engine", "Plan", "build", "build_denoiser", "fp8_supported", "resolve",
+           "resolve_attention", "resolve_device", "resolve_mode", "resolve_precision", "triton_available"]
+
+DTYPES: dict[str, torch.dtype] = dict(zip(PRECISIONS, (torch.float16, torch.bfloat16, torch.float32)))
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The device a config's `device` names; None: a CUDA GPU if one is visible, else the CPU. A CUDA device where
+    none is visible is a FastRemoverError."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FastRemoverError(f"--device {device}: no CUDA GPU is available here; use --device cpu")
+    return device
+
+
+def resolve_precision(precision: str | None, device: torch.device) -> str:
+    """The model dtype's name: as given, else fp16 on a GPU and fp32 on the CPU."""
+    return precision or ("fp16" if device.type == "cuda" else "fp32")
 
 
 def triton_available() -> bool:
@@ -70,27 +100,48 @@ def resolve_attention(attention: str, mode: str, device: torch.device) -> tuple[
     return attention_backends.resolve(attention, mode, device)
 
 
+def linear_method_for(mode: str, weights: str) -> str:
+    """The block linears' method (a fast/linear_methods.py registry name) of a resolved mode: the fast mode's FP8
+    linears, the exact mode's dense ones, or the eager mode's stored weights (`--weights`)."""
+    return {"fast": "fp8-rowwise", "exact": "dense"}.get(mode, weights)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a config runs on one device, decided before any module is built."""
 
     config: EngineConfig
     device: torch.device
+    precision: str  # fp16 | bf16 | fp32
     mode: str  # eager | exact | fast, after fallbacks
     attention: str  # canonical backend name
+    linear_method: str  # the transformer's block linears (fast/linear_methods.py)
     fused_ffn1: bool  # asked for (fast mode and not switched off); whether it runs is the transformer's check
     cuda_graphs: bool
     mode_notes: tuple[str, ...] = ()
     attention_notes: tuple[str, ...] = ()
 
     @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @property
     def notes(self) -> list[str]:
         return [*self.mode_notes, *self.attention_notes]
 
+    def check_window(self, full_frame: bool) -> None:
+        """The plan's rule for one window the model runs on (full_frame: no crop): NVFP4 W4A4 collapses on full
+        frames, so it runs there only with `linears.force_w4a4` (a FastRemoverError otherwise)."""
+        if self.linear_method == "nvfp4-w4a4" and full_frame and not self.config.linears.force_w4a4:
+            from fastremover.fast.nvfp4_linear import W4A4_FULL_FRAME_REFUSAL
 
-def resolve(config: EngineConfig, device: torch.device | str) -> Plan:
-    """The plan of `config` on `device`: mode fallbacks and the attention backend, each explained in a note."""
-    device = torch.device(device)
+            raise FastRemoverError(W4A4_FULL_FRAME_REFUSAL)
+
+
+def resolve(config: EngineConfig, device: torch.device | str | None = None) -> Plan:
+    """The plan of `config` on `device` (default: the config's own device, resolved; an explicit device is taken
+    as it is): mode fallbacks and the attention backend, each explained in a note."""
+    device = resolve_device(config.device) if device is None else torch.device(device)
     mode = config.mode
     if config.linears.weights != "dense" and mode == "auto":
         mode = "eager"  # NVFP4 weights: the eager transformer (explicit exact / fast are refused by the config)
@@ -101,7 +152,8 @@ def resolve(config: EngineConfig, device: torch.device | str) -> Plan:
 def _plan(config: EngineConfig, device: torch.device, mode: str, mode_notes: tuple[str, ...] = ()) -> Plan:
     """The plan for an already resolved mode."""
     backend, attention_notes = resolve_attention(config.attention.backend, mode, device)
-    return Plan(config=config, device=device, mode=mode, attention=backend,
+    return Plan(config=config, device=device, precision=resolve_precision(config.precision, device), mode=mode,
+                attention=backend, linear_method=linear_method_for(mode, config.linears.weights),
                 fused_ffn1=mode == "fast" and config.linears.fused_ffn1 != "off",
                 cuda_graphs=device.type == "cuda" and config.graphs.cuda_graphs != "off",
                 mode_notes=mode_notes, attention_notes=tuple(attention_notes))
@@ -113,7 +165,8 @@ def _denoiser(plan: Plan, transformer: RemoverTransformer, scheduler_config: dic
         return EagerDenoiser(transformer, scheduler_config), []
     from fastremover.fast.transformer_fast import FastTransformer  # needs Triton: only for the exact / fast modes
 
-    fast = FastTransformer(transformer, fp8=plan.mode == "fast", attention=plan.attention, fused_ffn1=plan.fused_ffn1)
+    fast = FastTransformer(transformer, linear_method=linear_methods.get(plan.linear_method),
+                           attention=plan.attention, fused_ffn1=plan.fused_ffn1, options=plan.config.transformer)
     notes = []
     if plan.config.linears.fused_ffn1 == "on" and plan.mode == "fast" and not fast.fused_ffn1:
         notes.append("FASTREMOVER_FUSED_FFN1=1 (linears.fused_ffn1 on): the fused FFN GEMM needs an sm_90 GPU with "
@@ -136,38 +189,55 @@ def build_denoiser(transformer: RemoverTransformer, scheduler_config: dict, mode
 
 @dataclass
 class Engine:
-    """The built modules of one resolved config."""
+    """The built modules of one resolved config. Under sequence parallelism (`parallel` with several ranks) the
+    denoiser and VAE are the parallel ones: on rank 0 each call announces its stage to the other ranks, which run
+    `follow()` until rank 0 calls `stop()`."""
 
     denoiser: object | None
     vae: object | None
     resolved: ResolvedEngine
     plan: Plan | None = None
-    extra: dict = field(default_factory=dict)
+    parallel: object | None = None  # a ParallelEngine (fastremover/parallel/engine.py) or None
+
+    def follow(self) -> None:
+        """A rank other than 0: run the stages rank 0 announces, until it stops."""
+        if self.parallel is None:
+            raise RuntimeError("follow() is for the ranks of a parallel engine")
+        self.parallel.follow()
+
+    def stop(self) -> None:
+        """Rank 0: tell the other ranks the run is over (nothing for a one-process engine)."""
+        if self.parallel is not None:
+            self.parallel.stop()
 
 
-def build(models, config: EngineConfig, device: torch.device | str, dtype: torch.dtype, precision: str) -> Engine:
-    """Resolve `config` on `device` and build its modules (models: a loaded `RemoverModels`, None for the weightless
-    classic remover). The transformer is moved to device/dtype; NVFP4 weights are packed in place."""
-    device = torch.device(device)
+def build(models, config: EngineConfig, parallel=None) -> Engine:
+    """Resolve `config` on its device and build its modules (models: a loaded `RemoverModels`, None for the weightless
+    classic remover). The transformer is moved to the device and dtype; a quantized `--weights` method replaces the
+    eager transformer's block linears in place. `parallel`: this process's ParallelContext (fastremover/parallel);
+    with several ranks the sequence-parallel denoiser and the parallel VAE are built around the modules. Every note
+    is logged (the package logger) and recorded in the ResolvedEngine."""
+    plan = resolve(config)
+    device, dtype = plan.device, plan.dtype
     tuning = kernel_tuning().describe()
     if models is None:
-        resolved = ResolvedEngine(model="classic", device=str(device), precision=precision, mode="eager",
+        if parallel is not None and parallel.is_parallel:
+            raise FastRemoverError("--parallel ulysses needs a model (--model random or a checkpoint), not classic")
+        resolved = ResolvedEngine(model="classic", device=str(device), precision=plan.precision, mode="eager",
                                   requested_mode=config.mode, vae="none", vae_precision=config.vae.precision,
                                   weights=config.linears.weights, tuning=tuning, config=config.describe())
-        return Engine(None, None, resolved)
+        return Engine(None, None, resolved, plan)
     from fastremover.fast.vae_fast import build_vae
 
-    plan = resolve(config, device)
     notes = list(plan.mode_notes)
     extra: dict = {}
     models.transformer.to(device).to_inference_dtype(dtype)
-    if config.linears.weights != "dense":
-        from fastremover.fast.nvfp4_linear import quantize_linears_nvfp4
-
-        report = quantize_linears_nvfp4(models.transformer, w4a4=config.linears.weights == "nvfp4-w4a4")
+    method = linear_methods.get(plan.linear_method)
+    if plan.mode == "eager" and method.prepare_eager is not None:
+        report = method.prepare_eager(models.transformer)
         notes.append(report.summary())
-        extra["nvfp4"] = report.describe()
-    vae, vae_path = build_vae(models.vae, plan.mode, device, dtype, config.vae.precision)
+        extra[method.report_key] = report.describe()
+    vae, vae_path = build_vae(models.vae, plan.mode, device, dtype, config.vae.precision, config.vae.fast)
     eager_vae = getattr(vae, "module", None)  # the WanVAE inside an EagerVideoVAE (None: the fast VAE)
     if config.linears.weights != "dense" and config.vae.nvfp4_convs and eager_vae is not None:
         from fastremover.fast.nvfp4_conv import Nvfp4CausalConv3d, quantize_vae_convs_nvfp4
@@ -178,8 +248,18 @@ def build(models, config: EngineConfig, device: torch.device | str, dtype: torch
             extra["nvfp4_vae"] = vae_report.describe()
     denoiser, denoiser_notes = _denoiser(plan, models.transformer, models.scheduler_config)
     notes += [*plan.attention_notes, *denoiser_notes]
-    resolved = ResolvedEngine(model=models.source, device=str(device), precision=precision, mode=plan.mode,
-                              requested_mode=config.mode, vae=vae_path, vae_precision=config.vae.precision,
-                              weights=config.linears.weights, parallel_world_size=config.parallel.world_size, tuning=tuning,
+    engine_parallel = None
+    if parallel is not None and parallel.is_parallel:
+        from fastremover.parallel.engine import ParallelEngine
+
+        engine_parallel = ParallelEngine(parallel, models.transformer.config.num_attention_heads, denoiser, vae)
+        denoiser, vae = engine_parallel.denoiser, engine_parallel.vae
+        notes += engine_parallel.notes
+        extra.update(engine_parallel.describe())
+    for note in notes:
+        logger.warning(note)
+    resolved = ResolvedEngine(model=models.source, device=str(device), precision=plan.precision, mode=plan.mode,
+                              requested_mode=config.mode, linear_method=method.name, vae=vae_path,
+                              vae_precision=config.vae.precision, weights=config.linears.weights, tuning=tuning,
                               config=config.describe(), notes=notes, **denoiser.describe(), **extra)
-    return Engine(denoiser, vae, resolved, plan, extra)
+    return Engine(denoiser, vae, resolved, plan, engine_parallel)

@@ -56,7 +56,9 @@ def build_unavailable_reason() -> str | None:
             return None
     except Exception as exc:  # FlashInfer's spec generation refuses this setup (e.g. no CUDA arch to target)
         return f"FlashInfer cannot set up its FA3 modules here: {type(exc).__name__}: {str(exc)[:200]}"
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    from fastremover.config import cuda_home as cuda_home_dir
+
+    cuda_home = cuda_home_dir()
     if (cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc"))) or shutil.which("nvcc"):
         return None
     return ("FlashInfer's FA3 modules are not prebuilt and there is no nvcc to compile them (set CUDA_HOME, or "

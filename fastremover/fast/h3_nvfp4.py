@@ -61,7 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastremover.fast import nvfp4 as ref
-from fastremover.fast.lru import LRUCache
+from fastremover.lru import LRUCache
 from fastremover.models.h3_decoder import H3Block, H3DecoderConfig, H3VideoDecoder, tier_blocks
 
 BF16 = torch.bfloat16

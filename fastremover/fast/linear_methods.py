@@ -23,6 +23,11 @@ Registered: `dense` (F.linear on the model dtype), `fp8-rowwise` (fast/fp8.py: p
 per-row e4m3 activations, cuBLASLt / _scaled_mm), `nvfp4` (fast/nvfp4_linear.py, W4A16) and `nvfp4-w4a4` (activations
 fake-quantized to NVFP4 too). `register(method)` adds one (a sharded linear is meant to be one more entry); the tests
 register a dummy.
+
+The engine (fast/engine.py) picks the method for a plan (`fast`: fp8-rowwise, `exact`: dense, `eager`: the stored
+`--weights`) and passes it on: to the FastTransformer, which builds its layers with `build` / `fused`, or, in the eager
+mode, to `prepare_eager(transformer) -> report` (a method whose layers replace the eager model's block linears in
+place; the report's `summary()` is a note and its `describe()` goes into the ResolvedEngine under `report_key`).
 """
 
 from __future__ import annotations
@@ -171,6 +176,8 @@ class LinearMethod:
     quantize_input: Callable | None = None
     quantized: bool = False
     description: str = ""
+    prepare_eager: Callable | None = None  # (eager RemoverTransformer) -> report; None: the eager model runs as stored
+    report_key: str | None = None  # the ResolvedEngine field prepare_eager's report is recorded in
 
     def __post_init__(self):
         if self.activation not in ACTIVATION_FORMATS:
@@ -249,13 +256,18 @@ def _nvfp4(mode: str):
         # one global scale per tensor: q, k and v keep their own (the eager NVFP4 model's numerics)
         return ConcatLinear([build(l, out_dtype, gemm) for l in linears])
 
-    return build, build_fused
+    def prepare_eager(transformer: nn.Module):
+        from fastremover.fast.nvfp4_linear import quantize_linears_nvfp4
+
+        return quantize_linears_nvfp4(transformer, w4a4=mode == "w4a4")
+
+    return {"build": build, "build_fused": build_fused, "prepare_eager": prepare_eager, "report_key": "nvfp4"}
 
 
 register(LinearMethod("dense", ACT_16BIT, _dense, description="16-bit weights, F.linear / cuBLAS"))
 register(LinearMethod("fp8-rowwise", ACT_FP8_ROWWISE, _fp8_rowwise, quantized=True,
                       description="e4m3 weights (per output channel) x e4m3 activations (per row), cuBLASLt"))
-register(LinearMethod("nvfp4", ACT_16BIT, *_nvfp4("w4a16"), quantized=True,
+register(LinearMethod("nvfp4", ACT_16BIT, **_nvfp4("w4a16"), quantized=True,
                       description="NVFP4 weights (packed e2m1 + e4m3 block scales), 16-bit activations (W4A16)"))
-register(LinearMethod("nvfp4-w4a4", ACT_16BIT, *_nvfp4("w4a4"), quantized=True,
+register(LinearMethod("nvfp4-w4a4", ACT_16BIT, **_nvfp4("w4a4"), quantized=True,
                       description="NVFP4 weights and NVFP4-emulated activations (crop mode only)"))

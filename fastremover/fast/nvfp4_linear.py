@@ -10,7 +10,8 @@ the GEMM's load path, 16-bit MMAs - not FP4 speed. docs/nvfp4.md has the numbers
                        math in torch (nvfp4.w4a16_linear_reference: fp32, W_unit dequantized per call)
         mode "w4a4"    activations quantized to NVFP4 too (per-16 block scales along K, a dynamic per-tensor global
                        scale) and dequantized before the same GEMM: an emulation of an FP4 x FP4 GEMM's numerics
-                       (FlashRT's transformer path), not a speed path. Crop mode only (check_w4a4_allowed).
+                       (FlashRT's transformer path), not a speed path. Crop mode only (fast/engine.py's
+                       Plan.check_window refuses full frames unless --force-w4a4).
     quantize_linears_nvfp4(transformer, w4a4=False) -> Nvfp4Report
                                     replaces to_q / to_k / to_v / to_out.0 / ffn.net.0.proj / ffn.net.2 of every block
                                     (patch_embedding, condition_embedder and proj_out stay dense) and reports resident
@@ -220,12 +221,6 @@ def quantize_linears_nvfp4(module: nn.Module, *, w4a4: bool = False, gemm: str =
     targets.clear()
     return Nvfp4Report(mode, len(blocks) * len(BLOCK_LINEARS), linear_before, linear_after, model_before,
                        resident_bytes(module))
-
-
-def check_w4a4_allowed(crop_active: bool, force: bool) -> None:
-    """W4A4 runs on crops; on full frames only with force (raises FastRemoverError otherwise)."""
-    if not crop_active and not force:
-        raise FastRemoverError(W4A4_FULL_FRAME_REFUSAL)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -62,13 +62,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fastremover.config import TransformerOptions
 from fastremover.fast import linear_methods
 from fastremover.fast.linear_methods import Fp8Activation, concat_linears, gelu_linear  # noqa: F401 (re-exported)
-from fastremover.fast.lru import LRUCache
 from fastremover.fast.kernels.qk_norm_rope import rope_amax_bound
+from fastremover.lru import LRUCache
 from fastremover.models.transformer import RemoverTransformer
-from fastremover.parallel.context import SINGLE
 from fastremover.ops import attention as attention_backends
+from fastremover.parallel.context import SINGLE
 
 
 def kernel_ops(use_triton: bool) -> SimpleNamespace:
@@ -159,23 +160,22 @@ class FastTransformer(nn.Module):
     # all-to-all, K's centre and V's statistics all-reduced; size 1 (one process) leaves every path as it is
     parallel = SINGLE
 
-    def __init__(self, model: RemoverTransformer, *, fp8: bool = False, attention: str = "sdpa",
-                 use_triton: bool | None = None, fused_ffn1: bool = True, concurrent: bool = True,
-                 tail_overlap: bool = True, stream_priority: bool = True, fused_v_stats: bool = True,
-                 gemm: str = "auto", linear_method: "str | linear_methods.LinearMethod | None" = None):
+    def __init__(self, model: RemoverTransformer, *, linear_method: "str | linear_methods.LinearMethod" = "dense",
+                 attention: str = "sdpa", use_triton: bool | None = None, fused_ffn1: bool = True,
+                 options: TransformerOptions = TransformerOptions()):
         """linear_method: how the block linears are stored and run (fast/linear_methods.py: dense, fp8-rowwise,
-        nvfp4, nvfp4-w4a4 or a registered one); None = fp8-rowwise with fp8, else dense. A method with FP8
-        activations makes the norms write e4m3 codes + row scales and enables the 8-bit attention path; fp8=True
-        with a 16-bit method is an error. gemm: the fp8-rowwise GEMM choice (Fp8Linear)."""
+        nvfp4, nvfp4-w4a4 or a registered one; the engine passes the plan's). A method with FP8 activations makes
+        the norms write e4m3 codes + row scales and enables the 8-bit attention path. use_triton: the Triton kernels
+        (default: on CUDA) or their eager references. options: the switches of config.TransformerOptions (streams,
+        the fp8-rowwise GEMM choice)."""
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
         device = model.proj_out.weight.device
         self.dtype = model.proj_out.weight.dtype
-        self.linear_method = linear_methods.get(linear_method or ("fp8-rowwise" if fp8 else "dense"))
-        if fp8 and not self.linear_method.fp8_activations:
-            raise ValueError(f"FastTransformer(fp8=True) needs a linear method with FP8 activations, got "
-                             f"{self.linear_method.name!r} ({self.linear_method.activation} activations)")
+        self.options = options
+        gemm = options.gemm
+        self.linear_method = linear_methods.get(linear_method)
         fp8 = self.fp8 = self.linear_method.fp8_activations  # norms write e4m3 codes + row scales
         self.fused_ffn1 = False  # set below in fp8 mode
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton
@@ -207,18 +207,18 @@ class FastTransformer(nn.Module):
         # CUDA: the 8-bit attention's three independent preparations (q, k, V statistics + codes) run on their own
         # streams, and b_o + W_o c beside the attention kernel (see _attention_fp8); a captured graph keeps them as
         # parallel branches
-        self.concurrent = concurrent and device.type == "cuda"
+        self.concurrent = options.concurrent and device.type == "cuda"
         self._side_streams: dict[torch.device, tuple] = {}
         # V's side stream at a higher priority than the others (see _streams)
-        self.stream_priority = stream_priority
+        self.stream_priority = options.stream_priority
         # V's statistics pass does its own final reduction (quant_fp8_centred(fused_finalize=True): two kernels on
         # V's chain instead of three), with one program counter per layer kept here (the kernel resets it)
-        self.fused_v_stats = fused_v_stats and self.use_triton
+        self.fused_v_stats = options.fused_v_stats and self.use_triton
         self._v_counters: LRUCache[torch.Tensor] = LRUCache(SHAPE_CACHE_SIZE)  # per (device, batch, tokens, width)
         # a backend with row_split_block_m (FlashAttention-3's FP8), one batch: the attention's partial last wave of
         # tiles as a second call, overlapped with the rest of the block on the other rows (attention_row_split);
         # sm_count None = no split (a test may set it on the CPU to exercise the split with a faked kernel)
-        self.tail_overlap = tail_overlap
+        self.tail_overlap = options.tail_overlap
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         if fp8:
             # static amax bounds of the q and k rope outputs, and q's dequantization scale (quant.py's rule)
@@ -522,7 +522,7 @@ class FastTransformer(nn.Module):
         x = x.reshape(b * s, -1).contiguous()
         shape = (b, s, self.config.num_attention_heads)
         if self.fp8 and cond.ffn_amax is None:
-            raise ValueError("FastTransformer(fp8=True).forward_step needs a Conditioning from an fp8 transformer's "
+            raise ValueError("an FP8 FastTransformer's forward_step needs a Conditioning from an FP8 transformer's "
                              "conditioning() (it carries the FFN's static quantization bounds)")
         mods, final = cond.block_mods[step], cond.final_mods[step]
         eps, n_blocks = self.config.eps, len(model.blocks)

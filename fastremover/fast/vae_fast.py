@@ -117,6 +117,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fastremover.config import VAE_PRECISIONS, FastVAEOptions
 from fastremover.errors import FastRemoverError
 from fastremover.models.vae import (
     CACHE_T,
@@ -133,11 +134,8 @@ from fastremover.vae_api import VideoVAE
 
 CL3 = torch.channels_last_3d
 CL2 = torch.channels_last
-PRECISIONS = ("auto", "fp16", "fp8")
-FP8_MAX_CHANNELS = 128  # default fp8_max_channels: the decoder's 96-channel full-resolution level (see fp8_pays)
+FP8_MAX_CHANNELS = FastVAEOptions().fp8_max_channels  # the decoder's 96-channel full-resolution level (fp8_pays)
 FP8_ENCODER_MAX_CHANNELS = 384  # default fp8_encoder_max_channels: every level of the encoder (see fp8_pays)
-FP8_SCALES = ("auto", "static", "dynamic")  # FP8 activation scales: see FastWanVAE's fp8_scales
-UPSAMPLE_CONVS = ("auto", "subpixel", "eager")  # the decoder's nearest 2x + 3x3 conv: see FastWanVAE's upsample_conv
 FP8 = torch.float8_e4m3fn
 KERNELS = ("auto", "triton", "torch")
 FP8_MODULE = "fastremover.fast.kernels.conv3d_fp8"
@@ -296,14 +294,16 @@ def _cudnn_benchmark(on: bool | None):
         torch.backends.cudnn.benchmark = old
 
 
-def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, precision: str = "auto", **kw):
+def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, precision: str = "auto",
+              options: FastVAEOptions = FastVAEOptions()):
     """The VideoVAE the pipeline runs for an (already resolved) engine mode: (vae, description).
 
     eager mode, or no CUDA GPU: the eager `WanVAE` moved to device/dtype, as a `vae_api.EagerVideoVAE` ("eager");
     exact/fast on CUDA: a `FastWanVAE` (its description, e.g. "fast-fp16"; the eager module stays where it is, so its
-    weights are not held twice on the GPU). precision "fp8" needs the fast VAE: a clear error otherwise."""
-    if precision not in PRECISIONS:
-        raise FastRemoverError(f"--vae-precision {precision!r}: choose one of {list(PRECISIONS)}")
+    weights are not held twice on the GPU; `options`: its switches). precision "fp8" needs the fast VAE: a clear
+    error otherwise."""
+    if precision not in VAE_PRECISIONS:
+        raise FastRemoverError(f"--vae-precision {precision!r}: choose one of {list(VAE_PRECISIONS)}")
     device = torch.device(device)
     if mode == "eager" or device.type != "cuda":
         if precision == "fp8":
@@ -314,7 +314,7 @@ def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, 
 
         eager = EagerVideoVAE(vae, device, dtype)
         return eager, eager.describe()
-    fast = FastWanVAE(vae, device=device, dtype=dtype, precision=precision, **kw)
+    fast = FastWanVAE(vae, device=device, dtype=dtype, precision=precision, options=options)
     return fast, fast.describe()
 
 
@@ -325,6 +325,8 @@ class FastWanVAE(VideoVAE):
     module itself is not changed). precision: "auto" / "fp16" (the model dtype everywhere) or "fp8" (FP8 3x3x3 causal
     convs; needs fastremover.fast.kernels.conv3d_fp8 and an sm_89+ GPU). kernels: "auto" (Triton on CUDA, the torch
     reference elsewhere), "triton" (also the interpreter on the CPU), "torch".
+    options (`fastremover.config.FastVAEOptions`, `EngineConfig.vae.fast`): the switches below; the defaults are what
+    the engine runs, tools and tests set the others.
     encode_frames / decode_frames: frames per step of the full-resolution levels (encoder level 0; decoder's last
     two levels and head); None: whole chunks. Fewer frames: lower peak memory, a few more cache copies. "auto"
     (default): encode 2; decode whole chunks for small frames on CUDA, else 1 (see SMALL_FRAME_PIXELS and
@@ -367,45 +369,13 @@ class FastWanVAE(VideoVAE):
     True: raise where it cannot; False: torch's convs. The same bits either way.
     """
 
-    def __init__(
-        self,
-        vae: WanVAE,
-        *,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        precision: str = "auto",
-        kernels: str = "auto",
-        encode_frames: int | None | str = "auto",
-        decode_frames: int | None | str = "auto",
-        pair: bool | str = "auto",
-        pair_budget_gib: float = 2.0,
-        pad_rgb: bool | None = None,
-        tap_head: bool = True,
-        stripe_mib: float | None = None,
-        cudnn_benchmark: bool | None = None,
-        fuse_bias: bool = True,
-        precise_norm: bool = False,
-        pad_channels: int | None = None,
-        pad_encoder: bool = False,
-        fp8_precise_acc: bool = False,
-        fp8_max_channels: int = FP8_MAX_CHANNELS,
-        fp8_encoder_max_channels: int | None = None,
-        fp8_scales: str = "auto",
-        upsample_conv: str = "auto",
-        conv_plans: bool | str = "auto",
-    ):
-        if precision not in PRECISIONS:
-            raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(PRECISIONS)}")
+    def __init__(self, vae: WanVAE, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 precision: str = "auto", kernels: str = "auto", options: FastVAEOptions = FastVAEOptions()):
+        if precision not in VAE_PRECISIONS:
+            raise FastRemoverError(f"vae precision {precision!r}: choose one of {list(VAE_PRECISIONS)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r}: choose one of {KERNELS}")
-        for name, v in (("encode_frames", encode_frames), ("decode_frames", decode_frames)):
-            if v is not None and v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be 'auto', None or a positive int, got {v!r}")
-        if pair not in ("auto", True, False):
-            raise ValueError(f"pair must be 'auto', True or False, got {pair!r}")
-        if pad_channels is not None and (not isinstance(pad_channels, int) or isinstance(pad_channels, bool)
-                                         or pad_channels < 0 or pad_channels % 8):
-            raise ValueError(f"pad_channels must be None or an int >= 0 that is a multiple of 8, got {pad_channels!r}")
+        o = self.options = options
         self.vae = vae
         self.config = vae.config
         self.device = torch.device(device) if device is not None else vae.device
@@ -413,38 +383,30 @@ class FastWanVAE(VideoVAE):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.kernels = ("triton" if self.device.type == "cuda" else "torch") if kernels == "auto" else kernels
-        self.encode_frames = encode_frames
-        self.decode_frames = decode_frames
-        self.pair = pair
-        self.pair_budget_gib = float(pair_budget_gib)
-        self.pad_rgb = (self.device.type == "cuda") if pad_rgb is None else bool(pad_rgb)
-        self.tap_head = bool(tap_head)
-        if stripe_mib is not None and not stripe_mib > 0:
-            raise ValueError(f"stripe_mib must be None or > 0, got {stripe_mib!r}")
-        self.stripe_mib = stripe_mib
+        self.encode_frames = o.encode_frames
+        self.decode_frames = o.decode_frames
+        self.pair = o.pair
+        self.pair_budget_gib = float(o.pair_budget_gib)
+        self.pad_rgb = (self.device.type == "cuda") if o.pad_rgb is None else bool(o.pad_rgb)
+        self.tap_head = bool(o.tap_head)
+        self.stripe_mib = o.stripe_mib
         self._head_taps = None
-        self.cudnn_benchmark = cudnn_benchmark
-        self.fuse_bias = bool(fuse_bias)
-        self.precise_norm = bool(precise_norm)
+        self.cudnn_benchmark = o.cudnn_benchmark
+        self.fuse_bias = bool(o.fuse_bias)
+        self.precise_norm = bool(o.precise_norm)
         self.precision = "fp16" if precision == "auto" else precision
+        pad_channels = o.pad_channels
         if pad_channels is None:  # FP8 convs: 128 wide they lose to the unpadded 96 (W2: 2.05 vs 1.93 s)
             pad_channels = PAD_CHANNELS if self.device.type == "cuda" and self.precision != "fp8" else 0
         self.pad_channels = pad_channels
-        self.pad_encoder = bool(pad_encoder)
-        self.fp8_precise_acc = bool(fp8_precise_acc)
-        if not isinstance(fp8_max_channels, int) or isinstance(fp8_max_channels, bool) or fp8_max_channels < 64:
-            raise ValueError(f"fp8_max_channels must be an int >= 64, got {fp8_max_channels!r}")
-        self.fp8_max_channels = fp8_max_channels
-        if fp8_encoder_max_channels is not None and (not isinstance(fp8_encoder_max_channels, int) or isinstance(
-                fp8_encoder_max_channels, bool) or fp8_encoder_max_channels < 64):
-            raise ValueError(f"fp8_encoder_max_channels must be None or an int >= 64, got {fp8_encoder_max_channels!r}")
+        self.pad_encoder = bool(o.pad_encoder)
+        self.fp8_precise_acc = bool(o.fp8_precise_acc)
+        self.fp8_max_channels = o.fp8_max_channels
+        fp8_encoder_max_channels = o.fp8_encoder_max_channels
         self.fp8_encoder_max_channels = (FP8_ENCODER_MAX_CHANNELS if fp8_encoder_max_channels is None
                                          else fp8_encoder_max_channels)
-        if fp8_scales not in FP8_SCALES:
-            raise ValueError(f"fp8_scales must be one of {FP8_SCALES}, got {fp8_scales!r}")
-        self.fp8_scales = fp8_scales
-        if upsample_conv not in UPSAMPLE_CONVS:
-            raise ValueError(f"upsample_conv must be one of {UPSAMPLE_CONVS}, got {upsample_conv!r}")
+        fp8_scales = self.fp8_scales = o.fp8_scales
+        upsample_conv = o.upsample_conv
         self._upconv = None
         if upsample_conv != "eager":
             self._upconv = _load_upconv(self.device, self.dtype)
@@ -482,7 +444,7 @@ class FastWanVAE(VideoVAE):
         # The convs' own bias adds (those fuse_bias cannot defer): on CUDA, the bias-free conv + our row kernel, the
         # bits of ATen's conv-then-add_ (its cuDNN path) without its slow strided add. Elsewhere the conv adds it.
         self._bias_kernel = self.kernels == "triton" and self.device.type == "cuda"
-        self.conv_plans = self._conv_plans(conv_plans)
+        self.conv_plans = self._conv_plans(o.conv_plans)
         self._add_bias = add_bias_fn
         self._pad_copy = pad_copy_fn  # a real-width cache into the front of a padded conv input buffer
         self._conv: dict[nn.Module, _Conv] = {}

@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 
+from fastremover.config import triton_interpret
 from fastremover.errors import FastRemoverError
 
 BLOCKS = ("dense", "nvfp4", "nvfp4-fused")
@@ -89,7 +90,9 @@ def _device(args):
     import torch
 
     if args.device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        from fastremover.fast.engine import resolve_device
+
+        return resolve_device(None)
     try:
         dev = torch.device(args.device)
     except RuntimeError:
@@ -115,7 +118,7 @@ def run(args) -> int:
     device = _device(args)
     if args.cuda_graphs and device.type != "cuda":
         raise FastRemoverError("--cuda-graphs needs a CUDA device")
-    if args.blocks == "nvfp4-fused" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if args.blocks == "nvfp4-fused" and device.type != "cuda" and not triton_interpret():
         raise FastRemoverError("--blocks nvfp4-fused needs a CUDA GPU with Triton (or TRITON_INTERPRET=1 for tests)")
     if args.weights != "random" and not os.path.exists(args.weights):
         raise FastRemoverError(f"--weights {args.weights}: no such file or folder (or use --weights random)")

@@ -161,8 +161,9 @@ def load_video_predictor(directory: str | Path, device: str | None = None):
             f"{files.checkpoint} does not fit {files.config.name}: {len(missing)} missing and {len(unexpected)} "
             f"unexpected tensors (first: {(missing or unexpected)[0]}); use the config of this checkpoint"
         )
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval()
+    from fastremover.fast.engine import resolve_device
+
+    return model.to(resolve_device(device)).eval()
 
 
 def build_mask_sam2(frames: np.ndarray, directory: str | Path, boxes: Sequence[Box] = (),

@@ -459,10 +459,6 @@ class H3VideoDecoder(nn.Module):
 # Weights
 
 
-def decoder_keys(model: H3VideoDecoder) -> list[str]:
-    return list(model.state_dict().keys())
-
-
 def random_decoder(cfg: H3DecoderConfig, seed: int = 0, scale_init: float = 0.1, device=None) -> H3VideoDecoder:
     """Deterministic random weights (for tests and timing): linears/convs as torch initializes them from `seed`, norm
     weights 1 +- 0.1, register tokens N(0, 1), and the layer scales scale1/scale2 uniform in [0, scale_init] (the

@@ -116,8 +116,8 @@ def resolve_model(model: str, *, download: bool = True, progress: bool = True) -
     if ref.kind == "folder":
         if not ref.path.is_dir():
             what = "does not exist" if not ref.path.exists() else "is not a folder"
-            raise FastRemoverError(f"--model {model}: {what}; give classic, random, a checkpoint folder (with "
-                                   "transformer/ vae/ scheduler/) or a Hugging Face Hub id ORG/NAME")
+            raise FastRemoverError(f"--model {model}: {what}; not 'classic', 'random' or an existing checkpoint "
+                                   "folder (with transformer/ vae/ scheduler/), nor a Hugging Face Hub id ORG/NAME")
         return ResolvedModel("folder", ref.path)
     hub = _hub(model)
     try:
@@ -292,8 +292,8 @@ def _not_cached_message(hub, ref: ModelRef) -> str:
     name = ref.repo_id + (f"@{ref.revision}" if ref.revision else "")
     why = "HF_HUB_OFFLINE=1 forbids downloading it" if _offline(hub) else "downloads are off here"
     folder = "" if ref.explicit else " (nor a folder here)"
-    return (f"--model {ref.text}: not in the local Hugging Face cache ({cache_dir()}){folder} and {why}; run `fastremover "
-            f"download {name}` where the Hub can be reached (or point HF_HOME at a cache that holds it)")
+    return (f"--model {ref.text}: not in the local Hugging Face cache ({cache_dir()}){folder} and {why}; run "
+            f"`fastremover download {name}` where the Hub can be reached (or point HF_HOME at a cache that holds it)")
 
 
 def _storage(ref: ModelRef) -> Path:

@@ -21,7 +21,6 @@ result rounds to the same values except for rare one-ulp differences.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -29,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastremover.errors import FastRemoverError
+from fastremover.lru import LRUCache
 from fastremover.models.config_types import check_config_types
 from fastremover.parallel.context import SINGLE
 
@@ -298,7 +298,7 @@ class RemoverTransformer(nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         # per (grid, device), the most recent ROPE_CACHE_SIZE (a captured graph keeps its own tables referenced)
-        self._rope_cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._rope_cache: LRUCache[tuple[torch.Tensor, torch.Tensor]] = LRUCache(ROPE_CACHE_SIZE)
 
     def to_inference_dtype(self, dtype: torch.dtype) -> "RemoverTransformer":
         """Cast to `dtype`, keeping the upstream fp32 islands (time embedder, modulation tables) in fp32."""
@@ -318,12 +318,11 @@ class RemoverTransformer(nn.Module):
     def rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin tables for a grid, computed once per (grid, device) and cached."""
         key = (grid, str(device))
-        if key not in self._rope_cache:
-            self._rope_cache[key] = rope_cos_sin(grid, self.config.attention_head_dim, self.config.rope_max_seq_len, device)
-            while len(self._rope_cache) > ROPE_CACHE_SIZE:
-                self._rope_cache.popitem(last=False)
-        self._rope_cache.move_to_end(key)
-        return self._rope_cache[key]
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            tables = rope_cos_sin(grid, self.config.attention_head_dim, self.config.rope_max_seq_len, device)
+            self._rope_cache.put(key, tables)
+        return tables
 
     def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """[B, S, out*pt*ph*pw] -> [B, out, T, H, W] (token order f, h, w; patch channel order pt, ph, pw, out)."""

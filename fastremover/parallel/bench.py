@@ -1,8 +1,8 @@
 """`bench --parallel` and `info`'s parallel lines: a parallel denoise timed against the one-process reference in
 the same command, and what this machine offers for parallel runs.
 
-`bench_denoise(world_size, ...)` starts the ranks (launch.spawn), builds the same random-weight model on each, and
-on every rank runs (1) the reference: the denoise loop on rank 0 alone, the other ranks waiting at a barrier, and
+`bench_denoise(config, ...)` starts the config's `parallel.world_size` ranks (launch.spawn), builds the same
+random-weight model on each, and on every rank runs (1) the reference: the denoise loop on rank 0 alone, the other ranks waiting at a barrier, and
 (2) the same loop under Ulysses on all ranks. It returns one JSON-able record (rank 0's view):
 
     world_size, sp_transport, head_groups, mode, device, latent_shape, steps, repeats
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from fastremover.parallel.context import ParallelContext, SINGLE, set_parallel
+from fastremover.parallel.context import SINGLE, ParallelContext
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -73,22 +73,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_rank(ctx: ParallelContext, preset: str, mode: str, latent_shape: tuple, steps: int, repeats: int,
-               dtype: str, profile: bool) -> dict | None:
+def bench_rank(ctx: ParallelContext, config, preset: str, latent_shape: tuple, steps: int, repeats: int,
+               profile: bool) -> dict | None:
     """One rank of bench_denoise (module docstring). Rank 0 returns the record, the others None."""
     import torch.distributed as dist
 
-    from fastremover.fast.denoise import EagerDenoiser
-    from fastremover.fast.engine import build_denoiser
+    from fastremover.fast.engine import DTYPES, build_denoiser, resolve_precision
     from fastremover.models.loading import random_models
 
     device = ctx.device
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    dtype = resolve_precision(config.precision, device)
+    torch_dtype = DTYPES[dtype]
+    mode = config.mode
     models = random_models(preset, 0)
     models.transformer.to(device).to_inference_dtype(torch_dtype)
-    denoiser, _ = build_denoiser(models.transformer, models.scheduler_config, mode, device)
+    denoiser, _ = build_denoiser(models.transformer, models.scheduler_config, mode, device, config=config,
+                                 attention=config.attention.backend)
     graphs = bool(denoiser.cuda_graphs)  # both loops as `remove` runs them: captured on CUDA (fast denoisers)
-    target = denoiser.transformer if isinstance(denoiser, EagerDenoiser) else denoiser.fast
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(latent_shape, generator=g).to(device, torch_dtype) for _ in range(3)]
 
@@ -100,13 +101,13 @@ def bench_rank(ctx: ParallelContext, preset: str, mode: str, latent_shape: tuple
         return out, time.perf_counter() - t
 
     ref_times, ref = [], None
-    set_parallel(target, SINGLE)
+    denoiser.parallelize(SINGLE)
     for _ in range(repeats + 1):  # the first run warms up (kernels, allocator)
         if ctx.is_root:
             ref, seconds = run()
             ref_times.append(seconds)
         dist.barrier(group=ctx.group)
-    set_parallel(target, ctx)
+    denoiser.parallelize(ctx)
     par_times, comm = [], []
     for i in range(repeats + 1):
         ctx.comm_seconds = 0.0
@@ -122,7 +123,7 @@ def bench_rank(ctx: ParallelContext, preset: str, mode: str, latent_shape: tuple
             run()
         denoiser.cuda_graphs = graphs
         exposed = exposed_from_profile(prof)
-    set_parallel(target, SINGLE)
+    denoiser.parallelize(SINGLE)
     if not ctx.is_root:
         return None
     ref_s, par_s = statistics.median(ref_times[1:]), statistics.median(par_times[1:])
@@ -141,19 +142,20 @@ def latent_shape(frames: int, height: int, width: int) -> tuple[int, int, int, i
     return (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
 
 
-def bench_denoise(world_size: int, *, preset: str = "minimax-remover", mode: str = "exact",
-                  latent_shape: tuple = (1, 16, 21, 60, 104), steps: int = 12, repeats: int = 3,
-                  device: str | None = None, dtype: str | None = None, transport: str = "fp16", head_groups: int = 1,
-                  profile: bool = True, timeout_s: float = 1800.0, threads: int | None = None) -> dict:
-    """The record of the module docstring, from `world_size` new ranks (one per GPU with device "cuda"); threads:
-    torch's CPU threads per rank (None: torch's default)."""
+def bench_denoise(config, *, preset: str = "minimax-remover", latent_shape: tuple = (1, 16, 21, 60, 104),
+                  steps: int = 12, repeats: int = 3, profile: bool = True, threads: int | None = None) -> dict:
+    """The record of the module docstring for an EngineConfig: its mode, attention, precision and parallel options
+    (`parallel.world_size` new ranks, one per GPU on a CUDA device; `parallel.timeout_s` per collective, and 1.5x
+    that for the whole run at least 30 minutes). threads: torch's CPU threads per rank (None: torch's default)."""
+    from fastremover.fast.engine import resolve_device
     from fastremover.parallel.launch import spawn
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or ("fp16" if device == "cuda" else "fp32")
-    results = spawn(bench_rank, world_size, (preset, mode, tuple(latent_shape), steps, repeats, dtype, profile),
-                    device=device, timeout_s=timeout_s, threads=threads, transport=transport,
-                    head_groups=head_groups)
+    p = config.parallel
+    device = resolve_device(config.device)
+    device = "cuda" if device.type == "cuda" else str(device)
+    results = spawn(bench_rank, p.world_size, (config, preset, tuple(latent_shape), steps, repeats, profile),
+                    device=device, timeout_s=max(1800.0, 1.5 * p.timeout_s), collective_timeout_s=p.timeout_s,
+                    threads=threads, transport=p.transport, head_groups=p.head_groups)
     return results[0]
 
 

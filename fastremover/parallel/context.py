@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from fastremover.config import DEFAULT_PARALLEL_TIMEOUT_S, TRANSPORTS
 from fastremover.errors import FastRemoverError
-from fastremover.parallel.options import DEFAULT_TIMEOUT_S, TRANSPORTS
 
 ERROR_KEY = "fastremover/error"
 
@@ -72,7 +71,7 @@ class ParallelContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     transport: str = "fp16"
     head_groups: int = 1
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S
     store: Any = None
     sequence_total: int | None = None  # S of the current forward (recorded by shard_tokens)
     # host seconds spent waiting in the transformer's collectives (all-to-alls, the gather); on gloo that is the
@@ -107,7 +106,8 @@ class ParallelContext:
 
     @classmethod
     def initialize(cls, rank: int, world_size: int, *, master_addr: str = "127.0.0.1", master_port: int,
-                   device: str | torch.device = "cpu", backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   device: str | torch.device = "cpu", backend: str | None = None,
+                   timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S,
                    use_existing_store: bool = False, **options) -> "ParallelContext":
         """Join (or start, on rank 0) the rendezvous store at master_addr:master_port and create the process group:
         NCCL for CUDA devices, gloo otherwise. use_existing_store: every rank connects as a client (torchrun's agent
@@ -128,21 +128,15 @@ class ParallelContext:
                    store=store, **options)
 
     @classmethod
-    def from_env(cls, *, device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **options) -> "ParallelContext":
-        """The context torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT);
-        `SINGLE`-like when WORLD_SIZE is absent or 1. device: "cuda" -> cuda:LOCAL_RANK, None -> that if a GPU is
-        visible, else the CPU."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return cls(device=torch.device(device or "cpu"), **options)
-        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(f"cuda:{local}") if device == "cuda" else torch.device(device)
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        return cls.initialize(rank, world, master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                              master_port=int(os.environ["MASTER_PORT"]), device=dev, timeout_s=timeout_s,
-                              use_existing_store=agent, **options)
+    def from_env(cls, env, *, device: torch.device, timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S,
+                 **options) -> "ParallelContext":
+        """The context of the rank torchrun describes (`env`: fastremover.config.torchrun_env(), read there) on the
+        resolved `device`: "cuda" without an index -> cuda:LOCAL_RANK; anything else as given."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", env.local_rank)
+        return cls.initialize(env.rank, env.world_size, master_addr=env.master_addr, master_port=env.master_port,
+                              device=dev, timeout_s=timeout_s, use_existing_store=env.agent_store, **options)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -7,9 +7,11 @@ Two ways in:
                                                            torchrun starts them; each reads its rank from the
                                                            environment (ParallelContext.from_env)
 
-Either way every rank runs `remove_rank`: rank 0 alone checks and reads the inputs, drives the pipeline and writes
-the output; the other ranks build the same model and follow rank 0's commands (`follow`): for each stage rank 0
-broadcasts what comes next, then the tensors it needs, and every rank runs its part of that stage
+Either way every rank runs `remove_rank` with the same model source and EngineConfig (its `parallel` options: the
+ranks, the transport, the collective timeout). Each rank builds its pipeline with its ParallelContext, so the engine's
+build makes the sequence-parallel denoiser and VAE (parallel/engine.py). Rank 0 alone checks and reads the inputs,
+drives the request loop and writes the output; the other ranks follow rank 0's commands (`follow`): for each stage
+rank 0 broadcasts what comes next, then the tensors it needs, and every rank runs its part of that stage
 
     ("encode", ...)   the masked video and the mask video, encoded on ranks 0 and 1 at once (parallel/vae.py)
     ("denoise", ...)  the noise and both latents; every rank runs the denoise loop on its tokens (Ulysses), the
@@ -29,19 +31,15 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_module
-import socket
 import time
+from dataclasses import asdict, replace
 from typing import Any, Callable
 
 import torch
 
+from fastremover.config import DEFAULT_PARALLEL_TIMEOUT_S, EngineConfig, ModelSource, torchrun_env
 from fastremover.errors import FastRemoverError
-from fastremover.parallel.context import DEFAULT_TIMEOUT_S, ParallelContext, ParallelError, set_parallel
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fastremover.parallel.context import ParallelContext, ParallelError
 
 
 def _pack(obj: Any) -> bytes:
@@ -62,6 +60,10 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
            options: dict, threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
+    if rank == 0:  # rank 0's notes reach the user as the CLI's would (the other ranks' are the same notes)
+        from fastremover.log import setup_cli
+
+        setup_cli(0)
     ctx = None
     try:  # the rendezvous store lives in the launcher, so it outlives any rank (the error channel needs it)
         ctx = ParallelContext.initialize(rank, world_size, master_port=port, device=_rank_device(device, rank),
@@ -93,7 +95,7 @@ def _mp_context():
 
 
 def spawn(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cpu", timeout_s: float = 600.0,
-          collective_timeout_s: float = DEFAULT_TIMEOUT_S, grace_s: float = 10.0, threads: int | None = None,
+          collective_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S, grace_s: float = 10.0, threads: int | None = None,
           **options) -> list:
     """Run fn(ctx, *args) on `world_size` new processes (rank r on cuda:r for device "cuda"); returns the ranks'
     return values in rank order. fn must be importable by name (the new processes unpickle it).
@@ -167,13 +169,11 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), *, device: str = "cpu
 # One rank of a parallel removal
 
 
-def _fingerprint_job(spec, job) -> dict:
-    """What every rank must agree on before anything runs: the model spec (without the per-rank device) and the job
-    (paths and options; the files themselves are read by rank 0 alone)."""
-    from dataclasses import asdict
-
-    spec_d = {k: v for k, v in asdict(spec).items() if k != "device"}
-    return {"spec": spec_d, "job": None if job is None else asdict(job)}
+def _fingerprint_job(source: ModelSource, config: EngineConfig, job) -> dict:
+    """What every rank must agree on before anything runs: the model source, the engine config (without the per-rank
+    device) and the job (paths and options; the files themselves are read by rank 0 alone)."""
+    return {"source": source.describe(), "config": {k: v for k, v in config.describe().items() if k != "device"},
+            "job": None if job is None else asdict(job)}
 
 
 def weights_fingerprint(pipe) -> list:
@@ -188,203 +188,58 @@ def weights_fingerprint(pipe) -> list:
     return out
 
 
-def _eager_module(vae):
-    """The eager WanVAE behind a pipeline VAE (an EagerVideoVAE's module, or the WanVAE itself), else None."""
-    from fastremover.models.vae import WanVAE
-
-    module = getattr(vae, "module", vae)
-    return module if isinstance(module, WanVAE) else None
-
-
-class ParallelEngine:
-    """A built RemovalPipeline spread over the ranks of ctx: the transformer gets the context (Ulysses), the VAE
-    encodes on two ranks and decodes by rows; on rank 0 the pipeline's denoiser and VAE are replaced by proxies
-    that announce each stage to the other ranks (`follow`) before running their part of it."""
-
-    def __init__(self, ctx: ParallelContext, pipe, *, cuda_graphs: bool = True):
-        from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
-        from fastremover.parallel.context import check_heads
-        from fastremover.parallel.vae import RowParallelDecoder
-
-        if pipe.models is None:
-            raise FastRemoverError("--parallel ulysses needs a model (--model random or a checkpoint), not classic")
-        self.ctx, self.pipe = ctx, pipe
-        self.denoiser, self.vae = pipe.denoiser, pipe.vae
-        self.notes: list[str] = []
-        check_heads(pipe.models.transformer.config.num_attention_heads, ctx.world_size)
-        if isinstance(self.denoiser, EagerDenoiser):
-            set_parallel(self.denoiser.transformer, ctx)
-        elif isinstance(self.denoiser, FastDenoiser):
-            set_parallel(self.denoiser.fast, ctx)
-            if self.denoiser.cuda_graphs and not cuda_graphs:
-                self.denoiser.cuda_graphs = False
-                self.notes.append("sequence parallel: the denoise loop runs without CUDA graphs (as asked)")
-        else:
-            raise FastRemoverError(f"--parallel ulysses: unsupported denoiser {type(self.denoiser).__name__}")
-        module = _eager_module(self.vae)
-        self.decoder = RowParallelDecoder(ctx, module) if module is not None else None
-        if self.decoder is None:
-            self.notes.append(f"parallel VAE decode by rows needs the eager VAE; {type(self.vae).__name__} decodes "
-                              "on rank 0")
-        if ctx.is_root:
-            pipe.denoiser = _RootDenoiser(self)
-            pipe.vae = _root_vae(self)
-
-    # the stages, run by every rank (rank 0 through the proxies, the others from `follow`)
-
-    def encode(self, frames: torch.Tensor | None, mask: torch.Tensor | None, progress=None):
-        from fastremover.parallel.vae import encode_pair
-
-        ctx = self.ctx
-        frames = ctx.broadcast_tensor(frames)
-        mask = ctx.broadcast_tensor(mask)
-        first = frames * (1 - mask) if ctx.rank == 0 else None  # the pipeline's own expressions (bit-identical)
-        second = 2 * mask - 1.0 if ctx.rank == 1 else None
-        return encode_pair(ctx, self.vae, first, second, progress)
-
-    def denoise(self, noise, masked_latents, mask_latents, steps: int, progress=None, schedule: str | None = None):
-        ctx = self.ctx
-        noise, masked_latents, mask_latents = (ctx.broadcast_tensor(t) for t in (noise, masked_latents, mask_latents))
-        extra = {} if schedule is None else {"schedule": schedule}
-        out = self.denoiser(noise, masked_latents, mask_latents, steps, progress if ctx.is_root else None, **extra)
-        return out if ctx.is_root else None
-
-    def decode_iter(self, z, progress=None):
-        z = self.ctx.broadcast_tensor(z)
-        if self.decoder is not None:
-            yield from self.decoder.decode_iter(z, progress)
-        elif self.ctx.is_root:
-            yield from self.vae.decode_iter(z, progress)
-
-    def follow(self) -> None:
-        """The other ranks: run each stage rank 0 announces, until it says stop."""
-        while True:
-            cmd = self.ctx.broadcast_object(None)
-            if cmd[0] == "stop":
-                return
-            if cmd[0] == "encode":
-                self.encode(None, None)
-            elif cmd[0] == "denoise":
-                self.denoise(None, None, None, cmd[1], schedule=cmd[2])
-            elif cmd[0] == "decode":
-                for _ in self.decode_iter(None):
-                    pass
-            else:
-                raise RuntimeError(f"unknown command from rank 0: {cmd!r}")
-
-    def stop(self) -> None:
-        self.ctx.broadcast_object(("stop",))
-
-
-class _RootDenoiser:
-    def __init__(self, engine: ParallelEngine):
-        self.engine = engine
-        self.cuda_graphs = engine.denoiser.cuda_graphs
-
-    def describe(self) -> dict:
-        return {**self.engine.denoiser.describe(), **self.engine.ctx.describe()}
-
-    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress=None, schedule: str | None = None):
-        self.engine.ctx.broadcast_object(("denoise", steps, schedule))
-        return self.engine.denoise(noise, masked_latents, mask_latents, steps, progress, schedule=schedule)
-
-
-def _root_vae(engine: ParallelEngine):
-    """Rank 0's VAE: the pipeline's VideoVAE with its two primitives that run over the ranks replaced - the removal
-    pair's encodes (encode_removal_inputs) and decode_iter; tiling, scaling and the memory model stay the VAE's
-    (fastremover.vae_api.VideoVAE builds encode_removal / decode_latents_iter on these)."""
-    from fastremover.vae_api import VideoVAE
-
-    inner = engine.vae
-
-    class RootVAE(VideoVAE):
-        config, device, dtype = inner.config, inner.device, inner.dtype
-
-        def encode(self, x, progress=None):  # a tile of a tiled encode: rank 0 alone
-            return inner.encode(x, progress)
-
-        def memory_bytes(self, op, frames, height, width, batch=1):
-            return inner.memory_bytes(op, frames, height, width, batch)
-
-        def memory_budget(self):
-            return inner.memory_budget()
-
-        def encode_removal_inputs(self, frames, mask, progress=None):
-            engine.ctx.broadcast_object(("encode",))
-            return engine.encode(frames, mask, progress)
-
-        def decode_iter(self, z, progress=None):
-            engine.ctx.broadcast_object(("decode",))
-            return engine.decode_iter(z, progress)
-
-        def describe(self):
-            return inner.describe() + f" (parallel over {engine.ctx.world_size} ranks)"
-
-    return RootVAE()
-
-
-def build_pipeline(spec):
+def build_pipeline(source: ModelSource, config: EngineConfig, ctx: ParallelContext):
+    """This rank's pipeline: the engine's build makes the sequence-parallel denoiser and VAE for ctx."""
     from fastremover.pipeline import RemovalPipeline
 
-    return RemovalPipeline.from_model(
-        spec.model, preset=spec.preset, weights_seed=spec.weights_seed, device=spec.device, precision=spec.precision,
-        mode=spec.mode, attention=spec.attention, vae_precision=spec.vae_precision, weights=spec.weights,
-        force_w4a4=spec.force_w4a4)
+    return RemovalPipeline.from_model(source, config=config, parallel=ctx)
 
 
-def remove_rank(ctx: ParallelContext, spec, job, progress=None, build: Callable | None = None,
-                cuda_graphs: bool = True):
+def remove_rank(ctx: ParallelContext, source: ModelSource, config: EngineConfig, job, progress=None,
+                build: Callable | None = None):
     """One rank of a parallel removal (module docstring): rank 0 returns the JobResult, the others None.
-    build(spec) -> RemovalPipeline (default: RemovalPipeline.from_model)."""
-    from dataclasses import replace
-
+    build(source, config, ctx) -> RemovalPipeline (default: `build_pipeline`)."""
     from fastremover.worker import RemovalWorker
 
-    spec = replace(spec, device=str(ctx.device))
-    ctx.barrier_same("options and model", _fingerprint_job(spec, job))
-    pipe = (build or build_pipeline)(spec)
-    engine = ParallelEngine(ctx, pipe, cuda_graphs=cuda_graphs)
+    config = config.with_(device=str(ctx.device))
+    ctx.barrier_same("options and model", _fingerprint_job(source, config, job))
+    pipe = (build or build_pipeline)(source, config, ctx)
     ctx.barrier_same("model weights", weights_fingerprint(pipe))
     if not ctx.is_root:
-        engine.follow()
+        pipe.follow()
         return None
-    worker = RemovalWorker(spec, pipeline=pipe)
-    worker.check(job)
-    result = worker.run(job, progress=progress)
-    engine.stop()
-    result.notes.extend(engine.notes)
-    result.notes.extend(getattr(engine.denoiser, "notes", []))  # e.g. a shape whose graph capture failed
-    result.describe.update(ctx.describe())
+    result = RemovalWorker(source, config, pipeline=pipe).run(job, progress=progress)
+    pipe.stop()
     return result
 
 
-def run_remove(spec, job, *, gpus: int | None = None, transport: str = "fp16", head_groups: int = 1,
-               timeout_s: float = DEFAULT_TIMEOUT_S, progress=None):
-    """`remove --parallel ulysses`: under torchrun (WORLD_SIZE > 1 in the environment) this process is one rank;
-    otherwise `gpus` ranks are started here (one per GPU, or CPU processes with --device cpu; rank 0 then runs in a
-    child process, so `progress` is not shown). Returns rank 0's JobResult on rank 0 (and in the launching process),
-    None on the other ranks."""
-    from fastremover.parallel.options import check_parallel_flags
+def run_remove(source: ModelSource, config: EngineConfig, job, progress=None):
+    """`remove --parallel ulysses`: under torchrun (config.torchrun_env: WORLD_SIZE > 1) this process is one rank;
+    otherwise `config.parallel.world_size` ranks are started here (one per GPU, or CPU processes with --device cpu;
+    rank 0 then runs in a child process, so `progress` is not shown). Returns rank 0's JobResult on rank 0 (and in
+    the launching process), None on the other ranks."""
+    from fastremover.fast.engine import resolve_device
 
-    check_parallel_flags("ulysses", gpus, transport, head_groups, timeout_s)
-    options = {"transport": transport, "head_groups": head_groups}
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        ctx = ParallelContext.from_env(device=spec.device, timeout_s=timeout_s, **options)
+    p = config.parallel
+    options = {"transport": p.transport, "head_groups": p.head_groups}
+    device = resolve_device(config.device)
+    torchrun = torchrun_env()
+    if torchrun is not None:
+        ctx = ParallelContext.from_env(torchrun, device=device, timeout_s=p.timeout_s, **options)
         try:
-            return ctx.run(lambda: remove_rank(ctx, spec, job, progress if ctx.is_root else None))
+            return ctx.run(lambda: remove_rank(ctx, source, config, job, progress if ctx.is_root else None))
         finally:
             ctx.close()
+    gpus = p.world_size
     if gpus is None or gpus < 2:
         raise FastRemoverError("--parallel ulysses: give --gpus N (N >= 2), or start the ranks with torchrun")
-    device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda"):
-        if device != "cuda":
+    if device.type == "cuda":
+        if device.index is not None:
             raise FastRemoverError(f"--gpus {gpus}: use --device cuda (rank r runs on cuda:r), not {device}")
         if torch.cuda.device_count() < gpus:
             raise FastRemoverError(f"--gpus {gpus}: only {torch.cuda.device_count()} CUDA GPUs are visible")
-    from dataclasses import replace
-
-    threads = max(1, (os.cpu_count() or 1) // gpus) if device == "cpu" else None  # CPU ranks share the cores
-    results = spawn(remove_rank, gpus, (replace(spec, device=device), job), device=device, threads=threads,
-                    collective_timeout_s=timeout_s, timeout_s=max(3600.0, timeout_s), **options)
+    threads = max(1, (os.cpu_count() or 1) // gpus) if device.type == "cpu" else None  # CPU ranks share the cores
+    results = spawn(remove_rank, gpus, (source, replace(config, device=device.type), job), device=device.type,
+                    threads=threads, collective_timeout_s=p.timeout_s, timeout_s=max(3600.0, p.timeout_s),
+                    **options)
     return results[0]

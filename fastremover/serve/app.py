@@ -7,12 +7,19 @@ Contracts:
   error is a 500 naming the request id, with the traceback in the server log only.
 * With an API key, every route except `/health` and the page's static files needs `Authorization: Bearer KEY`; the
   check happens before the body is read.
+* Browsers: every request's Host must be an allowed host (`ServeConfig.allowed_hosts`, Starlette's
+  TrustedHostMiddleware), so a DNS-rebound name cannot reach the API; a state-changing request (POST, DELETE ...) that
+  carries an Origin must come from the server's own origin (or an allowed host), so a page elsewhere cannot create
+  or delete jobs, even with a `no-cors` form post. Every answer carries SECURITY_HEADERS.
 * Outputs are written only under the data dir, at server-chosen paths; a job is reachable only through its random id.
+* URL inputs are downloaded in their own small thread pool (at most `max_downloads` at once, 429 above), never in the
+  request thread pool, so stalled downloads cannot starve the other routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import re
@@ -27,19 +34,21 @@ from pathlib import Path
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from fastremover.errors import FastRemoverError
 from fastremover.options import RunOptions
-from fastremover.serve import security
-from fastremover.serve.jobs import FINISHED, FileRow, JobStore, VideoRow, new_id
+from fastremover.serve import limits, security
+from fastremover.serve.jobs import FILE_ID, FINISHED, VIDEO_ID, FileRow, JobStore, QueueFull, VideoRow, new_id
 from fastremover.serve.runner import (BOX_MASK_NAME, OUTPUT_NAME, PREVIEW_NAME, THUMBNAIL_NAME, Cleaner, Runner,
                                       RunnerConfig, write_preview)
+from fastremover.config import EngineConfig, ModelSource
 from fastremover.serve.uploads import BadBody, Form, Upload, UploadTooLarge, read_body
-from fastremover.worker import Job, ModelSpec, RemovalWorker
+from fastremover.worker import Job, RemovalWorker
 
 log = logging.getLogger("fastremover.serve")
 
@@ -51,7 +60,21 @@ COMPAT_FIELDS = ("model", "prompt", "seconds")  # accepted for client compatibil
 INPUT_FIELDS = ("input_reference", "mask")
 BOX_FIELDS = ("box", "box_frame")  # instead of a mask: boxes around the object on one frame (fastremover.masktools)
 KNOWN_FIELDS = set(OPTION_FIELDS) | set(COMPAT_FIELDS) | set(INPUT_FIELDS) | set(BOX_FIELDS)
-FILE_ID = re.compile(r"file-[A-Za-z0-9_-]+")  # an uploaded file's id (ours are file- + 32 hex digits)
+FILE_ID_LIKE = re.compile(r"file-[A-Za-z0-9_-]+")  # a value meant as a file id (ours: jobs.FILE_ID exactly)
+MAX_BOXES = 16  # boxes per job: each is tracked through the clip on the one worker
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+SECURITY_HEADERS = [
+    # The page loads its own script and style only; media and the box tool's frame come from blob: URLs of the
+    # user's own files; nothing may frame any answer.
+    (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                                 b"img-src 'self' blob: data:; media-src 'self' blob:; form-action 'self'; "
+                                 b"base-uri 'none'; frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-frame-options", b"DENY"),
+]
+SECURITY_NAMES = {name for name, _ in SECURITY_HEADERS}
 SAFE_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".gif", ".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif",
                  ".tiff", ".m4v"}
 
@@ -59,7 +82,8 @@ SAFE_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".gif", ".png", ".jpg"
 @dataclass
 class ServeConfig:
     data_dir: str
-    model: ModelSpec = field(default_factory=ModelSpec)
+    model: ModelSource = field(default_factory=ModelSource)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     media_roots: list[str] = field(default_factory=list)
     api_key: str | None = None
     max_upload_bytes: int = 2 << 30
@@ -68,7 +92,13 @@ class ServeConfig:
     mask_threshold: int = 20
     allow_urls: bool = False
     allow_private_urls: bool = False  # tests only: URL hosts on loopback/private networks
-    url_timeout_s: float = 60.0
+    url_timeout_s: float = 60.0  # wall-clock deadline of one URL download, redirects included
+    max_downloads: int = 4  # URL downloads at once; more answer 429
+    # Host header values accepted besides the loopback names (Starlette patterns: "name", "*.domain", "*" for any).
+    # None: only loopback names and the bound address without an API key, any host with one (DNS rebinding reads
+    # nothing without the key).
+    allowed_hosts: list[str] | None = None
+    bind_host: str | None = None  # the --host address, accepted as a Host when it is a specific one
     keep_hours: float = 24.0
     cleaner_interval_s: float = 600.0
     sync_timeout_s: float = 600.0
@@ -96,10 +126,9 @@ class Service:
                  fetcher: security.UrlFetcher | None):
         self.config = config
         self.roots = security.resolve_roots(config.media_roots)
-        self.model_name = config.model.model if config.model.model in ("classic", "random") else \
-            Path(config.model.model).name
+        self.model_name = config.model.label
         self._workers = workers
-        self.checker = RemovalWorker(config.model)  # check() only: it never loads the pipeline
+        self.checker = RemovalWorker(config.model, config.engine)  # check() only: it never loads the pipeline
         self.fetcher = fetcher or security.UrlFetcher(max_bytes=config.max_upload_bytes,
                                                       timeout_s=config.url_timeout_s,
                                                       allow_private=config.allow_private_urls)
@@ -107,6 +136,9 @@ class Service:
         self.runner: Runner | None = None
         self.cleaner: Cleaner | None = None
         self._preview_lock = threading.Lock()
+        self._downloads = concurrent.futures.ThreadPoolExecutor(config.max_downloads, "url-download")
+        self._downloading = 0  # touched on the event loop only
+        self.stop_deadline: float | None = None  # monotonic; set when SIGTERM arrives (begin_stop)
 
     def start(self) -> None:
         self.store = JobStore(self.config.data_dir)
@@ -117,16 +149,33 @@ class Service:
             log.warning("job %s was running when the server stopped; queued again", video_id)
         for video_id in failed:
             log.warning("job %s was interrupted again; failed", video_id)
-        workers = self._workers if self._workers is not None else default_workers(self.config.model)
+        workers = self._workers
+        if workers is None:
+            workers = default_workers(self.config.model, self.config.engine)
         self.runner = Runner(self.store, workers, RunnerConfig(max_decoded_gib=self.config.max_decoded_gib,
                                                                mask_threshold=self.config.mask_threshold),
                              roots=self.roots)
         self.runner.start()
         self.cleaner.start()
 
-    def stop(self) -> None:
+    def begin_stop(self) -> None:
+        """SIGTERM arrived (called from the server's signal handler, before it stops accepting): no new job is
+        claimed, downloads in flight end, and a sync request whose job is not done by the grace deadline answers
+        503 with its id."""
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.config.shutdown_grace_s
         if self.runner is not None:
-            self.runner.stop(self.config.shutdown_grace_s)
+            self.runner.stopping = True  # idle workers see it within RunnerConfig.idle_poll_s
+        self.fetcher.abort()  # a request waiting on a download answers now instead of holding the shutdown
+
+    def stop(self) -> None:
+        self.fetcher.abort()  # downloads in flight end now, not at their deadline
+        self._downloads.shutdown(wait=False, cancel_futures=True)
+        if self.runner is not None:
+            grace = self.config.shutdown_grace_s
+            if self.stop_deadline is not None:  # the grace counts from SIGTERM
+                grace = max(0.0, self.stop_deadline - time.monotonic())
+            self.runner.stop(grace)
         if self.cleaner is not None:
             self.cleaner.stop()
         if self.store is not None:
@@ -152,7 +201,7 @@ class Service:
                 "created_at": row.created_at, "purpose": row.purpose, "status": "processed"}
 
     def video_row(self, video_id: str) -> VideoRow:
-        row = self.store.get_video(video_id)
+        row = self.store.get_video(video_id) if VIDEO_ID.fullmatch(video_id) else None
         if row is None:
             raise ApiError(404, "not_found", f"no video {video_id!r} (finished jobs are kept "
                                              f"{self.config.keep_hours:g} h)")
@@ -160,7 +209,10 @@ class Service:
 
     # -- creating a job (runs in the thread pool) ----------------------------------------------------------------------
 
-    def create_job(self, form: Form) -> VideoRow:
+    def check_form(self, form: Form) -> tuple[RunOptions, dict, dict | None]:
+        """The checks a job's body needs before any input is fetched or placed: fields, options, boxes, and the
+        queue (answered early here; the count that holds is the one in `create_job`'s insert).
+        Returns (options, compat fields, boxes or None)."""
         unknown = sorted(set(form.fields) - KNOWN_FIELDS) + sorted(set(form.files) - set(INPUT_FIELDS))
         if unknown:
             raise ApiError(400, "unknown_parameter", f"unknown field {unknown[0]!r}; known fields: "
@@ -172,41 +224,84 @@ class Service:
             if value is not None and not isinstance(value, (str, int, float)):
                 raise ApiError(400, "invalid_value", f"{name}: must be a string")
             compat[name] = None if value is None else str(value)
+        boxes = parse_boxes(form.fields, has_mask=("mask" in form.files or bool(form.fields.get("mask"))))
         if self.store.count("queued") >= self.config.max_queue:
-            raise ApiError(429, "queue_full", f"{self.config.max_queue} jobs are queued already; retry later",
-                           headers={"Retry-After": "5"})
+            raise self.queue_full()
+        return options, compat, boxes
+
+    def queue_full(self) -> ApiError:
+        return ApiError(429, "queue_full", f"{self.config.max_queue} jobs are queued already; retry later",
+                        headers={"Retry-After": "5"})
+
+    def create_job(self, form: Form, options: RunOptions, compat: dict, boxes: dict | None) -> VideoRow:
+        """Place the inputs in a new job folder, check them (sizes from their headers first, nothing decoded
+        beyond what the limit allows) and queue the job; the folder is removed again on any error."""
         video_id = new_id("video_")
         folder = self.store.job_dir(video_id)
         folder.mkdir(parents=True)
         try:
             video_path = self.place_input(form, "input_reference", folder, "video")
-            boxes = parse_boxes(form.fields, has_mask=("mask" in form.files or bool(form.fields.get("mask"))))
             if boxes is None:
                 mask_path = self.place_input(form, "mask", folder, "mask")
                 check_mask = mask_path
             else:
                 mask_path = folder / BOX_MASK_NAME  # built by the worker thread before the run
                 check_mask = video_path  # the probe of a mask as large as the video
+            limits.check_decoded_size(video_path, None if boxes else mask_path, options,
+                                      model=self.config.model.model != "classic",
+                                      max_decoded_gib=self.config.max_decoded_gib)
+            if boxes is not None:
                 check_boxes(video_path, boxes)
             job = Job(video=str(video_path), mask=str(check_mask), output=str(folder / OUTPUT_NAME),
                       options=options, mask_threshold=self.config.mask_threshold,
                       max_decoded_gib=self.config.max_decoded_gib)
             self.checker.check(job)
-            row = self.store.add_video(
-                video_id, model=compat["model"] or self.model_name, prompt=compat["prompt"],
-                requested_size=form.fields.get("size") and str(form.fields["size"]),
-                requested_seconds=compat["seconds"], options=options_dict(options), video_path=str(video_path),
-                mask_path=str(mask_path), mask_boxes=boxes,
-            )
+            try:
+                row = self.store.add_video(
+                    video_id, model=compat["model"] or self.model_name, prompt=compat["prompt"],
+                    requested_size=form.fields.get("size") and str(form.fields["size"]),
+                    requested_seconds=compat["seconds"], options=options_dict(options), video_path=str(video_path),
+                    mask_path=str(mask_path), mask_boxes=boxes, max_queued=self.config.max_queue,
+                )
+            except QueueFull:
+                raise self.queue_full() from None
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         self.runner.notify()
         return row
 
+    async def fetch_urls(self, form: Form) -> None:
+        """Download the inputs given as URLs (in the download pool, not the request pool) to temporary files, which
+        then stand in the form as uploads; the form's discard() deletes them."""
+        for name in INPUT_FIELDS:
+            value = form.fields.get(name)
+            if not isinstance(value, str) or not security.looks_like_url(value):
+                continue
+            if value[:5].lower() == "data:":
+                raise FastRemoverError(f"{name}: data: URLs are refused for videos; upload the file instead")
+            if not self.config.allow_urls:
+                raise ApiError(400, "urls_disabled", f"{name}: URL inputs are off on this server (start it with "
+                                                     "--allow-urls); upload the file instead")
+            if self._downloading >= self.config.max_downloads:
+                raise ApiError(429, "busy", f"{self.config.max_downloads} URL downloads are running already; retry "
+                                            "later or upload the file", headers={"Retry-After": "5"})
+            tmp = self.store.tmp_path()
+            self._downloading += 1
+            future = self._downloads.submit(self.fetcher.fetch, value, tmp, name)
+            try:
+                size = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:  # the client went away: the file goes once the download ends
+                future.add_done_callback(lambda _: tmp.unlink(missing_ok=True))
+                raise
+            finally:
+                self._downloading -= 1
+            form.files[name] = Upload(filename=value.split("?", 1)[0], path=tmp, bytes=size)
+            del form.fields[name]
+
     def place_input(self, form: Form, name: str, folder: Path, stem: str) -> Path:
-        """The job's input `name` as a file path: an upload moved into the job folder, an uploaded file id copied
-        there, a URL downloaded there, or a path checked against the media roots."""
+        """The job's input `name` as a file path: an upload (or a URL `fetch_urls` downloaded) moved into the job
+        folder, an uploaded file id copied there, or a path checked against the media roots."""
         what = name
         if name in form.files:
             upload = form.files[name]
@@ -223,8 +318,8 @@ class Service:
                                                      "id, a path inside a media root or (when enabled) a URL")
         if not isinstance(value, str):
             raise ApiError(400, "invalid_value", f"{what}: give a file id, a path or a URL as a string")
-        if FILE_ID.fullmatch(value):
-            row = self.store.get_file(value)
+        if FILE_ID_LIKE.fullmatch(value):
+            row = self.store.get_file(value) if FILE_ID.fullmatch(value) else None
             if row is None:
                 raise ApiError(400, "invalid_file", f"{what}: no uploaded file {value!r}")
             dest = folder / (stem + safe_suffix(row.filename))
@@ -233,15 +328,8 @@ class Service:
             except OSError:
                 shutil.copyfile(row.path, dest)
             return with_suffix(dest)
-        if security.looks_like_url(value):
-            if value[:5].lower() == "data:":
-                raise FastRemoverError(f"{what}: data: URLs are refused for videos; upload the file instead")
-            if not self.config.allow_urls:
-                raise ApiError(400, "urls_disabled", f"{what}: URL inputs are off on this server (start it with "
-                                                     "--allow-urls); upload the file instead")
-            dest = folder / (stem + safe_suffix(value.split("?", 1)[0]))
-            self.fetcher.fetch(value, dest, what)
-            return with_suffix(dest)
+        if security.looks_like_url(value):  # fetch_urls downloads them before this runs
+            raise ApiError(400, "invalid_value", f"{what}: give a URL as the field's value, not as a file_id")
         return security.resolve_media_path(value, self.roots, what)
 
     def scrub(self, message: str) -> str:
@@ -258,29 +346,34 @@ class Service:
 
 async def wait_finished(service: Service, video_id: str, timeout_s: float) -> VideoRow:
     """Poll the store from the event loop (no thread-pool thread is held while a sync request waits) until the job
-    is finished, `timeout_s` passed, or the runner stopped; returns the last row."""
+    is finished, `timeout_s` passed, or the server is stopping and the job will not finish (it is still queued, or
+    the shutdown grace is over); returns the last row."""
     deadline = time.monotonic() + timeout_s
     interval = 0.02
     while True:
         row = service.store.get_video(video_id)
         runner = service.runner
-        if row.status in FINISHED or time.monotonic() >= deadline or (runner.stopping and not runner.busy):
+        now = time.monotonic()
+        if row.status in FINISHED or now >= deadline:
             return row
-        await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-        interval = min(interval * 1.5, 0.5)
+        if runner.stopping and (row.status == "queued" or not runner.busy
+                                or (service.stop_deadline is not None and now >= service.stop_deadline)):
+            return row
+        wake = deadline if service.stop_deadline is None else min(deadline, service.stop_deadline)
+        await asyncio.sleep(min(interval, max(0.0, wake - now)))
+        interval = min(interval * 1.5, 0.25)
 
 
-def default_workers(spec: ModelSpec) -> list[RemovalWorker]:
-    """One worker per CUDA GPU for a diffusion model, one on the CPU for the classic remover (or without GPUs)."""
-    if spec.model != "classic" and spec.device is None:
-        import dataclasses
-
+def default_workers(source: ModelSource, engine: EngineConfig) -> list[RemovalWorker]:
+    """One worker per CUDA GPU for a diffusion model when no device is given, else one (for the classic remover: on
+    the CPU)."""
+    if source.kind != "classic" and engine.device is None:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.device_count() > 1:
-            return [RemovalWorker(dataclasses.replace(spec, device=f"cuda:{i}"), note=log.warning)
+            return [RemovalWorker(source, engine.with_(device=f"cuda:{i}"))
                     for i in range(torch.cuda.device_count())]
-    return [RemovalWorker(spec, note=log.warning)]
+    return [RemovalWorker(source, engine)]
 
 
 def safe_suffix(name: str) -> str:
@@ -323,6 +416,8 @@ def parse_boxes(fields: dict, *, has_mask: bool) -> dict | None:
     texts = value.split(";") if isinstance(value, str) else value
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise FastRemoverError('box: give "X,Y,W,H" (several joined by ";") or a list of such strings')
+    if len(texts) > MAX_BOXES:
+        raise FastRemoverError(f"box: {len(texts)} boxes; this server takes at most {MAX_BOXES} per job")
     try:
         from fastremover.masktools import parse_box
     except ImportError:
@@ -389,11 +484,40 @@ def result_headers(row: VideoRow) -> dict[str, str]:
     return headers
 
 
-class _RequestMiddleware:
-    """Request id, API key, and the 500 answer for internal errors (pure ASGI, so the body is not read first)."""
+def allowed_hosts(config: ServeConfig) -> list[str]:
+    """The Host header values this server answers (TrustedHostMiddleware patterns; see ServeConfig.allowed_hosts)."""
+    if config.allowed_hosts is None and config.api_key is not None:
+        return ["*"]
+    hosts = list(LOOPBACK_HOSTS) + list(config.allowed_hosts or [])
+    bind = config.bind_host
+    if bind and bind not in ("0.0.0.0", "::", ""):
+        hosts.append(f"[{bind}]" if ":" in bind else bind)
+    return hosts
 
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
+
+def same_origin(origin: str, host: str | None, extra_hosts: list[str]) -> bool:
+    """True when a browser's Origin ("scheme://host[:port]") is the server's own (its host:port equals the Host
+    header) or names one of the explicitly allowed hosts (patterns as TrustedHostMiddleware's, "*" excluded)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(origin)
+        name = (parts.hostname or "").lower()
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return False  # "null" (sandboxed frames, file: pages) and anything else
+    if host is not None and parts.netloc.lower() == host.lower():
+        return True
+    return any(p != "*" and (name == p or (p.startswith("*.") and name.endswith(p[1:]))) for p in extra_hosts)
+
+
+class _RequestMiddleware:
+    """Request id, security headers, the Origin check of state-changing requests, the API key, and the 500 answer
+    for internal errors (pure ASGI, so the body is not read first)."""
+
+    def __init__(self, app, api_key: str | None, origin_hosts: list[str]):
+        self.app, self.api_key, self.origin_hosts = app, api_key, [h.lower() for h in origin_hosts]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -406,11 +530,21 @@ class _RequestMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message.setdefault("headers", [])
-                message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode())]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in SECURITY_NAMES]
+                message["headers"] = headers + SECURITY_HEADERS + [(b"x-request-id", request_id.encode())]
             await send(message)
 
         path = scope.get("path", "")
+        if scope.get("method") in STATE_CHANGING:
+            headers = dict(scope.get("headers") or [])
+            origin = headers.get(b"origin")
+            host = headers.get(b"host")
+            if origin is not None and not same_origin(origin.decode("latin-1"), host and host.decode("latin-1"),
+                                                      self.origin_hosts):
+                response = JSONResponse(error_body("cross_origin", "requests from another origin (a web page "
+                                                                   "elsewhere) may not change anything here"),
+                                        status_code=403)
+                return await response(scope, receive, send_with_id)
         if self.api_key is not None and path not in OPEN_PATHS and not path.startswith("/static/"):
             auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             if not security.check_bearer(auth, self.api_key):
@@ -445,7 +579,10 @@ def create_app(config: ServeConfig, *, workers: list[RemovalWorker] | None = Non
 
     app = FastAPI(title="fastremover", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
-    app.add_middleware(_RequestMiddleware, api_key=config.api_key)
+    # The last added runs first: request id, security headers and the Origin check wrap the Host check, so its
+    # refusal carries them too.
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(config), www_redirect=False)
+    app.add_middleware(_RequestMiddleware, api_key=config.api_key, origin_hosts=list(config.allowed_hosts or []))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -518,7 +655,7 @@ def create_app(config: ServeConfig, *, workers: list[RemovalWorker] | None = Non
 
     @app.get("/v1/files/{file_id}")
     def get_file(file_id: str):
-        row = service.store.get_file(file_id)
+        row = service.store.get_file(file_id) if FILE_ID.fullmatch(file_id) else None
         if row is None:
             raise ApiError(404, "not_found", f"no file {file_id!r}")
         return service.file_object(row)
@@ -535,7 +672,9 @@ def create_app(config: ServeConfig, *, workers: list[RemovalWorker] | None = Non
         s = running()
         form = await read_body(request, s.config.max_upload_bytes, s.store.tmp_path)
         try:
-            return await run_in_threadpool(s.create_job, form)
+            checked = await run_in_threadpool(s.check_form, form)
+            await s.fetch_urls(form)
+            return await run_in_threadpool(s.create_job, form, *checked)
         finally:
             form.discard()
 
@@ -608,6 +747,10 @@ def create_app(config: ServeConfig, *, workers: list[RemovalWorker] | None = Non
     @app.get("/", include_in_schema=False)
     def index():
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon():
+        return Response(status_code=204)  # no icon; an answer instead of a 404 in every browser's log
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -6,27 +6,21 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 import signal
 import socket
 import sys
 
+from fastremover.config import API_KEY_ENV, EngineConfig, ModelSource, add_engine_args, add_model_args, serve_api_key
 from fastremover.errors import FastRemoverError
 
 EXIT_USER_ERROR = 2
-API_KEY_ENV = "FASTREMOVER_API_KEY"
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the HTTP removal service (OpenAI-style /v1/videos API + a web page)")
-    p.add_argument("--model", default="classic",
-                   help="classic (weightless, default) | random (preset config, random weights) | PATH to a "
-                   "MiniMax-Remover checkpoint folder | ORG/NAME[@REVISION] on the Hugging Face Hub (as for remove)")
-    p.add_argument("--preset", default="minimax-remover", help="config for --model random: minimax-remover | tiny")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights for --model random")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: one worker per GPU, else the CPU)")
-    p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None)
-    p.add_argument("--mode", choices=["auto", "eager", "exact", "fast"], default="auto")
+    add_model_args(p, default="classic")
+    # the engine flags of `remove` (fastremover/config.py); without --device, one worker per GPU
+    add_engine_args(p, help={"device": "cpu | cuda | cuda:N (default: one worker per GPU, else the CPU)"})
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one and prints it)")
     p.add_argument("--data-dir", default="fastremover-data",
@@ -37,8 +31,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (or set {API_KEY_ENV})")
     p.add_argument("--insecure-public", action="store_true",
                    help="allow binding a non-loopback address without an API key")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="a Host name clients use besides the loopback names and --host (repeatable; '*.example.com' "
+                   "patterns; '*' for any). Default: loopback names and --host without an API key, any with one")
     p.add_argument("--allow-urls", action="store_true",
                    help="accept http(s) URL inputs (public hosts only, size and time capped)")
+    p.add_argument("--url-timeout", type=float, default=60.0,
+                   help="wall-clock seconds one URL download may take, redirects included (default 60)")
     p.add_argument("--keep-hours", type=float, default=24.0, help="delete finished jobs and uploads after this long")
     p.add_argument("--max-upload-mb", type=float, default=2048.0, help="largest request body in MiB (413 above)")
     p.add_argument("--max-queue", type=int, default=64, help="queued jobs accepted before answering 429")
@@ -73,25 +72,27 @@ def require_serve_extra() -> None:
 def config_from_args(args):
     require_serve_extra()
     from fastremover.serve.app import ServeConfig
-    from fastremover.worker import ModelSpec
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    source, engine = ModelSource.from_args(args), EngineConfig.from_args(args)  # checked before anything loads
+    api_key = args.api_key or serve_api_key()
     if not is_loopback(args.host) and api_key is None and not args.insecure_public:
         raise FastRemoverError(f"--host {args.host}: without --api-key the server binds to loopback only; give "
                                "--api-key KEY (or --insecure-public to serve everyone)")
-    for name in ("keep_hours", "max_upload_mb", "max_decoded_gib", "sync_timeout"):
+    for name in ("keep_hours", "max_upload_mb", "max_decoded_gib", "sync_timeout", "url_timeout"):
         if not getattr(args, name) > 0:
             raise FastRemoverError(f"--{name.replace('_', '-')} must be positive")
+    for name in args.allowed_host or []:
+        if not name or "/" in name or "*" in name[1:] or (name.startswith("*") and name != "*"
+                                                          and not name.startswith("*.")):
+            raise FastRemoverError(f"--allowed-host {name!r}: give a host name, '*.example.com' or '*'")
     if args.max_queue < 1 or args.shutdown_grace < 0 or not 0 <= args.port <= 65535:
         raise FastRemoverError("--max-queue must be >= 1, --shutdown-grace >= 0 and --port in 0..65535")
-    spec = ModelSpec(model=args.model, preset=args.preset, weights_seed=args.weights_seed, device=args.device,
-                     precision=args.precision, mode=args.mode)
-    spec.validate()
     return ServeConfig(
-        data_dir=args.data_dir, model=spec, media_roots=list(args.media_root), api_key=api_key,
+        data_dir=args.data_dir, model=source, engine=engine, media_roots=list(args.media_root), api_key=api_key,
         max_upload_bytes=int(args.max_upload_mb * 2**20), max_queue=args.max_queue,
         max_decoded_gib=args.max_decoded_gib, allow_urls=args.allow_urls, keep_hours=args.keep_hours,
-        sync_timeout_s=args.sync_timeout, shutdown_grace_s=args.shutdown_grace,
+        sync_timeout_s=args.sync_timeout, shutdown_grace_s=args.shutdown_grace, url_timeout_s=args.url_timeout,
+        allowed_hosts=args.allowed_host, bind_host=args.host,
     )
 
 
@@ -123,8 +124,15 @@ def serve(config, host: str, port: int, *, log_level: str = "info", workers=None
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"fastremover serve: listening on http://{shown}:{actual} (data in {config.data_dir})", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=config.shutdown_grace_s,
-                                           access_log=log_level == "debug"))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGTERM/SIGINT: the service learns it before requests drain
+            app.state.service.begin_stop()
+            super().handle_exit(sig, frame)
+
+    # Open requests get the grace plus a margin: a sync request answers its 503 at the grace itself (begin_stop).
+    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=config.shutdown_grace_s + 5,
+                                   access_log=log_level == "debug"))
     # uvicorn shuts down gracefully on SIGTERM/SIGINT (stop accepting, finish requests, lifespan shutdown: the
     # running job finishes or is re-queued), then re-raises the signal to the handler that was set before it ran.
     # That handler ends the process with status 0 instead of dying by the signal.
@@ -144,12 +152,17 @@ class _Stopped(Exception):
     pass
 
 
+
 def _stopped(sig, frame) -> None:
     raise _Stopped()
 
 
 def cmd_serve(args) -> int:
-    return serve(config_from_args(args), args.host, args.port, log_level=args.log_level)
+    config = config_from_args(args)
+    if args.insecure_public and config.api_key is None:
+        print(f"fastremover serve: warning: --insecure-public without --api-key: anyone who can reach {args.host} "
+              "can run jobs and read or delete every job's inputs and results", file=sys.stderr, flush=True)
+    return serve(config, args.host, args.port, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:

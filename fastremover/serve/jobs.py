@@ -8,12 +8,18 @@ Layout under the data dir:
 
 The store is the queue: a worker claims the oldest queued row in one UPDATE, so queued jobs survive a restart, and a
 row left `in_progress` by a crash is found again by `recover()`. All methods are thread-safe (one connection, one
-lock; every statement is its own transaction).
+lock; every statement is its own transaction, except `add_video`'s count-and-insert, which is one BEGIN IMMEDIATE
+transaction so the queue cap holds under concurrent creates, also across processes sharing the data dir).
+
+Ids are checked against their exact format (`FILE_ID`, `VIDEO_ID`) before any path is formed from them, and a
+folder is deleted only for a row that matched, only when it lies directly under its own parent folder.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import secrets
 import shutil
 import sqlite3
@@ -21,6 +27,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("fastremover.serve")
 
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 FINISHED = ("completed", "failed", "cancelled")
@@ -70,6 +78,14 @@ CREATE INDEX IF NOT EXISTS videos_status ON videos(status, seq);
 def new_id(prefix: str) -> str:
     """A random, unguessable id: `prefix` + 128 random bits in hex ("file-...", "video_..." as OpenAI spells them)."""
     return prefix + secrets.token_hex(16)
+
+
+FILE_ID = re.compile(r"file-[0-9a-f]{32}")  # exactly what new_id("file-") makes
+VIDEO_ID = re.compile(r"video_[0-9a-f]{32}")  # exactly what new_id("video_") makes
+
+
+class QueueFull(Exception):
+    """`add_video` found `max_queued` jobs queued already; nothing was inserted."""
 
 
 @dataclass
@@ -140,10 +156,26 @@ class JobStore:
     # -- folders -------------------------------------------------------------------------------------------------------
 
     def job_dir(self, video_id: str) -> Path:
-        return self.root / "jobs" / video_id
+        return self._child("jobs", video_id)
 
     def file_dir(self, file_id: str) -> Path:
-        return self.root / "files" / file_id
+        return self._child("files", file_id)
+
+    def _child(self, folder: str, name: str) -> Path:
+        """root/folder/name, for a plain name only (no separator, not "." or ".."): ValueError otherwise."""
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ValueError(f"not a store id: {name!r}")
+        return self.root / folder / name
+
+    def _remove_folder(self, folder: str, name: str) -> None:
+        """Delete root/folder/name (a job's or an upload's folder) when it really is a folder directly inside
+        root/folder (after resolving links); anything else is left alone and logged."""
+        path = self._child(folder, name)
+        parent = (self.root / folder).resolve()
+        if path.is_symlink() or path.resolve().parent != parent:
+            log.error("not deleting %s: it does not resolve to a folder inside %s", path, parent)
+            return
+        shutil.rmtree(path, ignore_errors=True)
 
     def tmp_path(self) -> Path:
         return self.root / "tmp" / secrets.token_hex(16)
@@ -161,9 +193,15 @@ class JobStore:
         return FileRow(**dict(rows[0])) if rows else None
 
     def delete_file(self, file_id: str) -> bool:
-        deleted = self._exec("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
-        shutil.rmtree(self.file_dir(file_id), ignore_errors=True)
-        return deleted
+        """Delete an upload's row and its folder; False (and nothing deleted) for an id that is not a stored file's."""
+        if not FILE_ID.fullmatch(file_id):
+            return False
+        with self._lock:
+            row = self._db.execute("DELETE FROM files WHERE id = ? RETURNING id", (file_id,)).fetchone()
+        if row is None:
+            return False
+        self._remove_folder("files", row["id"])
+        return True
 
     def files_older_than(self, cutoff: int) -> list[str]:
         return [r["id"] for r in self._rows("SELECT id FROM files WHERE created_at < ?", (cutoff,))]
@@ -172,14 +210,27 @@ class JobStore:
 
     def add_video(self, video_id: str, *, model: str, prompt: str | None, requested_size: str | None,
                   requested_seconds: str | None, options: dict, video_path: str, mask_path: str,
-                  mask_boxes: dict | None = None) -> VideoRow:
+                  mask_boxes: dict | None = None, max_queued: int | None = None) -> VideoRow:
+        """Queue a job. With `max_queued`, the count of queued jobs and the insert are one transaction (BEGIN
+        IMMEDIATE takes SQLite's write lock first): QueueFull, and nothing inserted, when that many are queued."""
         now = int(time.time())
-        self._exec(
-            "INSERT INTO videos (id, status, created_at, model, prompt, requested_size, requested_seconds, options,"
-            " video_path, mask_path, mask_boxes) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (video_id, "queued", now, model, prompt, requested_size, requested_seconds, json.dumps(options),
-             video_path, mask_path, json.dumps(mask_boxes) if mask_boxes else None),
-        )
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if max_queued is not None:
+                    queued = self._db.execute("SELECT COUNT(*) FROM videos WHERE status = 'queued'").fetchone()[0]
+                    if queued >= max_queued:
+                        raise QueueFull(queued)
+                self._db.execute(
+                    "INSERT INTO videos (id, status, created_at, model, prompt, requested_size, requested_seconds,"
+                    " options, video_path, mask_path, mask_boxes) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (video_id, "queued", now, model, prompt, requested_size, requested_seconds, json.dumps(options),
+                     video_path, mask_path, json.dumps(mask_boxes) if mask_boxes else None),
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
         return self.get_video(video_id)
 
     @staticmethod
@@ -265,7 +316,7 @@ class JobStore:
             "DELETE FROM videos WHERE id = ? AND status IN ('completed', 'failed', 'cancelled')", (video_id,)
         ).rowcount > 0
         if deleted:
-            shutil.rmtree(self.job_dir(video_id), ignore_errors=True)
+            self._remove_folder("jobs", video_id)
         return deleted
 
     def finished_before(self, cutoff: int) -> list[str]:

@@ -3,8 +3,10 @@
 One thread per `RemovalWorker` (one per GPU, one for the CPU); each owns its worker and so its `RemovalPipeline`. The
 HTTP side only inserts rows and calls `notify()`; it never touches a pipeline.
 
-Cancelling and stopping go through the pipeline's progress callback: it raises, `RemovalPipeline.remove` unwinds, and
-since the output is written only after the removal (atomically, by `media.write_video`), nothing half-written is left.
+Cancelling and stopping go through the pipeline's progress callback: it raises, the request loop
+(`RemovalPipeline.remove_stream`, inside `RemovalWorker.run`) unwinds, and the worker abandons its streaming writer:
+the output is written to a temporary name and renamed into place only after the whole clip is done, so nothing
+half-written is left.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ Contracts:
   `FastRemoverError`; `..`, absolute paths and symlinks that leave the roots are refused after resolution.
 * `UrlFetcher.fetch` downloads an http(s) URL only when every address the host resolves to is public, connects to the
   address it checked (no second DNS lookup), checks every redirect hop the same way, and stops at `max_bytes` and at
-  `timeout_s`; `data:` and every other scheme are refused.
+  `timeout_s`: a wall-clock deadline for the whole download (redirects included) that shuts the socket down when it
+  passes, whatever the connection is doing (a sender dripping a byte at a time is cut there too); `data:` and every
+  other scheme are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import re
 import socket
 import ssl
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,28 +136,73 @@ def system_dialer(ip: str, port: int, timeout: float) -> socket.socket:
     return socket.create_connection((ip, port), timeout=timeout)
 
 
+class _Deadline:
+    """Shuts a connection's socket down at a wall-clock deadline, so the call in progress on it (connect's
+    handshake, a read that gets one byte at a time) ends then instead of when the peer pleases."""
+
+    def __init__(self, deadline: float):
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.expired = False
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def attach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            if self.expired:
+                self._shutdown()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._sock is not None:
+            try:
+                socket.socket.shutdown(self._sock, socket.SHUT_RDWR)  # the fd's own shutdown, also under TLS
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def expire_now(self) -> None:
+        self._timer.cancel()
+        self._expire()
+
+
 class _PinnedHTTP(http.client.HTTPConnection):
     """An HTTP connection to an already checked address (the Host header keeps the name)."""
 
-    def __init__(self, host: str, port: int, sock_factory: Callable[[], socket.socket], timeout: float):
+    def __init__(self, host: str, port: int, sock_factory: Callable[[], socket.socket], timeout: float,
+                 deadline: _Deadline):
         super().__init__(host, port, timeout=timeout)
         self._sock_factory = sock_factory
+        self._deadline = deadline
 
     def connect(self) -> None:
         self.sock = self._sock_factory()
+        self._deadline.attach(self.sock)
 
 
 class _PinnedHTTPS(http.client.HTTPSConnection):
     """An HTTPS connection to an already checked address; the certificate is checked against the host name."""
 
     def __init__(self, host: str, port: int, sock_factory: Callable[[], socket.socket], timeout: float,
-                 context: ssl.SSLContext):
+                 context: ssl.SSLContext, deadline: _Deadline):
         super().__init__(host, port, timeout=timeout, context=context)
         self._sock_factory = sock_factory
         self._ctx = context
+        self._deadline = deadline
 
     def connect(self) -> None:
-        self.sock = self._ctx.wrap_socket(self._sock_factory(), server_hostname=self.host)
+        self.sock = self._ctx.wrap_socket(self._sock_factory(), server_hostname=self.host,
+                                          do_handshake_on_connect=False)
+        self._deadline.attach(self.sock)  # before the handshake, so a stalled handshake is cut too
+        self.sock.do_handshake()
 
 
 @dataclass
@@ -166,6 +214,17 @@ class UrlFetcher:
     allow_private: bool = False  # for tests against 127.0.0.1 only
     resolver: Resolver = field(default=system_resolver)
     dialer: Dialer = field(default=system_dialer)
+    _active: set = field(default_factory=set, init=False, repr=False)  # the _Deadline of each download in flight
+    _active_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _aborted: bool = field(default=False, init=False, repr=False)
+
+    def abort(self) -> None:
+        """End every download in flight now (the server is stopping); later fetches fail at once."""
+        self._aborted = True
+        with self._active_lock:
+            active = list(self._active)
+        for cutoff in active:
+            cutoff.expire_now()
 
     def check_url(self, url: str, what: str) -> tuple[str, str, int, str, list[str]]:
         """(scheme, host, port, path+query, checked addresses) of an allowed URL; FastRemoverError otherwise."""
@@ -222,10 +281,20 @@ class UrlFetcher:
         def dial() -> socket.socket:
             return self.dialer(ip, port, remaining)
 
+        cutoff = _Deadline(time.monotonic() if self._aborted else deadline)
+        with self._active_lock:
+            self._active.add(cutoff)
         if scheme == "https":
-            conn: http.client.HTTPConnection = _PinnedHTTPS(host, port, dial, remaining, ssl.create_default_context())
+            conn: http.client.HTTPConnection = _PinnedHTTPS(host, port, dial, remaining, ssl.create_default_context(),
+                                                             cutoff)
         else:
-            conn = _PinnedHTTP(host, port, dial, remaining)
+            conn = _PinnedHTTP(host, port, dial, remaining, cutoff)
+
+        def late() -> FastRemoverError:
+            if self._aborted:
+                return FastRemoverError(f"{what}: the download was stopped: the server is stopping")
+            return FastRemoverError(f"{what}: the download took longer than {self.timeout_s:g} s")
+
         try:
             conn.request("GET", target, headers={"User-Agent": "fastremover-serve", "Accept-Encoding": "identity"})
             response = conn.getresponse()
@@ -245,11 +314,22 @@ class UrlFetcher:
                     total += len(chunk)
                     if total > self.max_bytes:
                         raise FastRemoverError(f"{what}: the URL's file is larger than the {self.max_bytes} byte limit")
-                    if time.monotonic() > deadline:
-                        raise FastRemoverError(f"{what}: the download took longer than {self.timeout_s:g} s")
+                    if cutoff.expired:
+                        raise late()
                     out.write(chunk)
+            if cutoff.expired:  # the shutdown can look like the end of a body without a length
+                raise late()
+            if length is not None and length.isdigit() and total != int(length):  # read(n) does not raise on it
+                raise FastRemoverError(f"{what}: the download ended after {total} of {int(length)} bytes")
+            if total == 0:
+                raise FastRemoverError(f"{what}: the URL's file is empty")
             return None
         except (OSError, http.client.HTTPException) as e:
+            if cutoff.expired or time.monotonic() >= deadline:
+                raise late() from None
             raise FastRemoverError(f"{what}: cannot download the URL ({type(e).__name__})") from None
         finally:
+            cutoff.cancel()
+            with self._active_lock:
+                self._active.discard(cutoff)
             conn.close()

@@ -74,6 +74,8 @@ async def read_body(request: Request, max_bytes: int, tmp_path: Callable[[], Pat
                 value = json.loads(data or b"{}")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise BadBody(f"the JSON body does not parse ({e.msg if hasattr(e, 'msg') else e})") from None
+            except RecursionError:
+                raise BadBody("the JSON body is nested too deeply") from None
             if not isinstance(value, dict):
                 raise BadBody("the JSON body must be an object")
             return Form(fields=value)

@@ -26,7 +26,6 @@ and written once, and an 8960-wide row costs 9216 lanes instead of next_power_of
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +43,9 @@ def interpreting(kernel) -> bool:
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:  # pragma: no cover - very old triton
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        from fastremover.config import triton_interpret
+
+        return triton_interpret()
     return isinstance(kernel, InterpretedFunction)
 
 

@@ -36,8 +36,6 @@ from fastremover.errors import FastRemoverError
 if TYPE_CHECKING:
     import torch
 
-MODES = ("eager", "exact", "fast")
-
 
 @dataclass(frozen=True)
 class AttentionBackend:

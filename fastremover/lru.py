@@ -1,4 +1,4 @@
-"""A small least-recently-used map: the bound on every per-shape cache of the engine (captured CUDA graphs, RoPE
+"""A small least-recently-used map: the bound on every per-shape cache (captured CUDA graphs, RoPE
 tables, kernel counters), so a long-running service that sees a new crop size per request does not grow without
 limit."""
 
