@@ -248,7 +248,7 @@ class Service:
                 mask_path = folder / BOX_MASK_NAME  # built by the worker thread before the run
                 check_mask = video_path  # the probe of a mask as large as the video
             limits.check_decoded_size(video_path, None if boxes else mask_path, options,
-                                      model=self.config.model.model != "classic",
+                                      model=self.config.model.kind != "classic",
                                       max_decoded_gib=self.config.max_decoded_gib)
             if boxes is not None:
                 check_boxes(video_path, boxes)
