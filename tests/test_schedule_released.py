@@ -293,3 +293,26 @@ def test_cli_upstream_compatible(tmp_path, capsys):
     code = main([str(a) for a in args + ["--crop", "on"]])
     err = capsys.readouterr().err
     assert code == 2 and "--upstream-compatible sets --crop off" in err and "Traceback" not in err
+
+
+def test_the_service_and_batch_manifests_take_a_schedule(tmp_path):
+    # The service's option field and a batch manifest's column; a bad value names --schedule (a 400 / a plan error).
+    from fastremover.batch.plan import plan_batch
+
+    for name in ("v.mp4", "m.mp4"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "list.csv").write_text("video,mask,output,schedule\nv.mp4,m.mp4,a.mp4,diffusers\nv.mp4,m.mp4,b.mp4,\n")
+    named, default = plan_batch(tmp_path / "list.csv", tmp_path / "out").tasks
+    assert (named.job.options.schedule, default.job.options.schedule) == ("diffusers", DEFAULT_SCHEDULE)
+    (tmp_path / "bad.csv").write_text("video,mask,schedule\nv.mp4,m.mp4,0.33.1\n")
+    with pytest.raises(FastRemoverError, match="bad.csv:2: --schedule '0.33.1'"):
+        plan_batch(tmp_path / "bad.csv", tmp_path / "out")
+
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    from fastremover.serve.app import options_dict, parse_options
+
+    options = parse_options({"schedule": "diffusers", "steps": "3"})
+    assert options.schedule == "diffusers" and options_dict(options)["schedule"] == "diffusers"
+    assert parse_options({}).schedule == DEFAULT_SCHEDULE
+    with pytest.raises(FastRemoverError, match="--schedule"):
+        parse_options({"schedule": "0.33.1"})
