@@ -31,6 +31,7 @@ from fastremover.errors import FastRemoverError
 from fastremover.h3.cli import add_parser as add_h3_parser, run as cmd_h3_decode
 from fastremover.log import logger, setup_cli, teardown_cli
 from fastremover.masktools.cli import add_box_args, add_mask_parser, box_mask_file, cmd_mask, mask_from_args
+from fastremover.options import FRAME_TAILS, ROUNDINGS, SCHEDULES
 from fastremover.serve.cli import add_serve_parser, cmd_serve
 from fastremover.windows import CROP_MODES, DEFAULT_WINDOW
 
@@ -105,6 +106,12 @@ CROP_CHOICES = list(CROP_MODES)
 NO_MODEL_NOTE = "no --model given: using the weightless classic remover (pass --model PATH for MiniMax-Remover)"
 
 
+def _add_schedule_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],
+                   help="UniPC flow schedule: minimax-remover (diffusers 0.33.1's, the released pipeline's; default) | "
+                   "diffusers (diffusers 0.37 and later)")
+
+
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
     """The model, the engine and the per-request flags of `remove`, `demo` and `batch` (the same definitions)."""
     add_model_args(p, default=default_model)
@@ -115,6 +122,15 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
     p.add_argument("--size", default="native", help="native (pad to multiples of 16, default) or WxH, e.g. 832x480")
     add_engine_args(p)
     p.add_argument("--no-composite", action="store_true", help="keep the model's pixels outside the mask too")
+    _add_schedule_arg(p)
+    p.add_argument("--rounding", choices=ROUNDINGS, default=ROUNDINGS[0],
+                   help="decoded pixels to 8 bits: round (default) | truncate (the released pipeline's export)")
+    p.add_argument("--frame-tail", choices=FRAME_TAILS, default=FRAME_TAILS[0],
+                   help="a clip of 4k+2 to 4k+4 frames: keep every frame (default) | drop the last 1-3 (the released "
+                   "pipeline's VAE drops them)")
+    p.add_argument("--upstream-compatible", action="store_true",
+                   help="reproduce the released MiniMax-Remover pipeline: --schedule minimax-remover --rounding "
+                   "truncate --frame-tail drop --no-composite --crop off (docs/upstream.md)")
     _add_window_args(p)
     p.add_argument("--crop", choices=CROP_CHOICES, default="auto",
                    help="run the model on a box around the mask: auto (when the box is under half the frame, default) "
@@ -163,7 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, default_model=None)
     add_box_args(p)
 
-    sub.add_parser("info", help="versions, device, and which fast paths are available")
+    sub.add_parser("info", help="versions, device, which fast paths are available, and the cached Hub models")
+
+    p = sub.add_parser("download", help="fetch a model from the Hugging Face Hub into the local cache ahead of time")
+    p.add_argument("model", help="ORG/NAME[@REVISION] (a branch, tag or commit; default main), e.g. "
+                   "zibojia/minimax-remover: only its transformer/, vae/ and scheduler/ configs and weights")
+    p.add_argument("--force", action="store_true", help="fetch every file again, even those already cached")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
     p = sub.add_parser("warmup", help="fill the persistent cache ahead of time (compiled kernels, tuned configs, "
                        "cuDNN plans) by running the model once per size, so a later first run is fast",
@@ -265,11 +287,13 @@ def _add_verbosity(p: argparse.ArgumentParser, default) -> None:
 
 def _add_compare_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
     add_model_args(p, default=default_model, required=default_model is None,
-                   help="random (preset config, random weights) or PATH to a MiniMax-Remover checkpoint folder")
+                   help="random (preset config, random weights), PATH to a MiniMax-Remover checkpoint folder, or "
+                   "ORG/NAME[@REVISION] on the Hugging Face Hub (as for remove)")
     p.add_argument("--modes", default="eager", help="comma-separated engine modes to compare: eager,exact,fast")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-flops", action="store_true", help="skip counting the VAE's FLOPs (an extra VAE pass)")
+    _add_schedule_arg(p)
     # every engine flag but --mode (--modes lists the modes to compare)
     add_engine_args(p, exclude=("mode",))
     # The fidelity comparison always runs in one window (the reference has no windows); clips longer than --window
@@ -300,12 +324,15 @@ def model_and_config(args) -> tuple[ModelSource, EngineConfig]:
 
 def _options_from_args(args):
     """RunOptions from the flags, validated: bad flags fail before any file is read or model loaded."""
-    from fastremover.options import RunOptions
+    from fastremover.options import RunOptions, upstream_compatible
 
     options = RunOptions(
         steps=args.steps, seed=args.seed, dilate=args.dilate, size=args.size, composite=not args.no_composite,
-        window=args.window, overlap=args.overlap, crop=args.crop,
+        window=args.window, overlap=args.overlap, crop=args.crop, schedule=args.schedule, rounding=args.rounding,
+        frame_tail=args.frame_tail,
     )
+    if args.upstream_compatible:
+        options = upstream_compatible(options)
     options.validate()
     return options
 
@@ -527,14 +554,15 @@ def _compare(args, inputs, repeats: int, hash_repeats: int, on_result=None) -> l
     if unknown or not modes:
         raise FastRemoverError(f"--modes {args.modes!r}: choose from {list(MODES)}")
     crop = getattr(args, "crop", None)  # bench only
-    RunOptions(window=args.window, overlap=args.overlap, crop=crop or "off").validate()  # before loading the model
+    # before loading the model
+    RunOptions(window=args.window, overlap=args.overlap, crop=crop or "off", schedule=args.schedule).validate()
     from fastremover.pipeline import load_source
 
     source, config = model_and_config(args)
     return compare(load_source(source), inputs, config, modes=modes, steps=args.steps, seed=args.seed, repeats=repeats,
                    hash_repeats=hash_repeats, count_flops=not args.no_flops, window=args.window,
                    overlap=args.overlap, crop=crop, on_result=on_result,
-                   nvfp4_rows=getattr(args, "nvfp4_fidelity", False))
+                   nvfp4_rows=getattr(args, "nvfp4_fidelity", False), schedule=args.schedule)
 
 
 def cmd_bench(args) -> int:
@@ -728,6 +756,15 @@ def _verify_sparse(args) -> int:
     return 0
 
 
+def cmd_download(args) -> int:
+    from fastremover.models.hub import download_model
+
+    resolved = download_model(args.model, progress=not args.quiet, force=args.force)
+    print(f"{resolved.repo_id}@{resolved.revision} is in the cache: {resolved.path}")
+    print(f"run it: fastremover remove VIDEO --mask MASK -o OUT --model {args.model}")
+    return 0
+
+
 def cmd_info(args) -> int:
     from fastremover.info import collect_info, format_info
 
@@ -764,9 +801,9 @@ def main(argv: list[str] | None = None) -> int:
     mark("main")  # the harness (bench --cold) measures the interpreter's start-up up to here
     _printable_stdio()
     args = build_parser().parse_args(argv)
-    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench, "verify": cmd_verify,
-                "mask": cmd_mask, "serve": cmd_serve, "batch": cmd_batch, "h3-decode": cmd_h3_decode,
-                "warmup": cmd_warmup}
+    commands = {"remove": cmd_remove, "demo": cmd_demo, "info": cmd_info, "download": cmd_download,
+                "bench": cmd_bench, "verify": cmd_verify, "mask": cmd_mask, "serve": cmd_serve, "batch": cmd_batch,
+                "h3-decode": cmd_h3_decode, "warmup": cmd_warmup}
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
     handler = setup_cli(args.verbosity)

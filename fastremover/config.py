@@ -1,7 +1,8 @@
 """The engine's typed input, and every flag and environment variable that sets it, read in ONE place (this module).
 
     ModelSource             which weights: "classic" (no model), "random" (a preset config with deterministic random
-                            weights) or a checkpoint folder (fastremover.pipeline.load_source loads it)
+                            weights), a checkpoint folder or a Hugging Face Hub id ORG/NAME[@REVISION]
+                            (fastremover.pipeline.load_source loads it; fastremover.models.hub resolves the id)
     EngineConfig            frozen; how the model runs: device, precision, mode and the nested options
       .attention            AttentionOptions  backend, keep, window (the sparse backends)
       .linears              LinearOptions     weights (dense / nvfp4 / nvfp4-w4a4), force_w4a4, fused_ffn1
@@ -98,11 +99,15 @@ def parse_window(value) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class ModelSource:
     """Which weights a pipeline loads. `name`: "classic" (the weightless fill, no model), "random" (the `preset`
-    config with deterministic random weights from `weights_seed`) or a MiniMax-Remover checkpoint folder."""
+    config with deterministic random weights from `weights_seed`), a MiniMax-Remover checkpoint folder, or a model
+    on the Hugging Face Hub, "ORG/NAME[@REVISION]" or "hf:ORG/NAME[@REVISION]" (fastremover.models.hub: the local
+    cache first, downloaded into it when missing)."""
 
     name: str = _opt("classic", flag="model", metavar="MODEL",
                      help="classic (the weightless fill) | random (preset config, random weights) | PATH to a "
-                     "MiniMax-Remover checkpoint folder with transformer/ vae/ scheduler/")
+                     "MiniMax-Remover checkpoint folder with transformer/ vae/ scheduler/ | ORG/NAME[@REVISION] on "
+                     "the Hugging Face Hub, e.g. zibojia/minimax-remover (read from the local Hugging Face cache; "
+                     "downloaded into it when missing unless HF_HUB_OFFLINE=1; see `fastremover download`)")
     preset: str = _opt("minimax-remover", flag="preset", help="config for --model random: minimax-remover | tiny")
     weights_seed: int = _opt(0, flag="weights_seed", parse=int, help="seed of the random weights for --model random")
 
@@ -127,23 +132,34 @@ class ModelSource:
 
     @property
     def kind(self) -> str:
-        """"classic", "random" or "folder"."""
-        return self.name if self.name in ("classic", "random") else "folder"
+        """"classic", "random", "folder" or "hub" (an existing path is a folder; fastremover.models.hub.parse_model)."""
+        if self.name in ("classic", "random"):
+            return self.name
+        from fastremover.models.hub import parse_model  # no torch, no huggingface_hub at import
+
+        try:
+            return parse_model(self.name).kind
+        except FastRemoverError:  # a malformed Hub id: validate() says why
+            return "hub"
 
     @property
     def label(self) -> str:
-        """A short name for logs and the service: classic, random, or the folder's name."""
-        return self.name if self.kind != "folder" else Path(self.name).name
+        """A short name for logs and the service: classic, random, the folder's name or the Hub id."""
+        kind = self.kind
+        if kind == "folder":
+            return Path(self.name).name
+        return self.name.removeprefix("hf:") if kind == "hub" else self.name
 
     def validate(self) -> None:
-        """FastRemoverError unless the name is classic, random or an existing folder (no file is read)."""
+        """FastRemoverError unless the name is classic, random, an existing folder, or a Hub id whose cached
+        snapshot verifies or that may be downloaded when the model loads (fastremover.models.hub.check_model: no
+        network, no weights read)."""
         if isinstance(self.weights_seed, bool) or not isinstance(self.weights_seed, int) or self.weights_seed < 0:
             raise FastRemoverError(f"--weights-seed {self.weights_seed!r}: must be a whole number >= 0")
-        if self.kind == "folder" and not Path(self.name).expanduser().is_dir():
-            raise FastRemoverError(
-                f"--model {self.name}: not 'classic', 'random' or an existing checkpoint folder "
-                "(with transformer/ vae/ scheduler/)"
-            )
+        if self.name not in ("classic", "random"):
+            from fastremover.models.hub import check_model
+
+            check_model(self.name)
 
     def describe(self) -> dict:
         return asdict(self)

@@ -32,6 +32,7 @@ def collect_info() -> dict:
         "safetensors": _version("safetensors"),
         "triton": _version("triton"),
         "diffusers (reference only)": _version("diffusers"),
+        "huggingface_hub (the hub extra)": _version("huggingface_hub"),
     }
     gpus = []
     if torch.cuda.is_available():
@@ -55,6 +56,9 @@ def collect_info() -> dict:
     info["vae weights (released config), --weights nvfp4"] = [format_vae_memory_estimate(
         vae_conv_memory_estimate(WanVAEConfig()))]
     info["vae"] = _vae_paths(device)
+    from fastremover.models.hub import cache_lines
+
+    info["Hugging Face cache (--model ORG/NAME)"] = cache_lines()
     return info
 
 

@@ -44,6 +44,7 @@ from fastremover.log import logger
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import RemoverModels, load_models
 from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
+from fastremover.schedulers import DEFAULT_SCHEDULE
 from fastremover.timing import StageTimer, finished_work
 from fastremover.windows import (
     STREAM_PREFETCH,
@@ -170,6 +171,7 @@ class Prepared:
     source_hw: tuple[int, int]
     run_hw: tuple[int, int]
     resized: bool  # explicit size (resize back at the end) vs native (crop the padding)
+    rounding: str = "round"  # decoded pixels to uint8: "round" or "truncate" (RunOptions.rounding)
 
 
 def _frames_to_tensor(frames: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -215,10 +217,14 @@ class _HostFrames:
         return self._host.numpy()
 
 
-def _to_uint8_async(x: torch.Tensor) -> _HostFrames:
-    """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3] (rounded, not truncated), with the device -> host copy left running
-    (`.result()` gives the frames)."""
-    y = ((x[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+def _to_uint8_async(x: torch.Tensor, rounding: str = "round") -> _HostFrames:
+    """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3], rounded (or with rounding="truncate" truncated, as the released
+    pipeline's export does: (x * 0.5 + 0.5).clamp(0, 1) in x's dtype, then float32 * 255 cast to uint8), with the
+    device -> host copy left running (`.result()` gives the frames)."""
+    if rounding == "truncate":
+        y = ((x[0] * 0.5 + 0.5).clamp(0, 1).float() * 255).floor().to(torch.uint8)
+    else:
+        y = ((x[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
     return _HostFrames(y.permute(1, 2, 3, 0).contiguous())
 
 
@@ -252,8 +258,9 @@ class RemovalPipeline:
                    weights_seed: int | None = None, config: EngineConfig | None = None,
                    parallel=None) -> "RemovalPipeline":
         """`model`: a ModelSource, or its name - "classic" (no weights), "random" (the `preset` config with
-        deterministic random weights from `weights_seed`) or a checkpoint folder. On a CUDA device the weights are
-        built there directly, in the model dtype (`load_source`)."""
+        deterministic random weights from `weights_seed`), a checkpoint folder or a Hugging Face Hub id
+        "ORG/NAME[@REVISION]" (fastremover.models.hub: the local cache, else downloaded). On a CUDA device the weights
+        are built there directly, in the model dtype (`load_source`)."""
         config = config if config is not None else EngineConfig.from_env()
         return cls(load_source(ModelSource.of(model, preset=preset, weights_seed=weights_seed), config), config,
                    parallel=parallel)
@@ -323,10 +330,13 @@ class RemovalPipeline:
         steps: int,
         seed: int,
         progress: Progress | None = None,
+        schedule: str = DEFAULT_SCHEDULE,
     ) -> torch.Tensor:
+        """The denoised latents from seeded noise, `steps` steps of the checkpoint's scheduler with `schedule`
+        (fastremover.schedulers.SCHEDULES)."""
         generator = torch.Generator(self.device).manual_seed(seed)
         noise = torch.randn(masked_latents.shape, generator=generator, device=self.device, dtype=self.dtype)
-        return self.denoiser(noise, masked_latents, mask_latents, steps, progress)
+        return self.denoiser(noise, masked_latents, mask_latents, steps, progress, schedule=schedule)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
@@ -360,7 +370,7 @@ class RemovalPipeline:
             x = _resize_video(x.float(), prep.source_hw)
         else:
             x = x[..., : prep.source_hw[0], : prep.source_hw[1]]
-        return _to_uint8_async(x)
+        return _to_uint8_async(x, prep.rounding)
 
     # ------------------------------------------------------------------------------------------------------------------
     # The whole request
@@ -404,10 +414,11 @@ class RemovalPipeline:
         result = self.remove_stream(zip(frames, mask), collect, options, progress=progress, timer=timer,
                                     total_frames=len(frames), emit_mask=collect_mask, keep=True,
                                     keep_pixels=keep_pixels, prefetch=0)
-        assert count == len(frames), (count, len(frames))
-        return RemovalResult(frames=out, mask=dilated, generated=result.generated if result.ran_model else None,
-                             latents=result.latents, pixels=result.pixels, timer=result.timer,
-                             ran_model=result.ran_model, notes=result.notes, windows=result.windows)
+        assert count == result.num_frames, (count, result.num_frames)  # fewer than len(frames): frame_tail drop
+        return RemovalResult(frames=out[:count], mask=dilated[:count],
+                             generated=result.generated if result.ran_model else None, latents=result.latents,
+                             pixels=result.pixels, timer=result.timer, ran_model=result.ran_model,
+                             notes=result.notes, windows=result.windows)
 
     def remove_stream(
         self,
@@ -580,10 +591,12 @@ class RemovalPipeline:
         else:
             with timer.stage("preprocess"):
                 prep = self.prepare(frames_in, mask_in, size)
+                prep.rounding = options.rounding
             with timer.stage("vae_encode"):
                 masked_latents, mask_latents = self.encode(prep, progress)
             with timer.stage("denoise"):
-                latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress)
+                latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress,
+                                       schedule=options.schedule)
             del masked_latents, mask_latents
             pixels: list[torch.Tensor] = []
             if trace is not None:
@@ -623,6 +636,29 @@ class RemovalPipeline:
         if keep_frames:
             filled.frames = np.concatenate(kept) if len(kept) > 1 else kept[0]
         return filled
+
+
+def _dropped_tail_note(count: int) -> str:
+    return (f"--frame-tail drop: the last {count} frame{'s' if count > 1 else ''} of the clip were dropped (the "
+            "released pipeline encodes 4k+1 frames and drops the rest)")
+
+
+class _DropTail:
+    """The items of `pairs` but the last 1-3 when their count is not 4k+1 (frame_tail "drop"), holding back at most 3:
+    an item at index 4k is always kept, the ones after it only once index 4(k+1) arrives. `dropped` counts the rest
+    once the iteration ended."""
+
+    def __init__(self, pairs: Iterable):
+        self.pairs, self.dropped = pairs, 0
+
+    def __iter__(self):
+        held = []
+        for i, pair in enumerate(self.pairs):
+            held.append(pair)
+            if i % 4 == 0:
+                yield from held
+                held.clear()
+        self.dropped = len(held)
 
 
 #: remove_stream's trace: trace(event, index) with ("read", frame) from the reader thread once a frame and its
@@ -682,12 +718,16 @@ class WindowScheduler:
         self.emitted = 0  # frames [0, emitted) of the clip went to `emit`
         self.single = False  # the clip is one window (known once the first window is planned)
         self.result = StreamResult(timer=timer)
+        self.tail: _DropTail | None = None  # frame_tail "drop": the released pipeline keeps the largest 4k+1 prefix
+        if options.frame_tail == "drop" and total_frames > 0:
+            self.total_frames = usable_window_length(total_frames)
 
     # -- input -------------------------------------------------------------------------------------------------------
 
     def _prepared(self, pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(frame, dilated mask) per input pair, each checked (run in the read-ahead thread)."""
-        for i, (frame, mask) in enumerate(pairs):
+        """(frame, dilated mask) per input pair, each checked (run in the read-ahead thread); with frame_tail "drop"
+        without the last 1-3 pairs of a clip that is not 4k+1 long (`self.tail` counts them)."""
+        for i, (frame, mask) in enumerate(pairs if self.tail is None else self.tail):
             if frame.ndim != 3 or frame.shape[-1] != 3 or frame.dtype != np.uint8:
                 raise FastRemoverError(f"frames must be uint8 [H,W,3], got {frame.dtype} {list(frame.shape)}")
             if mask.shape != frame.shape[:2]:
@@ -825,6 +865,8 @@ class WindowScheduler:
         from fastremover.windows import next_window, window_lookahead
 
         options, result, progress = self.options, self.result, self.progress
+        if options.frame_tail == "drop":
+            self.tail = _DropTail(pairs)
         prepared = self._prepared(pairs)
         source = Prefetch(prepared, prefetch, name="fastremover-read") if prefetch > 0 else prepared
         total = self.total_frames
@@ -852,6 +894,8 @@ class WindowScheduler:
         finally:
             source.close()
         assert self.emitted == self.base, (self.emitted, self.base)
+        if self.tail is not None and self.tail.dropped:
+            self._note(_dropped_tail_note(self.tail.dropped))
         result.num_frames = self.base
         result.resumed_windows = finished
         result.ran_model = self.pipe.models is not None and any(run.ran for run in result.windows)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve import gated_worker, live_server, thread_server, write_clip
+from helpers import gated_worker, live_server, thread_server, write_clip
 from test_serve_faults import GATED_SERVER
 
 from fastremover.serve.app import ServeConfig, create_app

@@ -29,7 +29,7 @@ import torch
 from fastremover.log import logger
 from fastremover.lru import LRUCache, held_while
 from fastremover.models.transformer import RemoverTransformer
-from fastremover.schedulers import build_scheduler
+from fastremover.schedulers import DEFAULT_SCHEDULE, build_scheduler
 from fastremover.timing import phase
 
 if TYPE_CHECKING:  # the fast transformer needs Triton: imported only where a fast mode is built
@@ -97,8 +97,9 @@ class EagerDenoiser:
         set_parallel(self.transformer, ctx)
 
     @torch.no_grad()
-    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None):
-        scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device)
+    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None,
+                 schedule: str = DEFAULT_SCHEDULE):
+        scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device, schedule=schedule)
 
         def flow(model_input, i):
             return self.transformer(model_input, scheduler.timesteps[i].expand(model_input.shape[0]))
@@ -146,9 +147,10 @@ class FastDenoiser:
         return denoise_loop(scheduler, flow, noise, masked_latents, mask_latents, progress)
 
     @torch.no_grad()
-    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None):
+    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None,
+                 schedule: str = DEFAULT_SCHEDULE):
         ctx = self._context  # a graph records the collectives of its context (or none): part of the key
-        key = (tuple(noise.shape), noise.dtype, tuple(masked_latents.shape), masked_latents.dtype, steps,
+        key = (tuple(noise.shape), noise.dtype, tuple(masked_latents.shape), masked_latents.dtype, steps, schedule,
                json.dumps(self.scheduler_config, sort_keys=True, default=str),
                None if ctx is None or not ctx.is_parallel else (id(ctx), ctx.rank, ctx.world_size))
         if key in self._graphs:
@@ -162,7 +164,7 @@ class FastDenoiser:
                 progress("denoise", steps, steps)
             return static_out.clone()
 
-        scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device)
+        scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device, schedule=schedule)
         cond = self.fast.conditioning(scheduler.timesteps, noise.shape[0])
         if not (self.cuda_graphs and noise.device.type == "cuda") or key in self._uncaptured:
             return self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)

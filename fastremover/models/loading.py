@@ -4,7 +4,6 @@ A MiniMax-Remover checkpoint directory holds three folders:
     transformer/ config.json, diffusion_pytorch_model.safetensors (or *-0000N-of-0000M.safetensors + *.index.json)
     vae/         the same for the Wan VAE (diffusers `AutoencoderKLWan`)
     scheduler/   scheduler_config.json
-Nothing here downloads anything: a checkpoint is a local directory.
 
 Where the weights go: without a device (and on the CPU) the modules are built in fp32 on the host, as the pipeline
 expects them there. With a CUDA device and the model dtype (`load_models(..., device=, dtype=)`, as the pipeline's
@@ -14,6 +13,9 @@ transformer straight onto the device, its fp32 islands in fp32; the small VAE on
 the fast VAE copies to the device once). The bits are those of the fp32 path followed by the pipeline's cast (one
 round-to-nearest-even conversion either way). Random weights are then drawn on the device (deterministic per
 (seed, tensor name), but with the device's random generator: other values than on the CPU).
+
+`load_models` takes any --model string: fastremover.models.hub.resolve_model (the one place a model string becomes a
+checkpoint folder) turns a Hugging Face Hub id into a folder of the local cache, downloading it when allowed.
 """
 
 from __future__ import annotations
@@ -221,7 +223,9 @@ class RemoverModels:
     transformer: RemoverTransformer
     vae: WanVAE
     scheduler_config: dict
-    source: str  # "random:<preset>:<seed>" or the checkpoint path
+    source: str  # "random:<preset>:<seed>", the checkpoint path, or for a Hub model "ORG/NAME@<commit>"
+    repo_id: str | None = None  # a Hub model's id
+    revision: str | None = None  # a Hub model's commit (the snapshot that was loaded)
 
 
 def _check_checkpoint_dir(root: Path) -> None:
@@ -310,12 +314,23 @@ def save_checkpoint(models: RemoverModels, path: str | os.PathLike) -> Path:
 
 
 def load_models(model: str, preset: str = "minimax-remover", seed: int = 0, *,
-                device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> RemoverModels:
-    """`model` is "random" (preset config, random weights) or a checkpoint folder path. device / dtype: where the
-    pipeline will run the models (a CUDA device and the model dtype: built there directly, see the module doc)."""
-    if model == "random":
+                device: str | torch.device | None = None, dtype: torch.dtype | None = None, download: bool = True,
+                progress: bool = True) -> RemoverModels:
+    """`model` is "random" (preset config, random weights), a checkpoint folder path or a Hugging Face Hub id
+    ORG/NAME[@REVISION] (fastremover.models.hub.resolve_model: the local cache first, else downloaded when `download`
+    and not HF_HUB_OFFLINE). device / dtype: where the pipeline will run the models (a CUDA device and the model
+    dtype: built there directly, see the module doc)."""
+    from fastremover.models.hub import resolve_model
+
+    resolved = resolve_model(model, download=download, progress=progress)
+    if resolved.kind == "random":
         from fastremover.timing import phase
 
         with phase("weights_init"):  # the random draws
             return random_models(preset, seed, device=device, dtype=dtype)
-    return load_checkpoint(model, device=device, dtype=dtype)
+    if resolved.kind == "classic":
+        raise FastRemoverError("--model classic has no weights to load (RemovalPipeline.from_model runs it)")
+    models = load_checkpoint(resolved.path, device=device, dtype=dtype)
+    if resolved.kind == "hub":
+        models.source, models.repo_id, models.revision = resolved.source, resolved.repo_id, resolved.revision
+    return models
