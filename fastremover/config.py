@@ -1,9 +1,10 @@
 """The engine's typed input, and every flag and environment variable that sets it, read in ONE place (this module).
 
     ModelSource             which weights: "classic" (no model), "random" (a preset config with deterministic random
-                            weights) or a checkpoint folder (fastremover.pipeline.load_source loads it)
+                            weights), a checkpoint folder or a Hugging Face Hub id ORG/NAME[@REVISION]
+                            (fastremover.pipeline.load_source loads it; fastremover.models.hub resolves the id)
     EngineConfig            frozen; how the model runs: device, precision, mode and the nested options
-      .attention            AttentionOptions  backend
+      .attention            AttentionOptions  backend, keep, window (the sparse backends)
       .linears              LinearOptions     weights (dense / nvfp4 / nvfp4-w4a4), force_w4a4, fused_ffn1
       .vae                  VAEOptions        precision, nvfp4_convs, fast (FastVAEOptions: the fast VAE's switches)
       .transformer          TransformerOptions  the fused transformer's switches (streams, GEMM choice)
@@ -25,7 +26,8 @@ Where a value comes from:
   the flag (the variables exist for A/B runs of an otherwise unchanged command line). A value outside the field's
   choices is a `FastRemoverError` naming the flag or the variable.
 * the other environment variables the package reads are read by the functions at the end of this module (torchrun's
-  rank variables, the service's API key, CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, CUDA_HOME).
+  rank variables, the service's API key, CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, CUDA_HOME, the persistent cache's
+  folder and the libraries' own cache folders; a child process's environment).
 * `resolve` is not here: `fastremover.fast.engine.resolve(config, device)` turns a config into a plan for a device
   (the device and dtype, mode fallbacks, the attention backend and linear method, the notes), and
   `fastremover.fast.engine.build` into modules plus the ResolvedEngine. This module imports neither torch nor any
@@ -38,9 +40,11 @@ sets it); the engine reads it from the config it is given.
 from __future__ import annotations
 
 import os
+import re
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from fastremover.errors import FastRemoverError
 
@@ -74,6 +78,20 @@ def _attention_choices() -> list[str]:
     return ["auto", *attention.names(with_aliases=True)]
 
 
+def parse_window(value) -> tuple[int, int, int]:
+    """`--attention-window T,H,W` (or TxHxW, or a sequence of three) -> (T, H, W), each a whole number >= 1;
+    FastRemoverError otherwise."""
+    parts = list(value) if isinstance(value, (tuple, list)) else re.split(r"[,x]", str(value).strip())
+    try:
+        window = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        window = ()
+    if len(window) != 3 or min(window) < 1 or any(isinstance(p, (bool, float)) for p in parts):
+        raise FastRemoverError(f"--attention-window {value!r}: give three positive whole numbers T,H,W (tiles of "
+                               "4x4x4 tokens per axis), e.g. 3,5,5")
+    return window
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The model source
 
@@ -81,11 +99,15 @@ def _attention_choices() -> list[str]:
 @dataclass(frozen=True)
 class ModelSource:
     """Which weights a pipeline loads. `name`: "classic" (the weightless fill, no model), "random" (the `preset`
-    config with deterministic random weights from `weights_seed`) or a MiniMax-Remover checkpoint folder."""
+    config with deterministic random weights from `weights_seed`), a MiniMax-Remover checkpoint folder, or a model
+    on the Hugging Face Hub, "ORG/NAME[@REVISION]" or "hf:ORG/NAME[@REVISION]" (fastremover.models.hub: the local
+    cache first, downloaded into it when missing)."""
 
     name: str = _opt("classic", flag="model", metavar="MODEL",
                      help="classic (the weightless fill) | random (preset config, random weights) | PATH to a "
-                     "MiniMax-Remover checkpoint folder with transformer/ vae/ scheduler/")
+                     "MiniMax-Remover checkpoint folder with transformer/ vae/ scheduler/ | ORG/NAME[@REVISION] on "
+                     "the Hugging Face Hub, e.g. zibojia/minimax-remover (read from the local Hugging Face cache; "
+                     "downloaded into it when missing unless HF_HUB_OFFLINE=1; see `fastremover download`)")
     preset: str = _opt("minimax-remover", flag="preset", help="config for --model random: minimax-remover | tiny")
     weights_seed: int = _opt(0, flag="weights_seed", parse=int, help="seed of the random weights for --model random")
 
@@ -110,23 +132,34 @@ class ModelSource:
 
     @property
     def kind(self) -> str:
-        """"classic", "random" or "folder"."""
-        return self.name if self.name in ("classic", "random") else "folder"
+        """"classic", "random", "folder" or "hub" (an existing path is a folder; fastremover.models.hub.parse_model)."""
+        if self.name in ("classic", "random"):
+            return self.name
+        from fastremover.models.hub import parse_model  # no torch, no huggingface_hub at import
+
+        try:
+            return parse_model(self.name).kind
+        except FastRemoverError:  # a malformed Hub id: validate() says why
+            return "hub"
 
     @property
     def label(self) -> str:
-        """A short name for logs and the service: classic, random, or the folder's name."""
-        return self.name if self.kind != "folder" else Path(self.name).name
+        """A short name for logs and the service: classic, random, the folder's name or the Hub id."""
+        kind = self.kind
+        if kind == "folder":
+            return Path(self.name).name
+        return self.name.removeprefix("hf:") if kind == "hub" else self.name
 
     def validate(self) -> None:
-        """FastRemoverError unless the name is classic, random or an existing folder (no file is read)."""
+        """FastRemoverError unless the name is classic, random, an existing folder, or a Hub id whose cached
+        snapshot verifies or that may be downloaded when the model loads (fastremover.models.hub.check_model: no
+        network, no weights read)."""
         if isinstance(self.weights_seed, bool) or not isinstance(self.weights_seed, int) or self.weights_seed < 0:
             raise FastRemoverError(f"--weights-seed {self.weights_seed!r}: must be a whole number >= 0")
-        if self.kind == "folder" and not Path(self.name).expanduser().is_dir():
-            raise FastRemoverError(
-                f"--model {self.name}: not 'classic', 'random' or an existing checkpoint folder "
-                "(with transformer/ vae/ scheduler/)"
-            )
+        if self.name not in ("classic", "random"):
+            from fastremover.models.hub import check_model
+
+            check_model(self.name)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -146,8 +179,24 @@ class AttentionOptions:
                         "cudnn-fp8, else sdpa in fp16, with a note saying why) or one explicitly (an error if it "
                         "cannot run here). flashinfer-fa3 / flashinfer-fa3-fp8: FlashInfer's FA3 Hopper kernels (pip "
                         "install flashinfer-python); cudnn-fp8: cuDNN's FP8 attention (the cudnn extra); "
-                        "flashattn3-fp8: FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh). "
-                        "Old names fa3, fp8-fa3, fp8, fp8-flash3 work too")
+                        "flashattn3-fp8: FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh); "
+                        "sparse-sta / sparse-vsa: tile-sparse attention (sliding window / top-k tiles; lossy, never "
+                        "picked by auto: check it with verify --attention-keeps first). Old names fa3, fp8-fa3, fp8, "
+                        "fp8-flash3 work too")
+    # the sparse backends (fastremover/ops/attention/sparse.py): the fraction of key tiles each query tile attends to
+    # (None: 0.25), and sparse-sta's window in 4x4x4-token tiles per axis (None: the one keeping `keep` of the tiles);
+    # EngineConfig.validate refuses them for the other backends
+    keep: float | None = _opt(None, flag="attention_keep", parse=float, metavar="R",
+                              help="sparse-sta / sparse-vsa: fraction of key tiles each query tile attends to, in "
+                              "(0, 1] (default 0.25)")
+    window: tuple[int, int, int] | None = _opt(None, flag="attention_window", metavar="T,H,W",
+                                               help="sparse-sta: the window in 4x4x4-token tiles per axis (default: "
+                                               "the one that keeps --attention-keep of the tiles)")
+
+    def __post_init__(self):
+        # the window as given ("T,H,W" text from the flag, a list from JSON, a tuple) -> (T, H, W)
+        if self.window is not None:
+            object.__setattr__(self, "window", parse_window(self.window))
 
 
 @dataclass(frozen=True)
@@ -342,6 +391,10 @@ class EngineConfig:
             from fastremover.ops import attention  # the registry (no torch at import)
 
             attention.canonical(self.attention.backend)  # FastRemoverError for an unknown name
+        if self.attention.keep is not None or self.attention.window is not None:
+            from fastremover.ops.attention.sparse import check_options  # no torch
+
+            check_options(self.attention.backend, self.attention.keep, self.attention.window)
         if self.linears.weights != "dense" and self.mode in ("exact", "fast"):
             raise FastRemoverError(f"--weights {self.linears.weights} runs in --mode eager only (the fused "
                                    "transformer reads dense weights)")
@@ -479,6 +532,12 @@ class KernelTuning:
     upconv_tune: bool = _opt(True, env="FASTREMOVER_UPCONV_TUNE", env_values={"1": True, "0": False})
     # the fast VAE's convs on cuDNN plans that give torch's bits faster (fast/cudnn_conv.py; off: torch's convs)
     cudnn_conv_plans: bool = _opt(True, env="FASTREMOVER_CUDNN_CONV_PLANS", env_values={"1": True, "0": False})
+    # the block-sparse attention kernel's config by name, e.g. m64n64w4s3t1ws0vt1 (BlockSparseConfig in
+    # fast/kernels/block_sparse_attention.py; unset: the default for the tile size)
+    sparse_attn_config: str | None = _opt(None, env="FASTREMOVER_SPARSE_ATTN_CONFIG")
+    # the persistent cache of warm-up results (fastremover/cache.py: Triton's kernels, cuDNN plan choices, autotune
+    # results, FlashInfer's modules): a folder; "" = the platform's user cache folder (`cache_dir`); "off" = none
+    cache_dir: str = _opt("", env="FASTREMOVER_CACHE_DIR")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelTuning":
@@ -493,6 +552,27 @@ class KernelTuning:
 
     def describe(self) -> dict:
         return asdict(self)
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The persistent cache folder (fastremover/cache.py): FASTREMOVER_CACHE_DIR, else the platform's user cache
+    folder (Linux: $XDG_CACHE_HOME/fastremover or ~/.cache/fastremover; macOS: ~/Library/Caches/fastremover; Windows:
+    %LOCALAPPDATA%\\fastremover\\Cache); None when the variable is "off" (or "none", "0")."""
+    environ = os.environ if environ is None else environ
+    setting = KernelTuning.from_env(environ).cache_dir.strip()
+    if setting.lower() in ("off", "none", "0"):
+        return None
+    if setting:
+        return os.path.expanduser(setting)
+    import sys
+
+    home = os.path.expanduser("~")
+    if sys.platform == "win32":
+        base = environ.get("LOCALAPPDATA") or os.path.join(home, "AppData", "Local")
+        return os.path.join(base, "fastremover", "Cache")
+    if sys.platform == "darwin":
+        return os.path.join(home, "Library", "Caches", "fastremover")
+    return os.path.join(environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "fastremover")
 
 
 def kernel_tuning() -> KernelTuning:
@@ -592,6 +672,42 @@ def cuda_home(environ: Mapping[str, str] | None = None) -> str | None:
     """The CUDA toolkit's folder (CUDA_HOME, else CUDA_PATH) for JIT builds; None when neither is set."""
     environ = os.environ if environ is None else environ
     return environ.get("CUDA_HOME") or environ.get("CUDA_PATH") or None
+
+
+#: The libraries' own cache folders, which the persistent cache fills unless they are set (fastremover/cache.py)
+TOOL_CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "FLASHINFER_WORKSPACE_BASE": "flashinfer"}
+
+
+def tool_cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{variable: folder} of TOOL_CACHE_VARS that are set and not empty."""
+    environ = os.environ if environ is None else environ
+    return {var: environ[var] for var in TOOL_CACHE_VARS if environ.get(var)}
+
+
+def child_environment(changes: Mapping[str, str] | None = None, *, pythonpath_first: str | None = None,
+                      environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process: this one's with `changes` set, and `pythonpath_first` put in front of
+    PYTHONPATH (so the child imports this checkout)."""
+    environ = os.environ if environ is None else environ
+    env = {**environ, **(changes or {})}
+    if pythonpath_first:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath_first, environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@contextmanager
+def environment_set(changes: Mapping[str, str]) -> Iterator[None]:
+    """`changes` set in this process's environment for the block; the earlier values (or their absence) after it."""
+    before = {var: os.environ.get(var) for var in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for var, value in before.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def collect_info() -> dict:
         "safetensors": _version("safetensors"),
         "triton": _version("triton"),
         "diffusers (reference only)": _version("diffusers"),
+        "huggingface_hub (the hub extra)": _version("huggingface_hub"),
     }
     gpus = []
     if torch.cuda.is_available():
@@ -55,6 +56,9 @@ def collect_info() -> dict:
     info["vae weights (released config), --weights nvfp4"] = [format_vae_memory_estimate(
         vae_conv_memory_estimate(WanVAEConfig()))]
     info["vae"] = _vae_paths(device)
+    from fastremover.models.hub import cache_lines
+
+    info["Hugging Face cache (--model ORG/NAME)"] = cache_lines()
     return info
 
 
@@ -91,6 +95,10 @@ def _engine_config() -> dict[str, str]:
             continue
         path = row["option"].split(".")
         value = tuning[path[1]] if path[0] == "tuning" else _get(config, path)
+        if row["option"] == "tuning.cache_dir":  # the folder it resolves to (fastremover/cache.py)
+            from fastremover.config import cache_dir
+
+            value = cache_dir() or "off"
         where = ", ".join(x for x in (row["flag"] and "--" + row["flag"].replace("_", "-"), row["env"]) if x)
         out[row["option"]] = f"{value}" + (f"  ({where})" if where else "")
     for group in LAB_GROUPS:

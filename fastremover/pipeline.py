@@ -39,12 +39,13 @@ import torch.nn.functional as F
 from fastremover.classic import classic_remove
 from fastremover.config import EngineConfig, ModelSource, ResolvedEngine
 from fastremover.errors import FastRemoverError
-from fastremover.fast.engine import build
+from fastremover.fast.engine import DTYPES, build, resolve_device, resolve_precision
 from fastremover.log import logger
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import RemoverModels, load_models
 from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
-from fastremover.timing import StageTimer
+from fastremover.schedulers import DEFAULT_SCHEDULE
+from fastremover.timing import StageTimer, finished_work
 from fastremover.windows import (
     STREAM_PREFETCH,
     Box,
@@ -67,13 +68,25 @@ CROP_FEATHER = 4
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
-def load_source(source: ModelSource) -> RemoverModels | None:
-    """The models of a source (fp32 on the CPU; None for the classic remover), checked first: the one place a model
-    name becomes modules (`models.loading.load_models` turns a name into a checkpoint folder or random weights)."""
+def load_source(source: ModelSource, config: EngineConfig | None = None) -> RemoverModels | None:
+    """The models of a source (None for the classic remover), checked first: the one place a model name becomes
+    modules (`models.loading.load_models` turns a name into a checkpoint folder or random weights). Without `config`,
+    or where it resolves to the CPU, fp32 on the host; where it resolves to a CUDA device, built there directly in the
+    config's model dtype (no fp32 host copy: models/loading.py), as its engine will run them."""
     source.validate()
     if source.kind == "classic":
         return None
-    return load_models(source.name, source.preset, source.weights_seed)
+    return load_models(source.name, source.preset, source.weights_seed, **_load_place(config))
+
+
+def _load_place(config: EngineConfig | None) -> dict:
+    """load_models' device / dtype for `config`: its CUDA device and model dtype; {} without a config and on the CPU."""
+    if config is None:
+        return {}
+    device = resolve_device(config.device)  # (a CUDA device where none is visible: an error before the load)
+    if device.type != "cuda":
+        return {}
+    return {"device": device, "dtype": DTYPES[resolve_precision(config.precision, device)]}
 
 
 def crop_feather(dilate: int) -> int:
@@ -158,6 +171,7 @@ class Prepared:
     source_hw: tuple[int, int]
     run_hw: tuple[int, int]
     resized: bool  # explicit size (resize back at the end) vs native (crop the padding)
+    rounding: str = "round"  # decoded pixels to uint8: "round" or "truncate" (RunOptions.rounding)
 
 
 def _frames_to_tensor(frames: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -203,10 +217,14 @@ class _HostFrames:
         return self._host.numpy()
 
 
-def _to_uint8_async(x: torch.Tensor) -> _HostFrames:
-    """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3] (rounded, not truncated), with the device -> host copy left running
-    (`.result()` gives the frames)."""
-    y = ((x[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+def _to_uint8_async(x: torch.Tensor, rounding: str = "round") -> _HostFrames:
+    """[1,3,F,H,W] in [-1,1] -> uint8 [F,H,W,3], rounded (or with rounding="truncate" truncated, as the released
+    pipeline's export does: (x * 0.5 + 0.5).clamp(0, 1) in x's dtype, then float32 * 255 cast to uint8), with the
+    device -> host copy left running (`.result()` gives the frames)."""
+    if rounding == "truncate":
+        y = ((x[0] * 0.5 + 0.5).clamp(0, 1).float() * 255).floor().to(torch.uint8)
+    else:
+        y = ((x[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
     return _HostFrames(y.permute(1, 2, 3, 0).contiguous())
 
 
@@ -240,8 +258,11 @@ class RemovalPipeline:
                    weights_seed: int | None = None, config: EngineConfig | None = None,
                    parallel=None) -> "RemovalPipeline":
         """`model`: a ModelSource, or its name - "classic" (no weights), "random" (the `preset` config with
-        deterministic random weights from `weights_seed`) or a checkpoint folder."""
-        return cls(load_source(ModelSource.of(model, preset=preset, weights_seed=weights_seed)), config,
+        deterministic random weights from `weights_seed`), a checkpoint folder or a Hugging Face Hub id
+        "ORG/NAME[@REVISION]" (fastremover.models.hub: the local cache, else downloaded). On a CUDA device the weights
+        are built there directly, in the model dtype (`load_source`)."""
+        config = config if config is not None else EngineConfig.from_env()
+        return cls(load_source(ModelSource.of(model, preset=preset, weights_seed=weights_seed), config), config,
                    parallel=parallel)
 
     def follow(self) -> None:
@@ -309,10 +330,13 @@ class RemovalPipeline:
         steps: int,
         seed: int,
         progress: Progress | None = None,
+        schedule: str = DEFAULT_SCHEDULE,
     ) -> torch.Tensor:
+        """The denoised latents from seeded noise, `steps` steps of the checkpoint's scheduler with `schedule`
+        (fastremover.schedulers.SCHEDULES)."""
         generator = torch.Generator(self.device).manual_seed(seed)
         noise = torch.randn(masked_latents.shape, generator=generator, device=self.device, dtype=self.dtype)
-        return self.denoiser(noise, masked_latents, mask_latents, steps, progress)
+        return self.denoiser(noise, masked_latents, mask_latents, steps, progress, schedule=schedule)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, progress: Progress | None = None) -> torch.Tensor:
@@ -346,7 +370,7 @@ class RemovalPipeline:
             x = _resize_video(x.float(), prep.source_hw)
         else:
             x = x[..., : prep.source_hw[0], : prep.source_hw[1]]
-        return _to_uint8_async(x)
+        return _to_uint8_async(x, prep.rounding)
 
     # ------------------------------------------------------------------------------------------------------------------
     # The whole request
@@ -390,10 +414,11 @@ class RemovalPipeline:
         result = self.remove_stream(zip(frames, mask), collect, options, progress=progress, timer=timer,
                                     total_frames=len(frames), emit_mask=collect_mask, keep=True,
                                     keep_pixels=keep_pixels, prefetch=0)
-        assert count == len(frames), (count, len(frames))
-        return RemovalResult(frames=out, mask=dilated, generated=result.generated if result.ran_model else None,
-                             latents=result.latents, pixels=result.pixels, timer=result.timer,
-                             ran_model=result.ran_model, notes=result.notes, windows=result.windows)
+        assert count == result.num_frames, (count, result.num_frames)  # fewer than len(frames): frame_tail drop
+        return RemovalResult(frames=out[:count], mask=dilated[:count],
+                             generated=result.generated if result.ran_model else None, latents=result.latents,
+                             pixels=result.pixels, timer=result.timer, ran_model=result.ran_model,
+                             notes=result.notes, windows=result.windows)
 
     def remove_stream(
         self,
@@ -437,6 +462,7 @@ class RemovalPipeline:
             raise RuntimeError("this RemovalPipeline was closed; build a new one")
         options = options or RunOptions()
         options.validate()
+        progress = finished_work(progress, self.device)  # GPU steps count when they have finished
         scheduler = WindowScheduler(self, options, emit, timer=timer or StageTimer(self.device), progress=progress,
                                     store=store, total_frames=total_frames, trace=trace, emit_mask=emit_mask,
                                     keep=keep, keep_pixels=keep_pixels)
@@ -482,7 +508,7 @@ class RemovalPipeline:
             window_mask = dilated.copy()
             window_mask[: win.overlap] = False
             # The box only needs to hold what is still to be generated (the shared frames are known already).
-            box = choose_crop(window_mask, crop_mode)
+            box = choose_crop(window_mask, crop_mode, buckets=options.shape_buckets)
         if not window_mask.any():  # nothing new to remove: `out` already holds the input / previous output
             return WindowRun(win.start, win.stop, win.overlap, None, None, ran=False), None
         if self.models is not None:
@@ -565,10 +591,12 @@ class RemovalPipeline:
         else:
             with timer.stage("preprocess"):
                 prep = self.prepare(frames_in, mask_in, size)
+                prep.rounding = options.rounding
             with timer.stage("vae_encode"):
                 masked_latents, mask_latents = self.encode(prep, progress)
             with timer.stage("denoise"):
-                latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress)
+                latents = self.denoise(masked_latents, mask_latents, options.steps, options.seed, progress,
+                                       schedule=options.schedule)
             del masked_latents, mask_latents
             pixels: list[torch.Tensor] = []
             if trace is not None:
@@ -608,6 +636,29 @@ class RemovalPipeline:
         if keep_frames:
             filled.frames = np.concatenate(kept) if len(kept) > 1 else kept[0]
         return filled
+
+
+def _dropped_tail_note(count: int) -> str:
+    return (f"--frame-tail drop: the last {count} frame{'s' if count > 1 else ''} of the clip were dropped (the "
+            "released pipeline encodes 4k+1 frames and drops the rest)")
+
+
+class _DropTail:
+    """The items of `pairs` but the last 1-3 when their count is not 4k+1 (frame_tail "drop"), holding back at most 3:
+    an item at index 4k is always kept, the ones after it only once index 4(k+1) arrives. `dropped` counts the rest
+    once the iteration ended."""
+
+    def __init__(self, pairs: Iterable):
+        self.pairs, self.dropped = pairs, 0
+
+    def __iter__(self):
+        held = []
+        for i, pair in enumerate(self.pairs):
+            held.append(pair)
+            if i % 4 == 0:
+                yield from held
+                held.clear()
+        self.dropped = len(held)
 
 
 #: remove_stream's trace: trace(event, index) with ("read", frame) from the reader thread once a frame and its
@@ -667,12 +718,16 @@ class WindowScheduler:
         self.emitted = 0  # frames [0, emitted) of the clip went to `emit`
         self.single = False  # the clip is one window (known once the first window is planned)
         self.result = StreamResult(timer=timer)
+        self.tail: _DropTail | None = None  # frame_tail "drop": the released pipeline keeps the largest 4k+1 prefix
+        if options.frame_tail == "drop" and total_frames > 0:
+            self.total_frames = usable_window_length(total_frames)
 
     # -- input -------------------------------------------------------------------------------------------------------
 
     def _prepared(self, pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(frame, dilated mask) per input pair, each checked (run in the read-ahead thread)."""
-        for i, (frame, mask) in enumerate(pairs):
+        """(frame, dilated mask) per input pair, each checked (run in the read-ahead thread); with frame_tail "drop"
+        without the last 1-3 pairs of a clip that is not 4k+1 long (`self.tail` counts them)."""
+        for i, (frame, mask) in enumerate(pairs if self.tail is None else self.tail):
             if frame.ndim != 3 or frame.shape[-1] != 3 or frame.dtype != np.uint8:
                 raise FastRemoverError(f"frames must be uint8 [H,W,3], got {frame.dtype} {list(frame.shape)}")
             if mask.shape != frame.shape[:2]:
@@ -810,10 +865,12 @@ class WindowScheduler:
         from fastremover.windows import next_window, window_lookahead
 
         options, result, progress = self.options, self.result, self.progress
+        if options.frame_tail == "drop":
+            self.tail = _DropTail(pairs)
         prepared = self._prepared(pairs)
         source = Prefetch(prepared, prefetch, name="fastremover-read") if prefetch > 0 else prepared
         total = self.total_frames
-        planned = len(plan_windows(total, options.window, options.overlap)) if total > 0 else 0
+        planned = len(plan_windows(total, options.window, options.overlap, options.shape_buckets)) if total > 0 else 0
         if progress:
             progress("window", 0, planned)
         finished = index = 0
@@ -821,7 +878,8 @@ class WindowScheduler:
         try:
             while True:
                 self._fill(source, window_lookahead(prev, options.window, options.overlap))
-                win = next_window(prev, self.base + len(self.inputs), self.ended, options.window, options.overlap)
+                win = next_window(prev, self.base + len(self.inputs), self.ended, options.window, options.overlap,
+                                  options.shape_buckets)
                 if win is None:
                     break
                 if index == 0:
@@ -836,6 +894,8 @@ class WindowScheduler:
         finally:
             source.close()
         assert self.emitted == self.base, (self.emitted, self.base)
+        if self.tail is not None and self.tail.dropped:
+            self._note(_dropped_tail_note(self.tail.dropped))
         result.num_frames = self.base
         result.resumed_windows = finished
         result.ran_model = self.pipe.models is not None and any(run.ran for run in result.windows)

@@ -4,6 +4,16 @@ Two schedulers, each reproducing a diffusers class step for step (diffusers is o
 `FlowEulerScheduler` ~ FlowMatchEulerDiscreteScheduler and `UniPCScheduler` ~ UniPCMultistepScheduler with
 prediction_type="flow_prediction", the sampler the MiniMax-Remover / Wan2.1 checkpoints ship.
 
+Two schedules (`SCHEDULES`, the `schedule` argument; RunOptions.schedule / --schedule):
+- "minimax-remover" (the default): UniPC's flow schedule as diffusers 0.33.1 builds it, the release the MiniMax-Remover
+  code pins (its requirements.txt): the sigmas and timesteps of the released pipeline, exactly, for every step count.
+- "diffusers": UniPC's flow schedule as diffusers 0.37 and later build it (other sigmas and timesteps; see
+  `_unipc_schedule`).
+Only UniPC's flow schedule changed between those releases: FlowMatchEulerDiscreteScheduler builds the same one in
+both, so the two names give the same Euler schedule. The step arithmetic is the same for both schedules (diffusers
+0.38+'s: coefficients computed on the run device; 0.33.1 computed them on the host, which on a GPU can round the last
+bit differently).
+
 The math
 --------
 Flow matching mixes data x0 and noise e as  x = (1 - s) * x0 + s * e,  with the noise level s ("sigma") going from
@@ -44,6 +54,7 @@ import numpy as np
 import torch
 
 from fastremover.errors import FastRemoverError
+from fastremover.options import SCHEDULES
 
 # scheduler/scheduler_config.json of the MiniMax-Remover (and Wan2.1) checkpoints.
 DEFAULT_SCHEDULER_CONFIG: dict = {
@@ -76,6 +87,9 @@ DEFAULT_SCHEDULER_CONFIG: dict = {
 
 UNIPC = "UniPCMultistepScheduler"
 EULER = "FlowMatchEulerDiscreteScheduler"
+
+#: The flow schedules `build_scheduler` builds (see the module docstring); the first is the default.
+DEFAULT_SCHEDULE = SCHEDULES[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,15 +212,31 @@ class _Options:
         return list(value)
 
 
-def build_scheduler(config: dict | None, num_steps: int, device: str | torch.device = "cpu") -> Scheduler:
-    """The scheduler that config["_class_name"] names, set up for `num_steps` steps; None means the default."""
+def check_schedule(schedule: str) -> str:
+    """`schedule` if it is one of SCHEDULES, else a FastRemoverError naming the choices."""
+    if schedule not in SCHEDULES:
+        raise FastRemoverError(f"--schedule {schedule!r}: choose one of {list(SCHEDULES)}")
+    return schedule
+
+
+def build_scheduler(config: dict | None, num_steps: int, device: str | torch.device = "cpu",
+                    schedule: str = DEFAULT_SCHEDULE) -> Scheduler:
+    """The scheduler that config["_class_name"] names, set up for `num_steps` steps with `schedule` (SCHEDULES);
+    config None means the default."""
     if config is None:
         config = DEFAULT_SCHEDULER_CONFIG
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise FastRemoverError(f"the number of denoising steps must be a positive integer, got {num_steps!r}")
+    check_schedule(schedule)
     options = _resolve_options(config, source="scheduler config")
-    cls = UniPCScheduler if config["_class_name"] == UNIPC else FlowEulerScheduler
-    return cls(options, num_steps, torch.device(device))
+    if config["_class_name"] == EULER:
+        return FlowEulerScheduler(options, num_steps, torch.device(device))
+    if schedule == "minimax-remover" and options["shift_terminal"]:
+        raise FastRemoverError(
+            "scheduler config: shift_terminal is not part of diffusers 0.33.1's UniPC (the minimax-remover schedule); "
+            "use --schedule diffusers, or drop shift_terminal from the scheduler config"
+        )
+    return UniPCScheduler(options, num_steps, torch.device(device), schedule)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,13 +329,14 @@ class UniPCScheduler(Scheduler):
     Build it on the device it will run on: its coefficients are computed there, as diffusers computes them.
     """
 
-    def __init__(self, options: dict, num_steps: int, device: torch.device):
+    def __init__(self, options: dict, num_steps: int, device: torch.device, schedule: str = DEFAULT_SCHEDULE):
         self.options = options
         self.num_steps = num_steps
+        self.schedule = check_schedule(schedule)
         self.solver_order = order = options["solver_order"]
         n = num_steps
 
-        sigmas, timesteps = _unipc_schedule(options, n)
+        sigmas, timesteps = _unipc_schedule(options, n, schedule)
         self.sigmas, self.timesteps = sigmas.to(device), timesteps.to(device)
 
         # Order of the predictor at step i: warm up from 1, and with lower_order_final wind down to 1 at the end.
@@ -356,21 +387,36 @@ class UniPCScheduler(Scheduler):
         return _bh_update(sample, self.x0_history, self.pred_coef[i], self.pred_rk[i], self.pred_rho[i, : q - 1], q)
 
     def describe(self) -> dict:
-        return {"scheduler": UNIPC, "num_steps": self.num_steps, **self.options}
+        return {"scheduler": UNIPC, "num_steps": self.num_steps, "schedule": self.schedule, **self.options}
 
 
-def _unipc_schedule(options: dict, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """sigmas [N + 1] and timesteps [N], float32, as diffusers' set_timesteps makes them for flow sigmas since
-    diffusers 0.37 (linspace(1, 1/1000) shifted). diffusers 0.36 and older built another schedule, flip(shift(1 -
-    linspace(1, 1/1000))) without the first-sigma nudge: other sigmas and timesteps, so another sample for the same
-    checkpoint and seed; the reference refuses them (bench.reference.MIN_DIFFUSERS)."""
+def released_unshifted_sigmas(num_train_timesteps: int, num_steps: int) -> np.ndarray:
+    """The unshifted flow sigmas [N] (float64) of diffusers 0.33.1's UniPC: reversed(1 - linspace(1, 1/1000, N + 1))
+    without its final 0. Shifted, they are that release's schedule; given to diffusers 0.38+'s
+    `set_timesteps(sigmas=...)` (which shifts them the same way) they reproduce it there (bench.reference)."""
+    return np.flip(1.0 - np.linspace(1, 1 / num_train_timesteps, num_steps + 1))[:-1].copy()
+
+
+def _unipc_schedule(options: dict, num_steps: int, schedule: str = DEFAULT_SCHEDULE
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sigmas [N + 1] and timesteps [N], float32, as diffusers' set_timesteps makes them for flow sigmas.
+
+    "diffusers" (diffusers 0.37 and later): shift(linspace(1, 1/1000, N + 1)[:-1]), the first sigma nudged below 1.
+    "minimax-remover" (diffusers 0.33.1 to 0.36): flip(shift(1 - linspace(1, 1/1000, N + 1)))[:-1], no nudge: every
+    sigma but the last differs (12 steps: 0.999666 ... 0.214102 against 0.999999 ... 0.216303), and so does the sample
+    for the same checkpoint and seed. The reference reproduces either on diffusers >= 0.38
+    (bench.reference.MIN_DIFFUSERS)."""
     n_train, shift = options["num_train_timesteps"], options["flow_shift"]
-    sigmas = np.linspace(1, 1 / n_train, num_steps + 1)[:-1]
-    sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
-    if options["shift_terminal"]:
-        sigmas = _stretch_to_terminal(sigmas, options["shift_terminal"])
-    if abs(sigmas[0] - 1) < 1e-6:
-        sigmas[0] -= 1e-6  # keeps log(sigma / alpha) finite
+    if schedule == "minimax-remover":
+        sigmas = released_unshifted_sigmas(n_train, num_steps)
+        sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+    else:
+        sigmas = np.linspace(1, 1 / n_train, num_steps + 1)[:-1]
+        sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+        if options["shift_terminal"]:
+            sigmas = _stretch_to_terminal(sigmas, options["shift_terminal"])
+        if abs(sigmas[0] - 1) < 1e-6:
+            sigmas[0] -= 1e-6  # keeps log(sigma / alpha) finite
     # diffusers stores the timesteps as int64, truncating sigma * 1000 (999.999 -> 999); the values are exact here.
     timesteps = torch.from_numpy((sigmas * n_train).astype(np.int64)).float()
     last = sigmas[-1] if options["final_sigmas_type"] == "sigma_min" else 0.0

@@ -21,6 +21,7 @@ __all__ = [
     "Window", "plan_windows", "next_window", "window_lookahead", "ceil_4k1", "usable_window_length", "default_overlap", "validate_windows", "crossfade_weights",
     "seam_transitions", "seam_metric",
     "Box", "CROP_MODES", "expand_box", "snap_box", "crop_box", "choose_crop",
+    "SHAPE_BUCKETS", "bucket_side", "bucket_length", "run_shapes",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -87,14 +88,30 @@ def validate_windows(window: int, overlap: int | None) -> None:
         )
 
 
-def plan_windows(num_frames: int, window: int = DEFAULT_WINDOW, overlap: int | None = None) -> list[Window]:
+def bucket_length(length: int, window: int, buckets: int = 0) -> int:
+    """The last window's length (4k+1 frames, at most `window`, itself 4k+1) snapped up to one of `buckets` canonical
+    lengths per window: its latent frames T = (length - 1) / 4 + 1 rounded up to 1 + a multiple of
+    ceil((T_window - 1) / buckets), at most the window's (81 frames, buckets 4: 21, 41, 61 or 81 frames), so the last
+    windows of clips of any length share a few shapes. buckets 0: `length` unchanged."""
+    if buckets <= 0 or length >= window:
+        return min(length, window)
+    latents, full = (length - 1) // 4 + 1, (window - 1) // 4 + 1
+    step = max(1, -(-(full - 1) // buckets))
+    snapped = min(full, 1 + -(-(latents - 1) // step) * step)
+    return 4 * (snapped - 1) + 1
+
+
+def plan_windows(num_frames: int, window: int = DEFAULT_WINDOW, overlap: int | None = None,
+                 buckets: int = 0) -> list[Window]:
     """Split ``num_frames`` into windows that cover every frame, consecutive ones sharing at least ``overlap`` frames
     (``None``: :func:`default_overlap`).
 
     A clip of at most ``window`` frames is one window (whatever its length: the pipeline pads it as before).  Longer
     clips use windows of ``usable_window_length(window)`` frames (4k+1) advancing by ``window - overlap``; the last
     window ends at the last frame and is only as long as it needs to be (the smallest 4k+1 that holds the remaining
-    frames plus ``overlap`` known ones), so it may share more than ``overlap`` frames with the one before it.
+    frames plus ``overlap`` known ones), so it may share more than ``overlap`` frames with the one before it; with
+    ``buckets`` its length is snapped up to one of a few canonical lengths (:func:`bucket_length`), starting it
+    earlier.
     """
     validate_windows(window, overlap)
     overlap = default_overlap(window) if overlap is None else overlap
@@ -108,7 +125,7 @@ def plan_windows(num_frames: int, window: int = DEFAULT_WINDOW, overlap: int | N
         prev = windows[-1]
         start = prev.stop - overlap
         if start + window >= num_frames:
-            length = min(window, ceil_4k1(num_frames - prev.stop + overlap))
+            length = bucket_length(min(window, ceil_4k1(num_frames - prev.stop + overlap)), window, buckets)
             windows.append(Window(num_frames - length, num_frames, prev.stop - (num_frames - length)))
             return windows
         windows.append(Window(start, start + window, overlap))
@@ -124,13 +141,13 @@ def window_lookahead(prev: Window | None, window: int = DEFAULT_WINDOW, overlap:
 
 
 def next_window(prev: Window | None, known: int, ended: bool, window: int = DEFAULT_WINDOW,
-                overlap: int | None = None) -> Window | None:
+                overlap: int | None = None, buckets: int = 0) -> Window | None:
     """The window after ``prev`` (``None``: the first) of :func:`plan_windows`, decided from the first ``known``
     frames of a clip that is read as it goes: ``ended`` says that ``known`` is the clip's length; otherwise ``known``
     must be at least :func:`window_lookahead`. Returns ``None`` after the last window.
 
     Windows before the last one do not depend on the clip's length, so a clip can be planned window by window with
-    one window of look-ahead; the sequence equals ``plan_windows(length, window, overlap)``.
+    one window of look-ahead; the sequence equals ``plan_windows(length, window, overlap, buckets)``.
     """
     validate_windows(window, overlap)
     overlap = default_overlap(window) if overlap is None else overlap
@@ -145,7 +162,7 @@ def next_window(prev: Window | None, known: int, ended: bool, window: int = DEFA
         return None
     start = prev.stop - overlap
     if ended and start + usable >= known:
-        length = min(usable, ceil_4k1(known - prev.stop + overlap))
+        length = bucket_length(min(usable, ceil_4k1(known - prev.stop + overlap)), usable, buckets)
         return Window(known - length, known, prev.stop - (known - length))
     return Window(start, start + usable, overlap)
 
@@ -213,6 +230,23 @@ CROP_MIN_MARGIN = 32  # ...but at least this many pixels: the model fills the ho
 CROP_MIN_SIDE = 256  # below this the model sees too little of the scene; frames smaller than this are used whole
 CROP_MULTIPLE = 16  # VAE 8x downsampling times the transformer's 2x2 patches
 CROP_AUTO_MAX_AREA = 0.5  # `auto` crops when the crop is less than this fraction of the frame's area
+# Canonical run shapes (RunOptions.shape_buckets): crop sides snapped to SHAPE_BUCKETS sizes per octave (bucket_side),
+# the last window of a long clip to SHAPE_BUCKETS lengths per window (bucket_length), so the windows of one clip and
+# clips of similar size share captured graphs, cuDNN plans and tuned kernels. A crop grows into more of the frame
+# (more context, no padding); the cost is at most 1/SHAPE_BUCKETS more pixels per side (docs/performance.md).
+SHAPE_BUCKETS = 4
+
+
+def bucket_side(side: int, per_octave: int = SHAPE_BUCKETS, multiple: int = CROP_MULTIPLE) -> int:
+    """The canonical size for a side of `side` px: the smallest multiple of `step` that holds it, where `step` is the
+    largest power of two below `side` divided by `per_octave` (a multiple of `multiple`, at least `multiple`;
+    per_octave 4: 256, 320, 384, 448, 512, 640, 768, 896, 1024, ...: at most 1/per_octave larger than `side`).
+    per_octave 0: the next multiple of `multiple`."""
+    if side <= multiple or per_octave <= 0:
+        return max(multiple, -(-side // multiple) * multiple)
+    octave = 1 << ((side - 1).bit_length() - 1)
+    step = max(multiple, octave // per_octave // multiple * multiple)
+    return -(-side // step) * step
 
 
 def expand_box(box: Box, frame_hw: tuple[int, int], margin_fraction: float = CROP_MARGIN_FRACTION,
@@ -225,12 +259,13 @@ def expand_box(box: Box, frame_hw: tuple[int, int], margin_fraction: float = CRO
     return max(0, y0 - my), min(height, y1 + my), max(0, x0 - mx), min(width, x1 + mx)
 
 
-def _snap_axis(lo: int, hi: int, size: int, multiple: int, min_side: int) -> tuple[int, int]:
-    """A range of a multiple of ``multiple`` (at least ``min_side``) containing ``[lo, hi)``, centred on it and shifted
-    to lie inside ``[0, size)``; the whole axis if that does not fit or the axis is not longer than ``min_side``."""
+def _snap_axis(lo: int, hi: int, size: int, multiple: int, min_side: int, buckets: int = 0) -> tuple[int, int]:
+    """A range of a multiple of ``multiple`` (at least ``min_side``; with ``buckets``, a canonical size of
+    :func:`bucket_side`) containing ``[lo, hi)``, centred on it and shifted to lie inside ``[0, size)``; the whole axis
+    if that does not fit or the axis is not longer than ``min_side``."""
     if size <= min_side:
         return 0, size
-    side = max(min_side, -(-(hi - lo) // multiple) * multiple)
+    side = bucket_side(max(min_side, hi - lo), buckets, multiple)
     if side >= size:
         return 0, size
     start = (lo + hi - side) // 2  # floor: with side >= hi - lo, [start, start + side) still contains [lo, hi)
@@ -238,27 +273,30 @@ def _snap_axis(lo: int, hi: int, size: int, multiple: int, min_side: int) -> tup
     return start, start + side
 
 
-def snap_box(box: Box, frame_hw: tuple[int, int], multiple: int = CROP_MULTIPLE, min_side: int = CROP_MIN_SIDE) -> Box:
-    """A box the model can run on that contains ``box``: each side a multiple of ``multiple`` and at least
-    ``min_side``, inside the frame; an axis that cannot hold that (frame side <= ``min_side``, or the snapped side
-    would reach the frame's) is taken whole (the pipeline then pads it to a multiple of 16 as for any frame)."""
+def snap_box(box: Box, frame_hw: tuple[int, int], multiple: int = CROP_MULTIPLE, min_side: int = CROP_MIN_SIDE,
+             buckets: int = 0) -> Box:
+    """A box the model can run on that contains ``box``: each side a multiple of ``multiple`` (with ``buckets``: one
+    of the canonical sizes of :func:`bucket_side`) and at least ``min_side``, inside the frame; an axis that cannot
+    hold that (frame side <= ``min_side``, or the snapped side would reach the frame's) is taken whole (the pipeline
+    then pads it to a multiple of 16 as for any frame)."""
     y0, y1, x0, x1 = box
     height, width = frame_hw
-    ya, yb = _snap_axis(y0, y1, height, multiple, min_side)
-    xa, xb = _snap_axis(x0, x1, width, multiple, min_side)
+    ya, yb = _snap_axis(y0, y1, height, multiple, min_side, buckets)
+    xa, xb = _snap_axis(x0, x1, width, multiple, min_side, buckets)
     return ya, yb, xa, xb
 
 
 def crop_box(mask: np.ndarray, **params) -> Box | None:
     """The crop for the (dilated) masks of one window, bool ``[F, H, W]``: the union of the per-frame bounding boxes,
     plus context (:func:`expand_box`), snapped (:func:`snap_box`).  ``None`` for an empty mask.
-    ``params``: ``margin_fraction``, ``min_margin``, ``multiple``, ``min_side`` (the module's defaults otherwise)."""
+    ``params``: ``margin_fraction``, ``min_margin``, ``multiple``, ``min_side``, ``buckets`` (the module's defaults
+    otherwise; buckets 0)."""
     box = mask_bbox(mask)  # over all frames: the union of the per-frame boxes
     if box is None:
         return None
     frame_hw = mask.shape[-2:]
     expand = {k: params[k] for k in ("margin_fraction", "min_margin") if k in params}
-    snap = {k: params[k] for k in ("multiple", "min_side") if k in params}
+    snap = {k: params[k] for k in ("multiple", "min_side", "buckets") if k in params}
     return snap_box(expand_box(box, frame_hw, **expand), frame_hw, **snap)
 
 
@@ -280,3 +318,16 @@ def choose_crop(mask: np.ndarray, mode: str = "auto", max_area: float = CROP_AUT
     if mode == "auto" and (box[1] - box[0]) * (box[3] - box[2]) >= max_area * height * width:
         return None
     return box
+
+
+def run_shapes(windows: list) -> list[tuple]:
+    """The distinct run shapes (frames, (H, W)) of a request's windows (pipeline.WindowRun), in first-seen order:
+    each new one pays its own captures, plans and tuning in a warm process."""
+    seen: list[tuple] = []
+    for w in windows:
+        if getattr(w, "run_hw", None) is None:
+            continue
+        shape = (w.stop - w.start, tuple(w.run_hw))
+        if shape not in seen:
+            seen.append(shape)
+    return seen

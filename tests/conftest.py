@@ -7,6 +7,15 @@ import torch
 # imported (@triton.jit), so it must be set before any test imports fastremover.fast.kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The persistent cache (fastremover/cache.py) of everything the tests run, in processes they start too: a folder of
+# this run, never the user's ~/.cache/fastremover.
+if not os.environ.get("FASTREMOVER_CACHE_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["FASTREMOVER_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastremover-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["FASTREMOVER_CACHE_DIR"], True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,7 +25,7 @@ def test_canonical_names_and_aliases():
                 "fp8-flash3": "flashattn3-fp8"}
     for alias, name in expected.items():
         assert registry.canonical(alias) == name and registry.canonical(name) == name
-    assert set(expected.values()) == set(registry.names())
+    assert set(expected.values()) | {"sparse-sta", "sparse-vsa"} == set(registry.names())
     with pytest.raises(FastRemoverError, match="choose one of"):
         registry.canonical("flash9")
     for gone in ("triton-fp8", "fp8-triton"):  # our Triton FP8 kernel no longer ships (experiments/attention_fp8.py)
@@ -81,7 +81,8 @@ def test_names_are_unique():
         registry.AttentionBackend(name="y", label="y", call=None, validate=lambda d: [], takes_codes=True)
 
 
-@pytest.mark.parametrize("module", ["registry", "sdpa", "cudnn_fp8", "flashinfer_fa3", "flashattn3_fp8", "quantize"])
+@pytest.mark.parametrize("module", ["registry", "sdpa", "cudnn_fp8", "flashinfer_fa3", "flashattn3_fp8", "quantize",
+                                    "sparse"])
 def test_each_backend_module_imports_alone(module):
     """No import cycle: each module imports first in a fresh interpreter, without torch being pulled in."""
     code = (f"import sys; import fastremover.ops.attention.{module}; "

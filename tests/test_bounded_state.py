@@ -57,8 +57,9 @@ def test_close_releases_the_models_and_refuses_later_runs():
 
 @pytest.mark.gpu
 def test_gpu_graph_cache_is_bounded_and_recaptures_exactly():
-    """Three shapes through a denoiser that keeps two graphs: the first is evicted, its shape captured again on
-    return, and the replay equals the first run bit for bit."""
+    """Three shapes, each called twice (the second call runs eagerly and records: denoise.capture_pays), through a
+    denoiser that keeps two graphs: the first is evicted, its shape recorded again on return, and the replay equals
+    the first (eager) run bit for bit."""
     from fastremover.fast.denoise import FastDenoiser
     from fastremover.fast.transformer_fast import FastTransformer
     from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG
@@ -72,8 +73,11 @@ def test_gpu_graph_cache_is_bounded_and_recaptures_exactly():
     for shape in shapes:
         x = [torch.randn(shape, generator=g, device="cuda", dtype=torch.float16) for _ in range(3)]
         runs[shape] = (x, denoiser(*x, steps=2))
+        assert not any(k[0] == shape for k in denoiser._graphs.keys())  # one call: eager, nothing recorded
+        assert torch.equal(denoiser(*x, steps=2), runs[shape][1])  # the second: eager again, then recorded
+        assert any(k[0] == shape for k in denoiser._graphs.keys())
     assert len(denoiser._graphs) == 2
     x, first = runs[shapes[0]]
-    assert torch.equal(denoiser(*x, steps=2), first)  # captured again after eviction (first call runs eagerly)
+    assert torch.equal(denoiser(*x, steps=2), first)  # recorded again after eviction (a recurring shape)
     assert torch.equal(denoiser(*x, steps=2), first)  # and replayed
     assert len(denoiser._graphs) == 2

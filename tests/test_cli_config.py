@@ -49,4 +49,5 @@ def test_verbose_remove_logs_the_engine_config(tmp_path, capsys):
     assert rc == 0, err
     line = next(l for l in err.splitlines() if l.startswith("fastremover: debug: engine config: "))
     config = json.loads(line.split("engine config: ", 1)[1])
-    assert config["attention"] == {"backend": "sdpa"} and config["device"] == "cpu" and config["mode"] == "auto"
+    assert config["attention"] == {"backend": "sdpa", "keep": None, "window": None}
+    assert config["device"] == "cpu" and config["mode"] == "auto"

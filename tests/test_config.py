@@ -40,7 +40,7 @@ def test_defaults_are_frozen_and_nested():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.attention.backend = "sdpa"
     d = c.describe()
-    assert d["attention"] == {"backend": "auto"}
+    assert d["attention"] == {"backend": "auto", "keep": None, "window": None}
     assert d["parallel"] == {"mode": "none", "world_size": None, "transport": "fp16", "head_groups": 1,
                              "timeout_s": 300.0}
     changed = c.with_(mode="fast", attention__backend="fp8", graphs__max_graphs=2)
@@ -172,7 +172,8 @@ def test_option_table_lists_every_option_once():
     assert {"mode", "attention.backend", "linears.fused_ffn1", "vae.precision", "graphs.max_graphs",
             "parallel.world_size", "tuning.conv3d_fp8_tune"} <= set(names)
     assert {r["env"] for r in rows if r["env"]} == {"FASTREMOVER_FUSED_FFN1", "FASTREMOVER_CONV3D_FP8_TUNE",
-                                                    "FASTREMOVER_UPCONV_TUNE", "FASTREMOVER_CUDNN_CONV_PLANS"}
+                                                    "FASTREMOVER_UPCONV_TUNE", "FASTREMOVER_CUDNN_CONV_PLANS",
+                                                    "FASTREMOVER_SPARSE_ATTN_CONFIG", "FASTREMOVER_CACHE_DIR"}
 
 
 def test_choice_lists_are_defined_once():
@@ -293,8 +294,8 @@ def test_every_command_takes_the_engine_flags_from_the_one_definition():
     (same choices, default and help), so `fastremover serve --help` shows --mode, --attention, --vae-precision,
     --weights ... exactly as `remove` does. bench / verify compare --modes instead of taking --mode."""
     remove = _engine_actions(_subparser("remove"))
-    engine_flags = {"--device", "--precision", "--mode", "--attention", "--weights", "--force-w4a4",
-                    "--vae-precision"}
+    engine_flags = {"--device", "--precision", "--mode", "--attention", "--attention-keep", "--attention-window",
+                    "--weights", "--force-w4a4", "--vae-precision"}
     assert engine_flags | {"--parallel", "--gpus", "--sp-transport", "--sp-head-groups", "--parallel-timeout"} == set(
         remove)
     mode = EngineConfig.__dataclass_fields__["mode"]

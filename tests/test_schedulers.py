@@ -7,26 +7,30 @@ import torch
 
 import fastremover.schedulers as schedulers
 from fastremover.errors import FastRemoverError
-from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG, build_scheduler, load_scheduler_config
+from fastremover.schedulers import DEFAULT_SCHEDULE, DEFAULT_SCHEDULER_CONFIG, SCHEDULES, build_scheduler, load_scheduler_config
 
 diffusers = pytest.importorskip("diffusers")
+from fastremover.bench.reference import set_diffusers_timesteps  # noqa: E402  (the reference's way to either schedule)
 
 UNIPC = DEFAULT_SCHEDULER_CONFIG
 EULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.33.1", "shift": 3.0}
 SHAPE = (1, 16, 3, 8, 8)
 
 
-def reference(config: dict, num_steps: int, device: str = "cpu"):
+def reference(config: dict, num_steps: int, device: str = "cpu", schedule: str = DEFAULT_SCHEDULE):
+    """diffusers' scheduler with `schedule`: its own ("diffusers"), or 0.33.1's UniPC sigmas given to it
+    ("minimax-remover"; tests/test_schedule_released.py pins them to 0.33.1's values)."""
     cls = getattr(diffusers, config["_class_name"])
     ref = cls.from_config(config)
-    ref.set_timesteps(num_steps, device=device)
+    set_diffusers_timesteps(ref, num_steps, device, schedule)
     return ref
 
 
-def trajectories(config: dict, num_steps: int, dtype=torch.float32, device="cpu", seed=0, skip_schedule_check=False):
+def trajectories(config: dict, num_steps: int, dtype=torch.float32, device="cpu", seed=0, skip_schedule_check=False,
+                 schedule: str = DEFAULT_SCHEDULE):
     """Run ours and diffusers from the same initial sample with the same fresh random model output at every step."""
-    ours = build_scheduler(config, num_steps, device=device)
-    ref = reference(config, num_steps, device)
+    ours = build_scheduler(config, num_steps, device=device, schedule=schedule)
+    ref = reference(config, num_steps, device, schedule)
     if not skip_schedule_check:
         # The exact values the transformer sees (diffusers' UniPC holds them as int64).
         assert torch.equal(ours.timesteps.cpu(), ref.timesteps.cpu().float())
@@ -66,8 +70,9 @@ def test_euler_options_match_diffusers(extra):
 
 
 @pytest.mark.parametrize("num_steps", [6, 12, 50])
-def test_unipc_default_config_matches_diffusers(num_steps):
-    assert max_diff(*trajectories(UNIPC, num_steps)) <= 1e-6
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_unipc_default_config_matches_diffusers(num_steps, schedule):
+    assert max_diff(*trajectories(UNIPC, num_steps, schedule=schedule)) <= 1e-6
 
 
 @pytest.mark.parametrize("num_steps", [6, 12, 50])
@@ -93,7 +98,7 @@ def test_unipc_orders_match_diffusers(solver_order, solver_type, num_steps):
         {"solver_order": 3, "final_sigmas_type": "sigma_min"},
         {"disable_corrector": [0, 3]},
         {"solver_order": 3, "disable_corrector": [1]},
-        {"shift_terminal": 0.05},
+        {"shift_terminal": 0.05, "schedule": "diffusers"},
         {"timestep_spacing": "trailing"},
         {"timestep_spacing": "leading", "steps_offset": 1},
         {"solver_type": "midpoint"},
@@ -104,7 +109,21 @@ def test_unipc_orders_match_diffusers(solver_order, solver_type, num_steps):
 def test_unipc_options_match_diffusers(extra):
     extra = dict(extra)
     num_steps = extra.pop("num_steps", 12)
-    assert max_diff(*trajectories({**UNIPC, **extra}, num_steps)) <= 1e-6
+    schedule = extra.pop("schedule", DEFAULT_SCHEDULE)
+    assert max_diff(*trajectories({**UNIPC, **extra}, num_steps, schedule=schedule)) <= 1e-6
+
+
+def test_released_schedule_has_no_shift_terminal():
+    # diffusers 0.33.1's UniPC knows no shift_terminal: refused rather than silently ignored or applied.
+    with pytest.raises(FastRemoverError, match="shift_terminal"):
+        build_scheduler({**UNIPC, "shift_terminal": 0.05}, 6)
+    build_scheduler({**UNIPC, "shift_terminal": 0.05}, 6, schedule="diffusers")
+
+
+@pytest.mark.parametrize("schedule", ["0.33.1", "", None])
+def test_unknown_schedule(schedule):
+    with pytest.raises(FastRemoverError, match="--schedule"):
+        build_scheduler(None, 6, schedule=schedule)
 
 
 def test_unipc_single_step_matches_diffusers():
@@ -183,6 +202,7 @@ def test_unipc_low_precision_close_to_diffusers_on_cpu(config, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("num_steps", [12, 50])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -190,9 +210,9 @@ def test_unipc_low_precision_close_to_diffusers_on_cpu(config, dtype):
     [UNIPC, {**UNIPC, "solver_order": 3}, {**UNIPC, "solver_order": 1}, EULER],
     ids=["unipc2", "unipc3", "unipc1", "euler"],
 )
-def test_matches_diffusers_on_cuda(config, dtype, num_steps):
-    # On the GPU, built on the GPU, every rounding and every coefficient is diffusers' own.
-    outs_ours, outs_ref = trajectories(config, num_steps, dtype, device="cuda")
+def test_matches_diffusers_on_cuda(config, dtype, num_steps, schedule):
+    # On the GPU, built on the GPU, every rounding and every coefficient is diffusers' (>= 0.38) own.
+    outs_ours, outs_ref = trajectories(config, num_steps, dtype, device="cuda", schedule=schedule)
     assert all(torch.equal(a, b) for a, b in zip(outs_ours, outs_ref))
 
 
@@ -251,6 +271,7 @@ def test_describe():
     assert build_scheduler(None, 12).describe() == {
         "scheduler": "UniPCMultistepScheduler",
         "num_steps": 12,
+        "schedule": "minimax-remover",
         "num_train_timesteps": 1000,
         "flow_shift": 3.0,
         "shift_terminal": None,

@@ -27,7 +27,7 @@ def add_batch_parser(subparsers, add_model_args: Callable[[argparse.ArgumentPars
     )
     p.add_argument("inputs", metavar="INPUTS", help="folder of clips (videos, or folders of numbered frames), or a "
                    "manifest .csv/.jsonl with columns video[,mask,output,steps,seed,dilate,size,window,overlap,crop,"
-                   "composite,mask_threshold]")
+                   "schedule,composite,mask_threshold]")
     p.add_argument("--masks", default=None, help="folder of masks, matched by name: clip.mp4 takes clip.* or "
                    "clip_mask.* (video, image or frame folder); a manifest may list masks instead")
     p.add_argument("-o", "--output-dir", dest="output_dir", required=True, metavar="OUT_DIR",

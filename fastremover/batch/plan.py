@@ -5,7 +5,7 @@ Inputs
   of numbered frames; its own sub-folders are not searched). A loose image file is a one-frame clip. The clip's name is
   its path relative to the folder without the ending (``street/take1``).
 * A manifest (``.csv`` with a header row, or ``.jsonl`` with one object per line): column ``video`` (required), ``mask``
-  and ``output`` (optional) and per-clip options (``steps seed dilate size window overlap crop composite
+  and ``output`` (optional) and per-clip options (``steps seed dilate size window overlap crop schedule composite
   mask_threshold``; an empty CSV cell keeps the batch's value). Relative paths are relative to the manifest's folder;
   ``output`` is relative to the output folder and must stay inside it.
 
@@ -63,7 +63,7 @@ RECORD_VERSION = 1
 _BOOL = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 OPTION_COLUMNS = {
     "steps": int, "seed": int, "dilate": int, "window": int, "overlap": int, "size": str, "crop": str,
-    "composite": bool, "mask_threshold": int,
+    "schedule": str, "composite": bool, "mask_threshold": int,
 }
 PATH_COLUMNS = ("video", "mask", "output")
 

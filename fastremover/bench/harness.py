@@ -40,6 +40,7 @@ from fastremover.config import EngineConfig, LinearOptions, VAEOptions
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import RemoverModels
 from fastremover.pipeline import RemovalPipeline, RunOptions
+from fastremover.schedulers import DEFAULT_SCHEDULE
 from fastremover.timing import StageTimer
 from fastremover.windows import DEFAULT_WINDOW, MIN_WINDOW, Window, default_overlap, seam_metric
 
@@ -206,13 +207,14 @@ def _write(frames: np.ndarray, fps: float, workdir: str) -> None:
 
 
 def _time_requests(run: PipelineRun, device: torch.device, repeats: int, request, fold: str, fps: float,
-                   workdir: str):
-    """One warm-up plus `repeats` timed whole requests. `request(timer)` returns (result, frames to write); the write
-    is timed as `composite_write`, into which the pipeline's own last stage `fold` is merged so both sides report the
-    same stages. Returns the last result."""
+                   workdir: str, warmups: int = 1):
+    """`warmups` untimed requests plus `repeats` timed whole requests (repeats 0: one request, kept).
+    `request(timer)` returns (result, frames to write); the write is timed as `composite_write`, into which the
+    pipeline's own last stage `fold` is merged so both sides report the same stages. Returns the last result."""
     _reset_peak(device)
     overall = 0.0
-    for i in range(1 + repeats):
+    warmups = warmups if repeats else 0  # no timed run (verify): the one request is the result
+    for i in range(warmups + max(repeats, 1)):
         timer = PeakTimer(device)
         result, frames = request(timer)
         with timer.stage("composite_write"):
@@ -222,7 +224,7 @@ def _time_requests(run: PipelineRun, device: torch.device, repeats: int, request
         dev = timer.device_s()
         if dev:
             dev["composite_write"] = dev.get("composite_write", 0.0) + dev.pop(fold, 0.0)
-        if i > 0 or repeats == 0:
+        if i >= warmups:
             run.wall.append(wall)
             run.device.append(dev)
             for stage, (peak, delta) in timer.peaks.items():
@@ -233,13 +235,15 @@ def _time_requests(run: PipelineRun, device: torch.device, repeats: int, request
     return result
 
 
-def run_reference(ref, inputs: BenchInputs, steps: int, seed: int, repeats: int, workdir: str) -> PipelineRun:
+def run_reference(ref, inputs: BenchInputs, steps: int, seed: int, repeats: int, workdir: str,
+                  schedule: str = DEFAULT_SCHEDULE) -> PipelineRun:
     run = PipelineRun("reference")
     dilated = dilate_masks(inputs.mask, 6)
     w, h = inputs.size
 
     def request(timer):
-        result = ref(inputs.frames, inputs.mask, height=h, width=w, steps=steps, seed=seed, iterations=6, timer=timer)
+        result = ref(inputs.frames, inputs.mask, height=h, width=w, steps=steps, seed=seed, iterations=6, timer=timer,
+                     schedule=schedule)
         return result, composite(inputs.frames, result.frames, dilated)
 
     result = _time_requests(run, ref.device, repeats, request, "postprocess", inputs.fps, workdir)
@@ -247,11 +251,21 @@ def run_reference(ref, inputs: BenchInputs, steps: int, seed: int, repeats: int,
     return run
 
 
-def fidelity_options(inputs: BenchInputs, steps: int, seed: int) -> RunOptions:
+def fidelity_options(inputs: BenchInputs, steps: int, seed: int, schedule: str = DEFAULT_SCHEDULE) -> RunOptions:
     """Engine options for the run compared with the reference. The reference has neither windows nor crops, so this
     is one window covering every frame and the whole frame at the reference's run size (explicit WxH)."""
     return RunOptions(steps=steps, seed=seed, dilate=6, size=f"{inputs.size[0]}x{inputs.size[1]}",
-                      window=max(MIN_WINDOW, inputs.frames.shape[0]), overlap=0, crop="off")
+                      window=max(MIN_WINDOW, inputs.frames.shape[0]), overlap=0, crop="off", schedule=schedule)
+
+
+def engine_warmups(pipe: RemovalPipeline) -> int:
+    """Untimed requests before a warm measurement: enough for the denoiser to have recorded its CUDA graphs
+    (fast/denoise.capture_pays: a shape is recorded on its CAPTURE_AFTER_CALLS-th call), else one."""
+    if getattr(pipe.denoiser, "cuda_graphs", False) and pipe.device.type == "cuda":
+        from fastremover.fast.denoise import CAPTURE_AFTER_CALLS
+
+        return max(1, CAPTURE_AFTER_CALLS)
+    return 1
 
 
 def run_engine(pipe: RemovalPipeline, inputs: BenchInputs, steps: int, seed: int, repeats: int, workdir: str,
@@ -265,7 +279,8 @@ def run_engine(pipe: RemovalPipeline, inputs: BenchInputs, steps: int, seed: int
         result = pipe.remove(inputs.frames, inputs.mask, options, timer=timer, keep_pixels=True)
         return result, result.frames
 
-    result = _time_requests(run, pipe.device, repeats, request, "composite", inputs.fps, workdir)
+    result = _time_requests(run, pipe.device, repeats, request, "composite", inputs.fps, workdir,
+                            warmups=engine_warmups(pipe))
     run.pixels, run.latents, run.frames, run.windows = result.pixels, result.latents, result.frames, result.windows
     for _ in range(hash_repeats):  # whole requests, no stage synchronization
         out = pipe.remove(inputs.frames, inputs.mask, options, timer=StageTimer(pipe.device, sync=False))
@@ -375,6 +390,7 @@ def compare(
     crop: str | None = None,
     on_result=None,
     nvfp4_rows: bool | dict = False,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> list[dict]:
     """Run the reference and each engine mode on `inputs`; returns one result dict per mode. `config`: the engine
     config every mode runs with (its `mode` replaced by each of `modes`; None: the defaults with the environment's
@@ -387,9 +403,11 @@ def compare(
     saves it right away, so a run cut short still leaves the finished modes' JSON), and progress goes to stderr.
     `nvfp4_rows`: also the NVFP4 fidelity rows (`nvfp4_fidelity`: each NVFP4 option against the dense eager run at
     `precision`), stored in every mode's result as "nvfp4_fidelity"; a dict: those rows with these keyword
-    arguments of nvfp4_fidelity (options, crop_inputs, vae_min_in_channels).
+    arguments of nvfp4_fidelity (options, crop_inputs, vae_min_in_channels). `schedule`: the flow schedule of every
+    run, the reference's and the engine's (fastremover.schedulers.SCHEDULES).
     """
-    RunOptions(window=window, overlap=overlap, crop=crop or "off").validate()  # bad flags fail before the long runs
+    # bad flags fail before the long runs
+    RunOptions(window=window, overlap=overlap, crop=crop or "off", schedule=schedule).validate()
     from fastremover.bench.reference import ReferencePipeline
     from fastremover.fast.engine import DTYPES, resolve_device, resolve_precision
 
@@ -406,7 +424,7 @@ def compare(
 
     with tempfile.TemporaryDirectory(prefix="fastremover-bench-") as workdir:
         ref = ReferencePipeline(models, device=device, dtype=DTYPES[precision])
-        ref_run = run_reference(ref, inputs, steps, seed, repeats, workdir)
+        ref_run = run_reference(ref, inputs, steps, seed, repeats, workdir, schedule)
         log(f"reference: {1 + repeats} runs done")
         ref.to("cpu")
         del ref
@@ -420,16 +438,19 @@ def compare(
         results = []
         for mode in modes:
             pipe = RemovalPipeline(models, config.with_(mode=mode))
-            eng = run_engine(pipe, inputs, steps, seed, repeats, workdir, hash_repeats, streamed=True)
+            eng = run_engine(pipe, inputs, steps, seed, repeats, workdir, hash_repeats, streamed=True,
+                             options=fidelity_options(inputs, steps, seed, schedule))
             log(f"{mode}: {1 + repeats} timed runs + {hash_repeats} hash runs done")
             flops = vae_flops(pipe, inputs) if count_flops else {}
             result = _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, flops)
+            result["schedule"] = schedule
             if nvfp4 is not None:
                 result["nvfp4_fidelity"] = nvfp4
             if inputs.frames.shape[0] > window:
-                result.update(_windowed_run(pipe, inputs, steps, seed, window, overlap, workdir))
+                result.update(_windowed_run(pipe, inputs, steps, seed, window, overlap, workdir, schedule))
             if crop is not None:
-                result.update(_crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, workdir))
+                result.update(_crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, workdir,
+                                               schedule))
             results.append(result)
             log(f"{mode}: done")
             if on_result is not None:
@@ -443,10 +464,10 @@ def compare(
     return results
 
 
-def _windowed_run(pipe, inputs, steps, seed, window, overlap, workdir) -> dict:
+def _windowed_run(pipe, inputs, steps, seed, window, overlap, workdir, schedule=DEFAULT_SCHEDULE) -> dict:
     """One engine run in windows (crop off, same run size as the fidelity run): how visible are the boundaries?"""
     options = RunOptions(steps=steps, seed=seed, dilate=6, size=f"{inputs.size[0]}x{inputs.size[1]}",
-                         window=window, overlap=overlap, crop="off")
+                         window=window, overlap=overlap, crop="off", schedule=schedule)
     run = run_engine(pipe, inputs, steps, seed, 0, workdir, options=options)
     windows = [Window(w.start, w.stop, w.overlap) for w in run.windows]
     seams = seam_metric(run.frames, dilate_masks(inputs.mask, 6), windows)
@@ -459,12 +480,13 @@ def _windowed_run(pipe, inputs, steps, seed, window, overlap, workdir) -> dict:
     }
 
 
-def _crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, workdir) -> dict:
+def _crop_comparison(pipe, inputs, steps, seed, repeats, window, overlap, crop, workdir,
+                     schedule=DEFAULT_SCHEDULE) -> dict:
     """The same request with crop off and with `crop`, at the native size (a crop cannot be combined with a resize)."""
     runs = {}
     for setting in dict.fromkeys(("off", crop)):  # --crop off: one run, compared with itself
         options = RunOptions(steps=steps, seed=seed, dilate=6, size="native", window=window, overlap=overlap,
-                             crop=setting)
+                             crop=setting, schedule=schedule)
         runs[setting] = run_engine(pipe, inputs, steps, seed, repeats, workdir, options=options)
     off, cropped = runs["off"], runs[crop]
     return {
@@ -637,6 +659,8 @@ def _result_dict(env, inputs, steps, seed, precision, pipe, ref_run, eng, work, 
         "mode": pipe.config.mode,
         "engine_config": pipe.config.describe(),
         "model": pipe.config.model,
+        # a Hugging Face Hub model: its id and the commit that ran ("org/name@<sha>" in "model" too)
+        "model_revision": getattr(pipe.models, "revision", None),
         # the engine run compared with the reference has the reference's geometry: one pass, the whole frame
         "fidelity_run": {"windows": 1, "crop": "off"},
         "reference": ref_run.summary(),

@@ -4,10 +4,12 @@ It is the oracle of our parity tests and the baseline of `fastremover bench` / `
 - `UpstreamTransformer`: the upstream `Transformer3DModel` structure from diffusers building blocks (`Attention`,
   `FeedForward`, `FP32LayerNorm`, `Timesteps`/`TimestepEmbedding`) with upstream's attention processor: float64 complex
   RoPE applied on [B, H, S, D], SDPA. Loads our checkpoint names unchanged.
-- `reference_remove`: the upstream pipeline call order with diffusers' `AutoencoderKLWan` and diffusers' scheduler,
-  scipy mask dilation, bilinear resize, fp16 (or the given dtype) everywhere upstream uses it.
-diffusers and scipy are imported lazily: they are only needed for the reference (`pip install "fastremover[reference]"`,
-or `pip install -e ".[reference]"` in a source checkout).
+- `ReferencePipeline`: the upstream pipeline call order with diffusers' `AutoencoderKLWan` and diffusers' scheduler,
+  scipy mask dilation, bilinear resize, fp16 (or the given dtype) everywhere upstream uses it. Its UniPC runs either
+  schedule of fastremover.schedulers: "minimax-remover" (diffusers 0.33.1's, the release upstream pins) through
+  diffusers' own `set_timesteps(sigmas=...)` with that release's unshifted sigmas, or "diffusers" (the installed
+  release's own schedule).
+diffusers and scipy are imported lazily: they are only needed for the reference (`pip install fastremover[reference]`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from fastremover.errors import FastRemoverError
 from fastremover.extras import install_hint
 from fastremover.models.loading import RemoverModels
 from fastremover.models.transformer import RemoverTransformerConfig
+from fastremover.schedulers import DEFAULT_SCHEDULE, check_schedule, released_unshifted_sigmas
 from fastremover.timing import StageTimer
 
 
 #: The oldest diffusers the reference is checked against (the reference and dev extras' floor). 0.36 and older build
-#: UniPC's flow-sigma schedule differently (fastremover.schedulers._unipc_schedule): a reference run on them would
-#: differ from the engine by the schedule, not by anything the engine computes.
+#: UniPC's flow-sigma schedule differently (fastremover.schedulers._unipc_schedule: the "minimax-remover" schedule,
+#: which the reference gets from 0.38+ through custom sigmas) and lack `set_timesteps(sigmas=...)` for flow UniPC: a
+#: reference run on them would differ from the engine by the schedule, not by anything the engine computes.
 MIN_DIFFUSERS = (0, 38)
 
 
@@ -123,7 +127,6 @@ class UpstreamTransformer(nn.Module):
     def __init__(self, config: RemoverTransformerConfig):
         super().__init__()
         _require_diffusers()
-        from diffusers.models.embeddings import get_1d_rotary_pos_embed
         from diffusers.models.normalization import FP32LayerNorm
 
         self.config = config
@@ -136,9 +139,16 @@ class UpstreamTransformer(nn.Module):
         self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.freqs = self.rope_freqs()
+
+    def rope_freqs(self) -> torch.Tensor:
+        """Upstream's float64 complex RoPE table (a plain attribute, not a parameter or buffer)."""
+        from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+        config, d = self.config, self.config.attention_head_dim
         h_dim = w_dim = 2 * (d // 6)
         t_dim = d - h_dim - w_dim
-        self.freqs = torch.cat(
+        return torch.cat(
             [
                 get_1d_rotary_pos_embed(dim_, config.rope_max_seq_len, 10000.0, use_real=False,
                                         repeat_interleave_real=False, freqs_dtype=torch.float64)
@@ -208,6 +218,19 @@ def diffusers_scheduler(scheduler_config: dict):
     return cls.from_config(scheduler_config)
 
 
+def set_diffusers_timesteps(scheduler, steps: int, device, schedule: str = DEFAULT_SCHEDULE) -> None:
+    """`scheduler.set_timesteps` for `steps` steps with `schedule` (fastremover.schedulers.SCHEDULES). UniPC's
+    "minimax-remover" schedule is diffusers 0.33.1's: given that release's unshifted sigmas, diffusers >= 0.38 shifts
+    them exactly as 0.33.1 did (tests/test_schedule_released.py checks the result against 0.33.1's values). Euler's
+    schedule is the same under both names."""
+    check_schedule(schedule)
+    if schedule == "minimax-remover" and type(scheduler).__name__ == "UniPCMultistepScheduler":
+        sigmas = released_unshifted_sigmas(scheduler.config.num_train_timesteps, steps)
+        scheduler.set_timesteps(sigmas=sigmas, device=device)
+    else:
+        scheduler.set_timesteps(steps, device=device)
+
+
 def upstream_transformer(models: RemoverModels) -> UpstreamTransformer:
     ref = UpstreamTransformer(models.transformer.config)
     ref.load_state_dict({k: v.detach().float().cpu() for k, v in models.transformer.state_dict().items()}, strict=True)
@@ -231,6 +254,39 @@ class ReferencePipeline:
         self.transformer = upstream_transformer(models).to(self.device).to_upstream_dtype(dtype)
         self.vae = diffusers_vae(models).to(self.device, dtype)
         self.scheduler_config = models.scheduler_config
+
+    @classmethod
+    def from_pretrained(cls, path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float16) -> "ReferencePipeline":
+        """Load a checkpoint folder the way upstream's own script does: each model built without allocating its
+        weights, filled from its safetensors in `dtype` on the host (diffusers' `from_pretrained(torch_dtype=...)`,
+        the fp32 islands kept in fp32), then moved to `device`; the VAE through diffusers' own `from_pretrained`.
+        No fp32 copy of the whole model is made (the bench --cold reference)."""
+        import json
+        from pathlib import Path
+
+        from fastremover.models.loading import load_safetensors_into
+        from fastremover.schedulers import load_scheduler_config
+
+        _require_diffusers()
+        from diffusers import AutoencoderKLWan
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.set_verbosity_error()
+        root = Path(path)
+        with open(root / "transformer" / "config.json") as f:
+            config = RemoverTransformerConfig.from_dict(json.load(f))
+        with torch.device("meta"):
+            transformer = UpstreamTransformer(config)
+        transformer = transformer.to_upstream_dtype(dtype).to_empty(device="cpu")
+        load_safetensors_into(transformer, root / "transformer", "transformer")
+        transformer.freqs = transformer.rope_freqs()
+        self = cls.__new__(cls)
+        self.device, self.dtype = torch.device(device), dtype
+        self.transformer = transformer.eval().to(self.device)
+        self.vae = AutoencoderKLWan.from_pretrained(str(root / "vae"), torch_dtype=dtype).eval().to(self.device)
+        self.scheduler_config = load_scheduler_config(root / "scheduler")
+        return self
 
     def to(self, device: str | torch.device) -> "ReferencePipeline":
         """Move the models (e.g. off the GPU while the engine is measured)."""
@@ -260,14 +316,15 @@ class ReferencePipeline:
     @torch.no_grad()
     def __call__(
         self, frames: np.ndarray, mask: np.ndarray, *, height: int, width: int, steps: int = 12, seed: int = 42,
-        iterations: int = 6, timer: StageTimer | None = None,
+        iterations: int = 6, timer: StageTimer | None = None, schedule: str = DEFAULT_SCHEDULE,
     ) -> ReferenceResult:
-        """frames uint8 [F,H,W,3] with F = 4k+1; mask bool/uint8 [F,H,W] (undilated); resized to height x width."""
+        """frames uint8 [F,H,W,3] with F = 4k+1; mask bool/uint8 [F,H,W] (undilated); resized to height x width;
+        `schedule`: the flow schedule (fastremover.schedulers.SCHEDULES; set_diffusers_timesteps)."""
         dev, dtype = self.device, self.dtype
         timer = timer or StageTimer(dev)
         with timer.stage("preprocess"):
             scheduler = diffusers_scheduler(self.scheduler_config)
-            scheduler.set_timesteps(steps, device=dev)
+            set_diffusers_timesteps(scheduler, steps, dev, schedule)
             num_latent_frames = (frames.shape[0] - 1) // 4 + 1
             generator = torch.Generator(device=dev).manual_seed(seed)
             latents = torch.randn(

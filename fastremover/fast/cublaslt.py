@@ -33,7 +33,12 @@ import threading
 
 import torch
 
+from fastremover.lru import LRUCache, used
+from fastremover.timing import phase
+
 FP8 = torch.float8_e4m3fn
+MAX_PLANS = 64  # plans kept (per run shape: the block's 4 GEMMs, a few pointer alignments; a captured CUDA graph keeps
+# the plans it recorded, fastremover/lru.py)
 
 # cudaDataType_t / cublasComputeType_t / cublasLt enums (cublasLt.h, library_types.h; ABI-stable values)
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
@@ -230,8 +235,19 @@ class _Plan:
             )
         self.lib.check(status, "cublasLtMatmul")
 
+    def __del__(self):
+        """Destroy the descriptors (an evicted plan that no captured graph keeps)."""
+        try:
+            L = self.lib.lib
+            for lay in getattr(self, "layouts", ()):
+                L.cublasLtMatrixLayoutDestroy(lay)
+            if getattr(self, "desc", None):
+                L.cublasLtMatmulDescDestroy(self.desc)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
+            pass
 
-_plans: dict[tuple, _Plan] = {}
+
+_plans: LRUCache[_Plan] = LRUCache(MAX_PLANS)
 
 
 def _check(a, w, a_scale, w_scale, bias, out_dtype, out) -> tuple[int, int, int]:
@@ -283,7 +299,10 @@ def scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
         plan = _plans.get(key)
         if plan is None:
             pointers = (w_scale.data_ptr(), a_scale.data_ptr(), bias.data_ptr() if bias is not None else None)
-            plan = _plans[key] = _Plan(lib, handle, m, n, k, OUT_TYPES[out_dtype], bias is not None, fast_accum,
-                                       aligns, pointers)
+            with phase("cublaslt_plans"):
+                plan = _Plan(lib, handle, m, n, k, OUT_TYPES[out_dtype], bias is not None, fast_accum, aligns,
+                             pointers)
+            _plans.put(key, plan)
+    used(plan)
     plan.run(handle, a, w, a_scale, w_scale, bias, y, torch.cuda.current_stream(a.device).cuda_stream)
     return y

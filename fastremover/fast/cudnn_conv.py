@@ -18,7 +18,10 @@ stride, padding) the first call
   3. times torch's conv and the kept candidates (`timing.cuda_time_ms`, TIME_REPEATS calls) and uses the fastest
      candidate from then on if it beats torch's by at least 3 %, else torch's call.
 Since every candidate that can be chosen gave torch's bits, which one wins the timing changes no output: runs stay
-reproducible across processes and machines. Inputs the plans were not built for (another data pointer alignment,
+reproducible across processes and machines. The choice is kept in the persistent cache (fastremover/cache.py; on CUDA,
+keyed by the signature, the candidate list, the GPU and the library versions): a later process builds only the
+stored plan and checks it once against torch's output of its first call (equal: used, no timing; not equal: noted,
+chosen again as above). The choices of one ConvPlans are bounded (MAX_SIGNATURES, least recently used out). Inputs the plans were not built for (another data pointer alignment,
 a CUDA graph capture in progress, another signature) take torch's call or their own first call.
 
 Cost of a first call: the plan builds, 2 + 2 x (candidates) conv runs for the equality checks and 4 x (1 + kept)
@@ -38,7 +41,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fastremover.timing import cuda_time_ms
+from fastremover.lru import LRUCache
+from fastremover.timing import cuda_time_ms, phase
 
 # Plans that were bit-identical to torch's and fastest at the VAE's W2 shapes on the H200 (cuDNN 9.19), by name.
 CANDIDATES = (
@@ -53,6 +57,8 @@ MIN_GFLOP = 20.0  # smaller convs keep torch's call (a plan build and a timing p
 TIME_REPEATS = 3
 MIN_GAIN = 0.03
 ALIGN = 16  # bytes: every data pointer of a call the plans run (cuDNN's default alignment assumption)
+MAX_SIGNATURES = 256  # choices kept per ConvPlans (the VAE's convs at a few run shapes)
+NAMESPACE = "cudnn_conv_plan"  # the persistent cache's entries (fastremover/cache.py)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -83,6 +89,7 @@ class Choice:
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why not (unequal, build failed)
     shape: tuple = ()  # the output's shape and strides (torch's, which the plans write too)
     stride: tuple = ()
+    cached: bool = False  # taken from the persistent cache (checked once against torch's output, not timed)
 
 
 def choose(default: Callable[[torch.Tensor], torch.Tensor], candidates: dict[str, Callable],
@@ -131,16 +138,22 @@ class ConvPlans:
     `choices` maps each signature seen to its Choice (the bench and the tests read it)."""
 
     def __init__(self, device: torch.device, candidates: tuple[str, ...] = CANDIDATES, min_gflop: float = MIN_GFLOP,
-                 *, builder=None, time_ms: Callable[[Callable], float] | None = None):
+                 *, builder=None, time_ms: Callable[[Callable], float] | None = None, cache="default"):
         """builder(x, weight, y, stride, padding, names) -> an object with .built (name -> index), .failed
         (name -> why) and .run(index, x, weight, y) (default: the cuDNN-frontend graph); time_ms(fn) -> ms (default:
-        CUDA events). Both are replaceable for tests."""
+        CUDA events). Both are replaceable for tests. cache: a fastremover.cache.PersistentCache, None (choices are
+        not kept between processes), or "default": the process's cache on CUDA devices, none elsewhere."""
         self.device = device
         self.candidates = tuple(candidates)
         self.min_gflop = float(min_gflop)
         self._builder = builder or _CudnnConvPlans
         self._time_ms = time_ms or _cuda_time_ms
-        self.choices: dict[tuple, Choice] = {}
+        if cache == "default":
+            from fastremover.cache import default_cache
+
+            cache = default_cache() if torch.device(device).type == "cuda" else None
+        self.cache = cache
+        self.choices: LRUCache[Choice] = LRUCache(MAX_SIGNATURES)
         self._lock = threading.Lock()
 
     @staticmethod
@@ -161,7 +174,7 @@ class ConvPlans:
                 choice = self.choices.get(key)
                 if choice is None:
                     y, choice = self._first_call(x, weight, stride, padding)
-                    self.choices[key] = choice
+                    self.choices.put(key, choice)
                     return y
         if choice.run is None:
             return self.torch_conv(x, weight, stride, padding)
@@ -169,23 +182,73 @@ class ConvPlans:
         choice.run(x, weight, y)
         return y
 
+    def cache_key(self, x: torch.Tensor, weight: torch.Tensor, stride, padding) -> list:
+        """What a choice is for: the signature and the candidate list (the persistent cache adds the GPU and the
+        library versions)."""
+        return [x.dim() - 2, list(x.shape), list(x.stride()), list(weight.shape), list(weight.stride()), str(x.dtype),
+                list(stride), list(padding), list(self.candidates)]
+
+    def _stored_choice(self, key, x, weight, y, stride, padding) -> Choice | None:
+        """The persistent cache's choice for `key` if it still holds: "torch", or a candidate whose plan builds and
+        reproduces `y` (torch's output of this call) bit for bit; else None (and a note when a stored plan
+        stopped reproducing torch's output)."""
+        from fastremover.cache import environment
+
+        stored = self.cache.get(NAMESPACE, key, environment(self.device))
+        if not isinstance(stored, dict) or stored.get("plan") not in ("torch", *self.candidates):
+            return None
+        name = stored["plan"]
+        if name == "torch":
+            return Choice("torch", None, stored.get("torch_ms"), stored.get("ms"), cached=True)
+        plans = self._builder(x, weight, y, stride, padding, (name,))
+        index = plans.built.get(name)
+        if index is None:
+            return None
+        out = torch.empty_strided(y.shape, y.stride(), dtype=y.dtype, device=y.device)
+        try:
+            plans.run(index, x, weight, out)
+            same = torch.equal(out, y)
+        except Exception:  # noqa: BLE001 - a stored plan that fails to run is chosen again
+            same = False
+        if not same:
+            self.cache.note(f"the cached cuDNN plan {name} no longer gives torch's output for conv {key[1]} x "
+                            f"{key[3]}: choosing again")
+            return None
+        return Choice(name, lambda xi, w, yo, index=index: plans.run(index, xi, w, yo), stored.get("torch_ms"),
+                      stored.get("ms"), cached=True)
+
     def _first_call(self, x, weight, stride, padding) -> tuple[torch.Tensor, Choice]:
         y = self.torch_conv(x, weight, stride, padding)
         if _flops(y, weight) < self.min_gflop * 1e9 or not _aligned(y):
             choice = Choice("torch")
-        else:
-            plans = self._builder(x, weight, y, stride, padding, self.candidates)
-            runs = {name: (lambda xi, yo, i=i: plans.run(i, xi, weight, yo)) for name, i in plans.built.items()}
-            probe = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).normal_()
-            checks = [(x, y), (probe, self.torch_conv(probe, weight, stride, padding))]
-            choice = choose(lambda xi: self.torch_conv(xi, weight, stride, padding), runs, checks, self._time_ms)
-            choice.rejected.update(plans.failed)
-            if choice.run is not None:
-                index = plans.built[choice.name]
-                choice.run = lambda xi, w, yo, index=index: plans.run(index, xi, w, yo)
-            del probe, checks
+            choice.shape, choice.stride = tuple(y.shape), y.stride()
+            return y, choice
+        key = self.cache_key(x, weight, stride, padding)
+        with phase("cudnn_plans"):
+            choice = self._stored_choice(key, x, weight, y, stride, padding) if self.cache is not None else None
+            if choice is None:
+                choice = self._choose(x, weight, y, stride, padding)
+                if self.cache is not None:
+                    from fastremover.cache import environment
+
+                    self.cache.put(NAMESPACE, key, {"plan": choice.name, "torch_ms": choice.torch_ms,
+                                                    "ms": choice.ms}, environment(self.device))
         choice.shape, choice.stride = tuple(y.shape), y.stride()
         return y, choice
+
+    def _choose(self, x, weight, y, stride, padding) -> Choice:
+        """The full selection of the module docstring (plan builds, equality checks, timing)."""
+        plans = self._builder(x, weight, y, stride, padding, self.candidates)
+        runs = {name: (lambda xi, yo, i=i: plans.run(i, xi, weight, yo)) for name, i in plans.built.items()}
+        probe = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).normal_()
+        checks = [(x, y), (probe, self.torch_conv(probe, weight, stride, padding))]
+        choice = choose(lambda xi: self.torch_conv(xi, weight, stride, padding), runs, checks, self._time_ms)
+        choice.rejected.update(plans.failed)
+        if choice.run is not None:
+            index = plans.built[choice.name]
+            choice.run = lambda xi, w, yo, index=index: plans.run(index, xi, w, yo)
+        del probe, checks
+        return choice
 
     def report(self) -> list[dict]:
         """One row per signature whose first call was a candidate for plans: shapes, choice, timings."""
@@ -195,7 +258,7 @@ class ConvPlans:
                 continue
             rows.append({"x": list(key[1]), "w": list(key[3]), "plan": c.name, "torch_ms": round(c.torch_ms, 4),
                          "ms": round(c.ms, 4), "equal_candidates": len(c.equal_candidates),
-                         "rejected": len(c.rejected)})
+                         "rejected": len(c.rejected), "cached": c.cached})
         return rows
 
 

@@ -11,7 +11,8 @@ device builds. The natural output scale is 1 / descale_v: every output row is a 
 |o| <= amax|v| = 448 * descale_v and the codes can never overflow.
 
 Strides: q/k/v/o are passed to cuDNN as [B, H, S, D] with the strides of our token-major [B, S, H, D] tensors, so no
-transpose is ever materialized. One graph is built per (shape, strides, dtypes, device) and cached; building costs
+transpose is ever materialized. One graph is built per (shape, strides, dtypes, device) and cached (the MAX_GRAPHS
+most recently used; a captured CUDA graph keeps the ones it recorded, fastremover/lru.py); building costs
 ~0.1-1 s, executing is one kernel. The cuDNN handle is bound to torch's current stream on every call, so the call is
 CUDA-graph capturable like any other kernel launch.
 
@@ -27,7 +28,11 @@ import threading
 
 import torch
 
+from fastremover.lru import LRUCache, used
+from fastremover.timing import phase
+
 FP8 = torch.float8_e4m3fn
+MAX_GRAPHS = 16  # built graphs kept (per shape: one fp8 and one half graph; the denoiser keeps 4 captured shapes)
 P_SCALE = 448.0  # scale_s: P in [0, 1] -> codes in [0, 448]; descale_s = 1 / P_SCALE (a power-of-two-free constant)
 
 
@@ -192,13 +197,25 @@ def sdpa_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.T
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     attn_scale = 1.0 / math.sqrt(q.shape[-1])
     key = ("half", *_key(q, k, v, out, attn_scale))
-    graph = _graphs.get(key)
-    if graph is None:
-        graph = _graphs[key] = _HalfGraph(q, k, v, out, attn_scale, q.device)
+    graph = _cached(key, lambda: _HalfGraph(q, k, v, out, attn_scale, q.device))
     return graph.run(q, k, v, out)
 
 
-_graphs: dict[tuple, object] = {}
+_graphs: LRUCache = LRUCache(MAX_GRAPHS)
+_graphs_lock = threading.Lock()
+
+
+def _cached(key: tuple, build) -> "_Graph":
+    """The graph of `key` from the bounded cache, built on a miss; marked in use for a CUDA graph being recorded."""
+    with _graphs_lock:
+        graph = _graphs.get(key)
+    if graph is None:
+        with phase("cudnn_graphs"):
+            graph = build()
+        with _graphs_lock:
+            _graphs.put(key, graph)
+    used(graph)
+    return graph
 
 
 def _key(q, k, v, out, attn_scale):
@@ -234,9 +251,7 @@ def sdpa_fp8(
     if out is None:
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     key = _key(q, k, v, out, attn_scale)
-    graph = _graphs.get(key)
-    if graph is None:
-        graph = _graphs[key] = _Fp8Graph(q, k, v, _bhsd(out), out.dtype, attn_scale, q.device)
+    graph = _cached(key, lambda: _Fp8Graph(q, k, v, _bhsd(out), out.dtype, attn_scale, q.device))
     return graph.run(q, k, v, descale_q, descale_k, descale_v, out, scale_o)
 
 

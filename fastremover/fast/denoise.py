@@ -3,10 +3,12 @@
 Graph capture needs every per-step input on the device before the loop starts: the scheduler's coefficients are
 device tensors (schedulers.py), the timestep conditioning is precomputed (`FastTransformer.conditioning`), the RoPE
 tables are cached by the model, and nothing in the loop touches the host. The first call for a given shape runs the
-loop normally (which also compiles the Triton kernels and creates library handles), then records it into a graph
-(recording launches nothing); later calls with the same shape, steps and scheduler copy their inputs into the static
-buffers and replay. Replay runs the very same kernels on the same inputs as the first call, so outputs are identical;
-the GPU tests check it with torch.equal.
+loop normally (which also compiles the Triton kernels and creates library handles). The call of a shape on which
+`capture_pays` says a recording pays for itself (by default its second) runs the loop on a side stream (the warm-up
+a recording needs) and then records it into a graph (recording launches nothing); later calls with the same shape,
+steps and scheduler copy their inputs into the static buffers and replay. A shape seen once (a one-shot CLI run sees
+each crop size once) is never recorded. Replay runs the very same kernels on the same inputs as an eager call, so
+outputs are identical; the GPU tests check it with torch.equal.
 
 Under sequence parallelism (the transformer's ParallelContext has several ranks) the captured loop holds the NCCL
 collectives too. Every rank must then take the same branch: after the capture the ranks agree (one all-reduce)
@@ -25,14 +27,41 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from fastremover.log import logger
-from fastremover.lru import LRUCache
+from fastremover.lru import LRUCache, held_while
 from fastremover.models.transformer import RemoverTransformer
-from fastremover.schedulers import build_scheduler
+from fastremover.schedulers import DEFAULT_SCHEDULE, build_scheduler
+from fastremover.timing import phase
 
 if TYPE_CHECKING:  # the fast transformer needs Triton: imported only where a fast mode is built
     from fastremover.fast.transformer_fast import Conditioning, FastTransformer
 
 Progress = Callable[[str, int, int], None]
+
+# When recording a shape's loop as a CUDA graph pays (`capture_pays`). A recording costs about
+# CAPTURE_FIXED_S + steps * CAPTURE_STEP_S (the host launching every step once more, into the graph, and
+# instantiating it; the eager run before it computes the call's output);
+# each replayed step saves STEP_SAVING_S over an eager step (the launch overhead a busy GPU no longer waits for) for
+# latent grids of at most CAPTURE_MAX_TOKENS tokens (above: the GPU is the bottleneck, nothing is saved). A shape is
+# recorded on its CAPTURE_AFTER_CALLS-th call if the calls so far, counted as the replays still to come, would pay
+# for the recording. PROVISIONAL values, not yet measured: the measurement is `fastremover bench --cold
+# --capture-costs` on one H200 (its `capture_costs` rows: eager_step_s, replay_step_s, capture_s per latent shape at
+# the real config); set STEP_SAVING_S = eager_step_s - replay_step_s, CAPTURE_* from capture_s, CAPTURE_MAX_TOKENS
+# where the saving reaches zero.
+CAPTURE_AFTER_CALLS = 2
+CAPTURE_FIXED_S = 0.02
+CAPTURE_STEP_S = 0.01
+STEP_SAVING_S = 0.01
+CAPTURE_MAX_TOKENS: int | None = None
+
+
+def capture_pays(steps: int, calls: int, tokens: int = 0) -> bool:
+    """Whether the `calls`-th call of a shape (`steps` steps, `tokens` tokens per step) records its loop as a CUDA
+    graph: from the CAPTURE_AFTER_CALLS-th call on, when `calls` replays would save more than the recording costs."""
+    if calls < CAPTURE_AFTER_CALLS:
+        return False
+    if CAPTURE_MAX_TOKENS is not None and tokens > CAPTURE_MAX_TOKENS:
+        return False
+    return calls * steps * STEP_SAVING_S > CAPTURE_FIXED_S + steps * CAPTURE_STEP_S
 
 
 def denoise_loop(scheduler, flow: Callable, noise, masked_latents, mask_latents, progress: Progress | None = None):
@@ -68,8 +97,9 @@ class EagerDenoiser:
         set_parallel(self.transformer, ctx)
 
     @torch.no_grad()
-    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None):
-        scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device)
+    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None,
+                 schedule: str = DEFAULT_SCHEDULE):
+        scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device, schedule=schedule)
 
         def flow(model_input, i):
             return self.transformer(model_input, scheduler.timesteps[i].expand(model_input.shape[0]))
@@ -82,7 +112,9 @@ class FastDenoiser:
 
     At most `max_graphs` captured graphs are kept (least recently used first out: crop mode gives every request its
     own shape); an evicted graph's memory goes back to the allocator and its shape is captured again if it returns.
-    One denoiser serves one thread at a time."""
+    A graph keeps the library objects it recorded (cuDNN attention graphs, cuBLASLt plans:
+    fastremover/lru.held_while). Which shapes are recorded, and when: `capture_pays`. One denoiser serves one thread
+    at a time."""
 
     def __init__(self, fast: FastTransformer, scheduler_config: dict, cuda_graphs: bool, max_graphs: int = 4):
         self.fast = fast
@@ -90,6 +122,8 @@ class FastDenoiser:
         self.cuda_graphs = cuda_graphs
         self._graphs: LRUCache[tuple] = LRUCache(max_graphs)
         self._uncaptured: LRUCache[str] = LRUCache(max(16, max_graphs))  # shapes whose capture failed: why
+        # calls per shape: a shape whose graph was evicted and returns is recorded again on its next call
+        self._calls: LRUCache[int] = LRUCache(max(64, 4 * max_graphs))
         self.notes: list[str] = []
 
     def describe(self) -> dict:
@@ -113,9 +147,10 @@ class FastDenoiser:
         return denoise_loop(scheduler, flow, noise, masked_latents, mask_latents, progress)
 
     @torch.no_grad()
-    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None):
+    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None,
+                 schedule: str = DEFAULT_SCHEDULE):
         ctx = self._context  # a graph records the collectives of its context (or none): part of the key
-        key = (tuple(noise.shape), noise.dtype, tuple(masked_latents.shape), masked_latents.dtype, steps,
+        key = (tuple(noise.shape), noise.dtype, tuple(masked_latents.shape), masked_latents.dtype, steps, schedule,
                json.dumps(self.scheduler_config, sort_keys=True, default=str),
                None if ctx is None or not ctx.is_parallel else (id(ctx), ctx.rank, ctx.world_size))
         if key in self._graphs:
@@ -129,12 +164,18 @@ class FastDenoiser:
                 progress("denoise", steps, steps)
             return static_out.clone()
 
-        scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device)
+        scheduler = build_scheduler(self.scheduler_config, steps, device=noise.device, schedule=schedule)
         cond = self.fast.conditioning(scheduler.timesteps, noise.shape[0])
         if not (self.cuda_graphs and noise.device.type == "cuda") or key in self._uncaptured:
             return self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
-        # First call: run on a side stream (the usual warm-up before capture: kernels compiled, handles created for a
-        # non-default stream), then record the same loop into a graph.
+        calls = (self._calls.get(key) or 0) + 1
+        self._calls.put(key, calls)
+        _, _, t, h, w = noise.shape
+        if not capture_pays(steps, calls, t * (h // 2) * (w // 2)):
+            return self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
+        # The call that records: run on a side stream first (the usual warm-up before capture: kernels compiled,
+        # library handles, plans and cuDNN graphs created for this shape, none of which may happen during the
+        # recording), then record the same loop into a graph.
         side = torch.cuda.Stream(noise.device)
         side.wait_stream(torch.cuda.current_stream(noise.device))
         with torch.cuda.stream(side):
@@ -148,7 +189,8 @@ class FastDenoiser:
                 static_out = self._loop(scheduler, cond, *static_inputs)
             return graph, static_out
 
-        captured, why = capture_agreed(record, self._context)
+        with phase("graph_capture"), held_while() as libraries:
+            captured, why = capture_agreed(record, self._context)
         if captured is None:
             self._uncaptured.put(key, why)
             note = f"the denoise loop of shape {list(noise.shape)} runs without a CUDA graph: {why}"
@@ -157,10 +199,10 @@ class FastDenoiser:
             logger.warning(note)
             return out
         graph, static_out = captured
-        # scheduler, cond and the transformer's per-shape tensors stay referenced by the cache entry: the graph
-        # reads their device tensors.
+        # scheduler, cond, the transformer's per-shape tensors and the library objects the recording used stay
+        # referenced by the cache entry: the graph reads their device memory.
         held = self.fast.shape_state(tuple(noise.shape), noise.device)
-        self._graphs.put(key, (graph, static_inputs, static_out, scheduler, cond, held))
+        self._graphs.put(key, (graph, static_inputs, static_out, scheduler, cond, held, libraries))
         return out
 
 

@@ -167,7 +167,8 @@ def _denoiser(plan: Plan, transformer: RemoverTransformer, scheduler_config: dic
     from fastremover.fast.transformer_fast import FastTransformer  # needs Triton: only for the exact / fast modes
 
     fast = FastTransformer(transformer, linear_method=linear_methods.get(plan.linear_method),
-                           attention=plan.attention, fused_ffn1=plan.fused_ffn1, options=plan.config.transformer)
+                           attention=plan.attention, fused_ffn1=plan.fused_ffn1, options=plan.config.transformer,
+                           attention_options=plan.config.attention)
     notes = []
     if plan.config.linears.fused_ffn1 == "on" and plan.mode == "fast" and not fast.fused_ffn1:
         notes.append("FASTREMOVER_FUSED_FFN1=1 (linears.fused_ffn1 on): the fused FFN GEMM needs an sm_90 GPU with "
@@ -218,8 +219,19 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
     eager transformer's block linears in place. `parallel`: this process's ParallelContext (fastremover/parallel);
     with several ranks the sequence-parallel denoiser and the parallel VAE are built around the modules. Every note
     is logged (the package logger) and recorded in the ResolvedEngine."""
-    plan = resolve(config)
+    device = resolve_device(config.device)
+    if models is not None and device.type == "cuda":
+        # before anything compiles or imports FlashInfer (resolve's attention validators may): Triton's and
+        # FlashInfer's caches in the persistent cache, and Triton's compiles timed as a phase
+        from fastremover.cache import install_tool_dirs
+        from fastremover.timing import time_triton_compiles
+
+        install_tool_dirs()
+        time_triton_compiles()
+    plan = resolve(config, device)
     device, dtype = plan.device, plan.dtype
+    if parallel is not None and parallel.is_parallel and attention_backends.get(plan.attention).token_layout:
+        raise FastRemoverError(f"--attention {plan.attention} does not run under sequence parallelism (--parallel)")
     tuning = kernel_tuning().describe()
     if models is None:
         if parallel is not None and parallel.is_parallel:
@@ -229,16 +241,19 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
                                   weights=config.linears.weights, tuning=tuning, config=config.describe())
         return Engine(None, None, resolved, plan)
     from fastremover.fast.vae_fast import build_vae
+    from fastremover.timing import phase
 
     notes = list(plan.mode_notes)
     extra: dict = {}
-    models.transformer.to(device).to_inference_dtype(dtype)
+    with phase("host_to_device"):  # a no-op where the weights were loaded on the device in the model dtype
+        models.transformer.to(device).to_inference_dtype(dtype)
     method = linear_methods.get(plan.linear_method)
     if plan.mode == "eager" and method.prepare_eager is not None:
         report = method.prepare_eager(models.transformer)
         notes.append(report.summary())
         extra[method.report_key] = report.describe()
-    vae, vae_path = build_vae(models.vae, plan.mode, device, dtype, config.vae.precision, config.vae.fast)
+    with phase("vae_setup"):
+        vae, vae_path = build_vae(models.vae, plan.mode, device, dtype, config.vae.precision, config.vae.fast)
     eager_vae = getattr(vae, "module", None)  # the WanVAE inside an EagerVideoVAE (None: the fast VAE)
     if config.linears.weights != "dense" and config.vae.nvfp4_convs and eager_vae is not None:
         from fastremover.fast.nvfp4_conv import Nvfp4CausalConv3d, quantize_vae_convs_nvfp4
@@ -247,7 +262,8 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
             vae_report = quantize_vae_convs_nvfp4(eager_vae)
             notes.append(vae_report.summary())
             extra["nvfp4_vae"] = vae_report.describe()
-    denoiser, denoiser_notes = _denoiser(plan, models.transformer, models.scheduler_config)
+    with phase("quantize"):  # the fused transformer's weight preparation (FP8 quantization in the fast mode)
+        denoiser, denoiser_notes = _denoiser(plan, models.transformer, models.scheduler_config)
     notes += [*plan.attention_notes, *denoiser_notes]
     engine_parallel = None
     if parallel is not None and parallel.is_parallel:

@@ -56,13 +56,15 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastremover.config import TransformerOptions
+from fastremover.config import AttentionOptions, TransformerOptions
+from fastremover.errors import FastRemoverError
 from fastremover.fast import linear_methods
 from fastremover.fast.linear_methods import Fp8Activation, concat_linears, gelu_linear  # noqa: F401 (re-exported)
 from fastremover.fast.kernels.qk_norm_rope import rope_amax_bound
@@ -162,12 +164,14 @@ class FastTransformer(nn.Module):
 
     def __init__(self, model: RemoverTransformer, *, linear_method: "str | linear_methods.LinearMethod" = "dense",
                  attention: str = "sdpa", use_triton: bool | None = None, fused_ffn1: bool = True,
-                 options: TransformerOptions = TransformerOptions()):
+                 options: TransformerOptions = TransformerOptions(),
+                 attention_options: AttentionOptions | None = None):
         """linear_method: how the block linears are stored and run (fast/linear_methods.py: dense, fp8-rowwise,
         nvfp4, nvfp4-w4a4 or a registered one; the engine passes the plan's). A method with FP8 activations makes
         the norms write e4m3 codes + row scales and enables the 8-bit attention path. use_triton: the Triton kernels
         (default: on CUDA) or their eager references. options: the switches of config.TransformerOptions (streams,
-        the fp8-rowwise GEMM choice)."""
+        the fp8-rowwise GEMM choice). attention_options: the config's AttentionOptions (a sparse backend's keep rate
+        and window; None: its defaults)."""
         super().__init__()
         self.model = model  # eager module: weights, config, rope tables, condition embedder
         self.config = model.config
@@ -180,7 +184,15 @@ class FastTransformer(nn.Module):
         self.fused_ffn1 = False  # set below in fp8 mode
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton
         self.ops = kernel_ops(self.use_triton)
-        self.backend = attention_backends.runnable(attention, device)  # FastRemoverError with the reasons
+        heads, head_dim = self.config.num_attention_heads, self.config.attention_head_dim
+        # (dtype: the activations a 16-bit call gets; the fast mode hands e4m3 codes to a backend that takes them)
+        self.backend = attention_backends.runnable(attention, device, dtype=None if fp8 else self.dtype,
+                                                   shape=(heads, head_dim))
+        # a sparse backend: the tokens run in its layout's order (cube order) from the patch embedding to proj_out,
+        # one layout per grid (`_token_layout`), passed to every attention call
+        self.attention_options = attention_options
+        self._layouts: LRUCache[tuple] = LRUCache(SHAPE_CACHE_SIZE)
+        self._attention_kw: dict = {}
         self.attention_name = self.backend.name
         self.attention = self.backend.call
         # Every block linear built once by the method: q/k/v as one layer (one 4608-wide GEMM instead of three where
@@ -269,6 +281,25 @@ class FastTransformer(nn.Module):
             return None
         return attention_row_split(s, b * heads, self.sm_count, block_m)
 
+    def _token_layout(self, grid: tuple, device: torch.device, rope: tuple) -> tuple:
+        """(layout, RoPE tables in its order) of a sparse backend for this grid, made once per (grid, device);
+        (None, rope) for a dense backend."""
+        if self.backend.token_layout is None:
+            return None, rope
+        if self.parallel.is_parallel:
+            raise FastRemoverError(f"--attention {self.attention_name} does not run under sequence parallelism")
+        key = (tuple(grid), device)
+        entry = self._layouts.get(key)
+        if entry is None:
+            layout = self.backend.token_layout(tuple(grid), device, self.attention_options)
+            entry = (layout, layout.rope(*rope))
+            self._layouts.put(key, entry)
+        return entry
+
+    def token_layouts(self) -> list[dict]:
+        """The sparse backend's layouts made so far (one per token grid), described; [] for a dense backend."""
+        return [layout.describe() for layout, _ in self._layouts.values()]
+
     def _v_stats_options(self, index: int, v: torch.Tensor, b: int, s: int) -> dict:
         """quant_centred's keyword options for layer `index`: the fused finalize and this layer's counter."""
         if not self.fused_v_stats:
@@ -290,7 +321,8 @@ class FastTransformer(nn.Module):
         grid = self.model.post_patch_grid(hidden_shape)
         b, s = hidden_shape[0], grid[0] * grid[1] * grid[2]
         width = self.config.num_attention_heads * self.config.attention_head_dim
-        return (self.model.rope(grid, device), self._v_counters.get((device, b, s, width)))
+        return (self.model.rope(grid, device), self._v_counters.get((device, b, s, width)),
+                self._layouts.get((tuple(grid), device)))
 
     def _streams(self, device: torch.device) -> tuple:
         """(side_v, side_k, side_tail) per device, created once (a captured graph refers to the streams it was
@@ -408,7 +440,7 @@ class FastTransformer(nn.Module):
         o_proj = self.linears[index]["o"]
 
         def codes_call(q8, k8, v8):  # per-tensor scales: the same on every rank (static bounds, all-reduced V stats)
-            return self.backend.codes_call(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype)
+            return self.backend.codes_call(q8, k8, v8, sq, sk, sv, out_dtype=self.dtype, **self._attention_kw)
 
         if self.fp8_attention_requant:  # 16-bit (o - c) codes with a static scale: |o - c| <= max|v - c| * (1 + 2^-4)
             # (each row of P sums to 1 before its e4m3 rounding; bf16 output rounding on top), so 448 * 1.125 sv
@@ -503,8 +535,8 @@ class FastTransformer(nn.Module):
             return self._attention_fp8(index, q, k, v, rope, shape, calibrate, x, mods, next_mods, ffn_amax)
         q = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps)
         k = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps)
-        o = self.parallel.attention(self.attention, q.view(b, s, heads, -1), k.view(b, s, heads, -1),
-                           v.unflatten(1, (heads, -1)).view(b, s, heads, -1))
+        o = self.parallel.attention(partial(self.attention, **self._attention_kw), q.view(b, s, heads, -1),
+                                    k.view(b, s, heads, -1), v.unflatten(1, (heads, -1)).view(b, s, heads, -1))
         o = self.linears[index]["o"](self.linear_method.prepare(o.reshape(b * s, -1), ops))
         return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
@@ -516,8 +548,13 @@ class FastTransformer(nn.Module):
         rope = model.rope(grid, hidden_states.device)
         b = hidden_states.shape[0]
         s_all = grid[0] * grid[1] * grid[2]
+        layout, rope = self._token_layout(grid, hidden_states.device, rope)
+        self._attention_kw = {} if layout is None else {"layout": layout}
+        x = model.patch_embedding(hidden_states).flatten(2).transpose(1, 2)
+        if layout is not None:  # a sparse backend: cube order until proj_out (every op but the attention is row-wise)
+            x = layout.permute(x)
         # sequence parallel: this rank's tokens and their RoPE rows from here to proj_out (size 1: all of them)
-        x = self.parallel.shard_tokens(model.patch_embedding(hidden_states).flatten(2).transpose(1, 2))
+        x = self.parallel.shard_tokens(x)
         rope, s = self.parallel.shard_rope(rope), x.shape[1]
         x = x.reshape(b * s, -1).contiguous()
         shape = (b, s, self.config.num_attention_heads)
@@ -532,4 +569,7 @@ class FastTransformer(nn.Module):
             next_mods = (mods[i + 1][0], mods[i + 1][1], self.fp8) if i + 1 < n_blocks else (final[0], final[1], False)
             n = self._block(i, x, n, mods[i], next_mods, rope, shape, calibrate=step == 0,
                             ffn_amax=None if cond.ffn_amax is None else cond.ffn_amax[step, i])
-        return model.unpatchify(self.parallel.gather_tokens(model.proj_out(n).view(b, s, -1), s_all), grid)
+        out = model.proj_out(n).view(b, s, -1)
+        if layout is not None:
+            out = layout.restore(out)
+        return model.unpatchify(self.parallel.gather_tokens(out, s_all), grid)

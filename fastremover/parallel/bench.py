@@ -100,16 +100,19 @@ def bench_rank(ctx: ParallelContext, config, preset: str, latent_shape: tuple, s
         _sync(device)
         return out, time.perf_counter() - t
 
+    from fastremover.fast.denoise import CAPTURE_AFTER_CALLS
+
+    warm = max(1, CAPTURE_AFTER_CALLS) if graphs else 1  # kernels, allocator, and the graph's recording
     ref_times, ref = [], None
     denoiser.parallelize(SINGLE)
-    for _ in range(repeats + 1):  # the first run warms up (kernels, allocator)
+    for _ in range(repeats + warm):  # the first runs warm up (kernels, allocator, a graph's recording)
         if ctx.is_root:
             ref, seconds = run()
             ref_times.append(seconds)
         dist.barrier(group=ctx.group)
     denoiser.parallelize(ctx)
     par_times, comm = [], []
-    for i in range(repeats + 1):
+    for i in range(repeats + warm):
         ctx.comm_seconds = 0.0
         out, seconds = run()
         par_times.append(seconds)
@@ -126,13 +129,13 @@ def bench_rank(ctx: ParallelContext, config, preset: str, latent_shape: tuple, s
     denoiser.parallelize(SINGLE)
     if not ctx.is_root:
         return None
-    ref_s, par_s = statistics.median(ref_times[1:]), statistics.median(par_times[1:])
+    ref_s, par_s = statistics.median(ref_times[warm:]), statistics.median(par_times[warm:])
     return {
         **ctx.describe(), "mode": mode, "device": str(device), "dtype": dtype, "preset": preset,
         "latent_shape": list(latent_shape), "steps": steps, "repeats": repeats,
         "reference_s": ref_s, "parallel_s": par_s, "speedup": ref_s / par_s if par_s else None,
         "max_rel_diff": ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item(),
-        "collective_host_s": statistics.median(comm[1:]), "exposed_comm_s": exposed,
+        "collective_host_s": statistics.median(comm[warm:]), "exposed_comm_s": exposed,
         "cuda_graphs": graphs, "graph_notes": list(getattr(denoiser, "notes", [])),
     }
 

@@ -3,8 +3,8 @@ several ranks.
 
     ParallelEngine(ctx, heads, denoiser, vae)    the transformer gets the context (Ulysses: `denoiser.parallelize`),
                                                  the VAE encodes on two ranks and decodes by rows (parallel/vae.py)
-      .denoiser   ParallelDenoiser: on rank 0 each call announces ("denoise", steps) to the other ranks, then every
-                  rank runs the loop on its tokens
+      .denoiser   ParallelDenoiser: on rank 0 each call announces ("denoise", steps, schedule) to the other ranks,
+                  then every rank runs the loop on its tokens
       .vae        ParallelVAE (a VideoVAE): on rank 0 the removal pair's encodes and the decode announce ("encode",) /
                   ("decode",) first; tiling, scaling and the memory model stay the inner VAE's
       .follow()   the other ranks: run each stage rank 0 announces until ("stop",)
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from fastremover.parallel.context import ParallelContext, check_heads
+from fastremover.schedulers import DEFAULT_SCHEDULE
 from fastremover.vae_api import VideoVAE
 
 
@@ -58,10 +59,12 @@ class ParallelEngine:
         second = 2 * mask - 1.0 if ctx.rank == 1 else None
         return encode_pair(ctx, self.inner_vae, first, second, progress)
 
-    def denoise(self, noise, masked_latents, mask_latents, steps: int, progress=None):
+    def denoise(self, noise, masked_latents, mask_latents, steps: int, progress=None,
+                schedule: str = DEFAULT_SCHEDULE):
         ctx = self.ctx
         noise, masked_latents, mask_latents = (ctx.broadcast_tensor(t) for t in (noise, masked_latents, mask_latents))
-        out = self.inner_denoiser(noise, masked_latents, mask_latents, steps, progress if ctx.is_root else None)
+        out = self.inner_denoiser(noise, masked_latents, mask_latents, steps, progress if ctx.is_root else None,
+                                  schedule=schedule)
         return out if ctx.is_root else None
 
     def decode_iter(self, z, progress=None):
@@ -80,7 +83,7 @@ class ParallelEngine:
             if cmd[0] == "encode":
                 self.encode(None, None)
             elif cmd[0] == "denoise":
-                self.denoise(None, None, None, cmd[1])
+                self.denoise(None, None, None, cmd[1], schedule=cmd[2])
             elif cmd[0] == "decode":
                 for _ in self.decode_iter(None):
                     pass
@@ -105,9 +108,10 @@ class ParallelDenoiser:
     def describe(self) -> dict:
         return self.engine.inner_denoiser.describe()
 
-    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress=None):
-        self.engine.ctx.broadcast_object(("denoise", steps))
-        return self.engine.denoise(noise, masked_latents, mask_latents, steps, progress)
+    def __call__(self, noise, masked_latents, mask_latents, steps: int, progress=None,
+                 schedule: str = DEFAULT_SCHEDULE):
+        self.engine.ctx.broadcast_object(("denoise", steps, schedule))
+        return self.engine.denoise(noise, masked_latents, mask_latents, steps, progress, schedule=schedule)
 
 
 class ParallelVAE(VideoVAE):

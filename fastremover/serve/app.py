@@ -54,7 +54,8 @@ log = logging.getLogger("fastremover.serve")
 
 STATIC_DIR = Path(__file__).parent / "static"
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # plus /static/*: the page holds no data
-OPTION_FIELDS = {"steps": int, "seed": int, "dilate": int, "window": int, "overlap": int, "size": str, "crop": str}
+OPTION_FIELDS = {"steps": int, "seed": int, "dilate": int, "window": int, "overlap": int, "size": str, "crop": str,
+                 "schedule": str}
 COMPAT_FIELDS = ("model", "prompt", "seconds")  # accepted for client compatibility, recorded, not used
 INPUT_FIELDS = ("input_reference", "mask")
 BOX_FIELDS = ("box", "box_frame")  # instead of a mask: boxes around the object on one frame (fastremover.masktools)
@@ -247,7 +248,7 @@ class Service:
                 mask_path = folder / BOX_MASK_NAME  # built by the worker thread before the run
                 check_mask = video_path  # the probe of a mask as large as the video
             limits.check_decoded_size(video_path, None if boxes else mask_path, options,
-                                      model=self.config.model.model != "classic",
+                                      model=self.config.model.kind != "classic",
                                       max_decoded_gib=self.config.max_decoded_gib)
             if boxes is not None:
                 check_boxes(video_path, boxes)
@@ -469,7 +470,7 @@ def parse_options(fields: dict) -> RunOptions:
 def options_dict(options: RunOptions) -> dict:
     return {"steps": options.steps, "seed": options.seed, "dilate": options.dilate, "size": options.size,
             "composite": options.composite, "window": options.window, "overlap": options.overlap,
-            "crop": options.crop}
+            "crop": options.crop, "schedule": options.schedule}
 
 
 def result_headers(row: VideoRow) -> dict[str, str]:

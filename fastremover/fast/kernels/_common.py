@@ -26,6 +26,7 @@ and written once, and an 8960-wide row costs 9216 lanes instead of next_power_of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -103,19 +104,52 @@ def pow2_split(width: int) -> tuple[int, int] | None:
     return (hi, lo) if pow2(lo) and lo >= 16 else None
 
 
-def autotune(cache: dict, key: tuple, cands: list, launch, enabled: bool, what: str):
+AUTOTUNE_NAMESPACE = "autotune"  # the persistent cache's entries (fastremover/cache.py)
+
+
+def _stored_config(stored, cands: list):
+    """The candidate a persistent-cache value names ({"type", "config": its fields}), None if none of `cands` is it."""
+    if not isinstance(stored, dict):
+        return None
+    for c in cands:
+        if type(c).__name__ == stored.get("type") and dataclasses.is_dataclass(c) \
+                and dataclasses.asdict(c) == stored.get("config"):
+            return c
+    return None
+
+
+def autotune(cache: dict, key: tuple, cands: list, launch, enabled: bool, what: str, *, device=None,
+             persistent="default"):
     """The cached best of `cands` for `key`: the first time, each candidate is launched once (compile) and then timed
     with triton.testing.do_bench (one host sync); candidates out of resources (shared memory) are skipped. Without
-    tuning (`enabled` False, or one candidate) the first candidate."""
+    tuning (`enabled` False, or one candidate) the first candidate.
+
+    A tuned choice is also kept in the persistent cache (fastremover/cache.py; `persistent`: a PersistentCache, None
+    for none, "default": the process's cache on a CUDA `device`), keyed by `what`, `key` and the device's GPU and
+    library versions; a later process takes it from there without timing, if it is still one of `cands` (configs
+    change a kernel's speed, never its output)."""
     cfg = cache.get(key)
     if cfg is not None:
         return cfg
     if not enabled or len(cands) == 1:
         cfg = cands[0]
-    else:
-        from triton.testing import do_bench
+        cache[key] = cfg
+        return cfg
+    from fastremover.cache import default_cache, environment
+    from fastremover.timing import phase
 
-        best = None
+    if persistent == "default":
+        persistent = default_cache() if device is not None and torch.device(device).type == "cuda" else None
+    stored_key = [what, key]
+    if persistent is not None:
+        cfg = _stored_config(persistent.get(AUTOTUNE_NAMESPACE, stored_key, environment(device)), cands)
+        if cfg is not None:
+            cache[key] = cfg
+            return cfg
+    from triton.testing import do_bench
+
+    best = None
+    with phase("autotune"):
         for c in cands:
             try:
                 launch(c)  # compile outside the timing
@@ -126,10 +160,13 @@ def autotune(cache: dict, key: tuple, cands: list, launch, enabled: bool, what: 
                 continue
             if best is None or ms < best[0]:
                 best = (ms, c)
-        if best is None:
-            raise RuntimeError(f"{what}: no candidate config runs for {key}")
-        cfg = best[1]
+    if best is None:
+        raise RuntimeError(f"{what}: no candidate config runs for {key}")
+    cfg = best[1]
     cache[key] = cfg
+    if persistent is not None and dataclasses.is_dataclass(cfg):
+        persistent.put(AUTOTUNE_NAMESPACE, stored_key, {"type": type(cfg).__name__, "config": dataclasses.asdict(cfg),
+                                                        "ms": best[0]}, environment(device))
     return cfg
 
 

@@ -811,7 +811,7 @@ def causal_conv3d_fp8(
         else:
             key = _tune_key(cin, cout, m, x.dtype, promote, bias is not None, x.device)
             config = autotune(_TUNED, key, candidate_configs(cin, cout, m, x.dtype == FP8), launch, _tuning_enabled(),
-                              "conv3d_fp8")
+                              "conv3d_fp8", device=x.device)
     launch(config)
     return y
 
@@ -949,7 +949,7 @@ def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: tor
             config = cands[0]
         else:
             key = ("tma",) + _tune_key(cin, cout, m, FP8, promote, bias is not None, y.device) + (w, residual is not None)
-            config = autotune(_TUNED, key, cands, launch, _tuning_enabled(), "conv3d_fp8")
+            config = autotune(_TUNED, key, cands, launch, _tuning_enabled(), "conv3d_fp8", device=y.device)
     launch(config)
 
 

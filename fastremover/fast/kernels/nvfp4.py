@@ -451,7 +451,7 @@ def w4a16_gemm(x: torch.Tensor, t: ref.Nvfp4Tensor, bias: torch.Tensor | None = 
             config = GEMM_CONFIG_INTERPRETER
         else:
             config = autotune(_GEMM_TUNED, (m, n, k, x.dtype, gelu, bias is not None), GEMM_CONFIGS, launch,
-                              enabled=tune, what="w4a16_gemm")
+                              enabled=tune, what="w4a16_gemm", device=x.device)
     launch(config)
     return out
 

@@ -261,7 +261,7 @@ def upsample_conv2x(x: torch.Tensor, w_phase: torch.Tensor, bias: torch.Tensor |
         cands = candidate_configs(cin, cout, w, m)
         key = (cin, cout, w, 1 << max(0, (m - 1).bit_length()), x.dtype, bias is not None, x.device)
         tune = not interp and kernel_tuning().upconv_tune  # FASTREMOVER_UPCONV_TUNE
-        config = autotune(_TUNED, key, cands, launch, tune, "upsample_conv2x")
+        config = autotune(_TUNED, key, cands, launch, tune, "upsample_conv2x", device=x.device)
     launch(config)
     return y
 

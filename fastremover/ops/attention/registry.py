@@ -14,16 +14,21 @@ that file plus its import in `fastremover/ops/attention/__init__.py`). The recor
   - `row_split_block_m`: the kernel's query-tile height when the transformer may split the partial last wave of
     tiles into a second call (None: no split);
   - `precision`: "16bit" or "8bit" attention math;
+  - `token_layout`: sparse backends (sparse.py): `token_layout(grid, device, options) -> layout` for a (frames,
+    rows, columns) token grid and the config's AttentionOptions; the transformer runs its tokens in the layout's
+    order (`layout.permute(x)` / `layout.restore(x)`, RoPE tables `layout.rope(cos, sin)`) and passes `layout=` to
+    `call` and `codes_call` (None: a dense backend, called without it);
 * `priority`: per engine mode, its rank for `--attention auto` (higher wins; a mode it lacks never picks it, and an
   explicit request for it in that mode is refused); `announce_if_skipped`: whether `auto` says so on a GPU when this
   backend is passed over for a lower one (when the fast mode ends up in 16 bits, every 8-bit backend passed over is
   named anyway: that note says why no FP8 attention runs).
 
 `auto` in the fast mode (by priority): flashattn3-fp8, else cudnn-fp8, else sdpa in fp16 with that note (FlashInfer's
-backends rank below sdpa there).
+backends rank below sdpa there). The sparse backends (`sparse-sta`, `sparse-vsa`) rank below sdpa in every mode:
+only an explicit request runs them (they change the result).
 
 No code outside this registry compares backend names. Names are canonical (`sdpa`, `flashinfer-fa3`,
-`flashinfer-fa3-fp8`, `flashattn3-fp8`, `cudnn-fp8`); the earlier names are aliases.
+`flashinfer-fa3-fp8`, `flashattn3-fp8`, `cudnn-fp8`, `sparse-sta`, `sparse-vsa`); the earlier names are aliases.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class AttentionBackend:
     output: str = "16bit"  # codes_call's output: "fp8-codes" | "centred-16bit" (call() always returns 16-bit o)
     row_split_block_m: int | None = None
     announce_if_skipped: bool = True
+    token_layout: Callable | None = None
 
     def __post_init__(self):
         if self.takes_codes and (self.codes_call is None or self.output not in ("fp8-codes", "centred-16bit")):
@@ -106,10 +112,13 @@ def available(device: "torch.device") -> list[str]:
     return [name for name in _BACKENDS if unavailable_reason(name, device) is None]
 
 
-def runnable(name: str, device: "torch.device") -> AttentionBackend:
-    """The backend, or FastRemoverError with its validator's reasons."""
+def runnable(name: str, device: "torch.device", dtype=None, shape=None) -> AttentionBackend:
+    """The backend, or FastRemoverError with its validator's reasons (for this dtype and (heads, head_dim) when
+    given)."""
     backend = get(name)
-    why = unavailable_reason(backend.name, device)
+    reasons = backend.validate(device, dtype=dtype, shape=shape) if (dtype, shape) != (None, None) else \
+        backend.validate(device)
+    why = "; ".join(reasons) if reasons else None
     if why is not None:
         raise FastRemoverError(f"attention backend {name!r} cannot run here: {why}")
     return backend
