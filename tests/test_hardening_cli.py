@@ -211,6 +211,28 @@ def test_batch_folder_written_before_the_manifest_is_still_ours(tmp_path, capsys
     assert run(["batch", clips, "--masks", clips, "-o", out, "--quiet"], capsys)[0] == 0
 
 
+def test_an_output_written_just_before_the_batch_is_killed_is_still_ours(tmp_path, capsys, monkeypatch):
+    """The worker has written a clip's output but the driver stops before it hears so (kill -9 on a loaded machine):
+    the next run takes the folder as its own and continues."""
+    import fastremover.batch.local as local
+
+    clips = batch_clips(tmp_path)
+    out = tmp_path / "out"
+    original = local.run_clip
+
+    def then_killed(worker, task):
+        entry = original(worker, task)
+        assert Path(task.job.output).is_file()
+        raise KeyboardInterrupt  # the driver stops here, before on_done
+
+    monkeypatch.setattr(local, "run_clip", then_killed)
+    assert run(["batch", clips, "--masks", clips, "-o", out, "--quiet"], capsys)[0] == 130
+    monkeypatch.setattr(local, "run_clip", original)
+    code, _, err = run(["batch", clips, "--masks", clips, "-o", out, "--quiet"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["c0.mp4", "c1.mp4"]
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # 9. SIGTERM with --workers 2, a full disk: nothing left behind
 
