@@ -28,7 +28,8 @@ import httpx
 import pytest
 from helpers import GATED_SERVER, gated_worker, live_server, thread_server, write_clip
 
-from fastremover.serve.app import ServeConfig, create_app
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed; the dev extra installs it")
+from fastremover.serve.app import ServeConfig, create_app  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Helpers
