@@ -18,7 +18,7 @@ these changes:
   (bench/results/cudnn-conv-half-pad128-*.json). How: conv weights get zero rows/columns (an attention block's
   q | k | v and an upsampler's two time halves padded group by group), norms a zero gamma and the real C in their
   sqrt(C) (`vae_rms_norm(channels=)`), so the padding channels hold exact zeros all the way and add exact zeros to
-  every sum (tests/test_vae_fast.py checks the padded input of every causal conv3d); the video and latent ends keep
+  every sum (tests/parity/test_vae_fast.py checks the padded input of every causal conv3d); the video and latent ends keep
   their widths.
   The causal caches keep the real channels only: the norm kernel writes its tail 96 wide, and `residual.pad_copy_`
   puts the cached frames into the front of the 128-wide conv buffer with zeros behind, in one pass (0.100 ms at the W2
@@ -72,7 +72,7 @@ these changes:
   without bias and the consumer adds it with the same rounding (fp32 add, RNE to the dtype) before its own math:
   a residual block's conv1 (-> norm2 + SiLU, `vae_norm`'s `bias=`), its conv2 and the attention block's proj (->
   the residual add, `add_frames`' `bias=`: two roundings, as the two eager adds). The result is bit-identical to
-  fuse_bias=False wherever the conv itself is deterministic (tests/test_vae_fast.py: the CPU with a conv that
+  fuse_bias=False wherever the conv itself is deterministic (tests/parity/test_vae_fast.py: the CPU with a conv that
   composes like cuDNN's, and a GPU test at a W2 chunk). H200, W2: bit-identical, 2.549 -> 2.381 s (1.07x) for both
   encodes + the decode (bench/results/vae-w2-fusebias-*.json). Not deferred: FP8 convs (their kernel adds the bias itself); conv_in, the
   resample convs and time_conv, whose outputs feed a residual block's norm1 AND its shortcut (or a copy), so the
@@ -82,7 +82,7 @@ these changes:
 
 Numerics: not bit-identical to the eager module (cuDNN picks other algorithms for channels-last, the norm's sum
 of squares is added in another order, and its default fast mode rounds step 3 and the SiLU differently), but the same
-function at fp16/bf16 precision; tests/test_vae_fast.py checks CPU fp32 agreement with WanVAE and the GPU test
+function at fp16/bf16 precision; tests/parity/test_vae_fast.py checks CPU fp32 agreement with WanVAE and the GPU test
 PSNR >= 45 dB at the real size.
 
 FP8 (`precision="fp8"`): the 3x3x3 causal convs of the residual blocks where `fp8_pays` (every encoder level, the
@@ -157,7 +157,7 @@ AUTO_DECODE_FRAMES = 1
 # memory_bytes: the transient tensors of the full-resolution level at the peak, in elements of C x H x W (C: that
 # level's padded width) = a * frames per step + b, per (op, 16-bit dtype). Fitted as upper bounds to live tensor
 # bytes of this module's torch-reference path on the meta device (which allocates what the CUDA path allocates,
-# plus the reference norm's fp32 temporaries in 16-bit dtypes) at steps 1, 2 and 4; tests/test_video_vae.py.
+# plus the reference norm's fp32 temporaries in 16-bit dtypes) at steps 1, 2 and 4; tests/parity/test_video_vae.py.
 _WORKING_UNITS = {("encode", True): (7.5, 13.0), ("encode", False): (5.25, 10.0),
                   ("decode", True): (10.0, 3.5), ("decode", False): (7.0, 3.5)}
 
@@ -339,7 +339,7 @@ class FastWanVAE(VideoVAE):
     torch.backends.cudnn.benchmark during the calls (None: leave it as it is). fuse_bias: run residual blocks' conv1 /
     conv2 and the attention proj without bias and add it inside the norm / residual-add kernel that reads their output
     (see the module docstring); bit-identical to False (CPU tests, and on the H200
-    tests/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and `python tools/bench_vae.py --fuse-bias`), and 7 % faster there at W2, so on by default. precise_norm: run the norm kernel with precise=True
+    tests/parity/test_vae_fast.py::test_gpu_fuse_bias_is_bit_exact_w2_chunk and `python tools/bench_vae.py --fuse-bias`), and 7 % faster there at W2, so on by default. precise_norm: run the norm kernel with precise=True
     (per-element IEEE divisions, bit-exact to the eager ops given its denominators; H200: 0.47 vs 0.125 ms per
     full-resolution call) instead of its fast-math default (within a few ulps of eager on ~1e-4 of the elements, see
     fastremover/fast/kernels/vae_norm.py); no effect with kernels="torch" (the eager reference either way).
@@ -777,7 +777,7 @@ class FastWanVAE(VideoVAE):
                      level's padded width (`_WORKING_UNITS`, fitted upper bounds)
             outputs  encode: the latents (+ one chunk's); decode: the output video, the post-quant latents and
                      one latent frame's chunk
-        An upper bound checked against live tensor bytes of the torch-reference path (tests/test_video_vae.py); not
+        An upper bound checked against live tensor bytes of the torch-reference path (tests/parity/test_video_vae.py); not
         seen: cuDNN workspaces and the allocator's rounding, which `choose_tiling`'s margin is for."""
         from fastremover.fast.vae_tiling import _cache_elements
 

@@ -71,7 +71,7 @@ ulps at step 3), carried through steps 4-5 the same way. The fast sigmoid's rela
 rounding of v*log2(e) ~|v|*2^-24, div.full 2 ulps: below ~2^-19 for |n| < 16, nearly every element of a unit-RMS row
 times gamma) again only moves the last rounding, by 1 ulp, near a midpoint. So the asserted bound vs the eager op is
 the precise mode's: each element within 3 dtype ulps of eager's or within one dtype ulp of its frame's largest
-|output| (tiny values, SiLU of negative inputs), at most 0.1 % of the elements differing (tests/test_vae_fast.py: CPU
+|output| (tiny values, SiLU of negative inputs), at most 0.1 % of the elements differing (tests/parity/test_vae_fast.py: CPU
 interpreter at small shapes, the GPU at [1, 96, 2, 480, 832] fp16 and the other real shapes). Measured: H200, fp16,
 C = 96/192/384 at the fast VAE's call shapes: 3.7-4.5e-5 of the elements differ from the precise kernel, max |diff|
 3.9e-3 (5.9e-3 at C=192); CPU interpreter (the tests' shapes, and runs of 1.5-3e5 elements): at most 1.1e-4 of the

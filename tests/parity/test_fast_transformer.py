@@ -11,13 +11,9 @@ from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
 from fastremover.fast.engine import build_denoiser, resolve_mode
 from fastremover.fast.fp8 import Fp8Linear
 from fastremover.fast.transformer_fast import FastTransformer
-from fastremover.models.loading import random_init_
-from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
+from fastremover.models.transformer import RemoverTransformerConfig
 from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG
-
-import attention_fakes
-
-TINY = RemoverTransformerConfig(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2, freq_dim=32)
+from helpers import TINY_TRANSFORMER as TINY, attention_fakes, tiny_transformer as tiny_model
 
 
 def rel_err(a, b):
@@ -26,10 +22,6 @@ def rel_err(a, b):
 
 def cos(a, b):
     return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
-def tiny_model(seed, cfg=TINY, device="cpu", dtype=torch.float32):
-    return random_init_(RemoverTransformer(cfg), seed).eval().to(device).to_inference_dtype(dtype)
 
 
 def inputs(seed, shape=(1, 48, 3, 8, 12), device="cpu", dtype=torch.float32):

@@ -2,16 +2,14 @@
 whole flow with the GPU candidates reporting why they cannot run, and the FP8 kernel rows' reconstruction of o."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # lab code, not shipped
-import attention_installable as T  # noqa: E402
+from fastremover.ops import attention as registry
+from helpers import load_tool
 
-from fastremover.ops import attention as registry  # noqa: E402
+T = load_tool("attention_installable")  # lab code, not shipped
 
 CPU = torch.device("cpu")
 

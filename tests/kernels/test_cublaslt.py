@@ -15,6 +15,7 @@ import torch
 from fastremover.config import TransformerOptions
 from fastremover.fast import cublaslt
 from fastremover.fast.fp8 import Fp8Linear
+from helpers import TOOLS, tiny_transformer
 
 FP8 = torch.float8_e4m3fn
 
@@ -124,9 +125,8 @@ def test_gpu_scaled_mm_on_row_slices_and_in_a_cuda_graph():
     """The fast transformer's calls: row slices of larger buffers (the last-wave chunk) written into `out`, and
     captured in a CUDA graph then replayed on new values (descriptors hold pointers, not values)."""
     import importlib.util
-    from pathlib import Path
 
-    tool = Path(__file__).resolve().parents[1] / "tools" / "profile_step.py"  # the lab's capture helper
+    tool = TOOLS / "profile_step.py"  # the lab's capture helper
     spec = importlib.util.spec_from_file_location("profile_step", tool)
     profile_step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(profile_step)
@@ -173,11 +173,9 @@ def test_gpu_scaled_mm_has_no_memset_where_torch_scaled_mm_has_one():
 
 
 def test_fast_transformer_gemm_option_on_cpu():
-    from test_fast_transformer import tiny_model
-
     from fastremover.fast.transformer_fast import FastTransformer
 
-    model = tiny_model(3)
+    model = tiny_transformer(3)
     fast = FastTransformer(model, linear_method="fp8-rowwise", use_triton=False)
     assert fast.describe()["fp8_gemm"] == "torch._scaled_mm"
     assert all(blk[name].gemm == "torch" for blk in fast.fp8_blocks for name in ("qkv", "o", "ff1", "ff2"))

@@ -3,7 +3,7 @@
 Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 set here and in conftest.py before the
 kernel module is imported; the module is only imported inside the tests). On a GPU machine the small-shape tests run
 the compiled kernels, and the tests marked `gpu` check the VAE's real shapes:
-    pytest -m gpu tests/test_conv3d_fp8.py -s
+    pytest -m gpu tests/kernels/test_conv3d_fp8.py -s
 
 Bounds (derivations in the module docstring); S = conv(|xd|, |wd|) over the dequantized operands, |b| the bias:
   * weight quantization, activation scale, activation codes: bit-exact (torch.equal) against eager formulas.
@@ -469,7 +469,7 @@ def test_wrappers_reject_bad_inputs(raise_value_errors):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# GPU, real shapes (run on the device machine: pytest -m gpu tests/test_conv3d_fp8.py -s)
+# GPU, real shapes (run on the device machine: pytest -m gpu tests/kernels/test_conv3d_fp8.py -s)
 
 REAL = [
     # Cin, Cout, T, H, W, cached frames

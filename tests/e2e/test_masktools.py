@@ -2,7 +2,7 @@
 
 The clips have a textured background that pans, and a textured blob object that moves (translation), grows
 (scale change) or passes behind a textured bar (partial occlusion); the true mask of every frame is known.
-``python tests/test_masktools.py [H W F]`` prints the per-clip IoU and the speed at that size (default 480 854 48).
+``python tests/e2e/test_masktools.py [H W F]`` prints the per-clip IoU and the speed at that size (default 480 854 48).
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def _tiny_sam2_folder(folder: Path) -> Path:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    sam2 = pytest.importorskip("sam2")
+    sam2 = pytest.importorskip("sam2", reason="the sam2 package is not installed")
     cfg = OmegaConf.load(Path(sam2.__file__).parent / "configs/sam2.1/sam2.1_hiera_t.yaml")
     m = cfg.model
     m.image_size, m.num_maskmem = 128, 3
@@ -347,7 +347,7 @@ def test_sam2_path_with_a_tiny_random_model(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Measurement (not a test): python tests/test_masktools.py [H W F]
+# Measurement (not a test): python tests/e2e/test_masktools.py [H W F]
 # ---------------------------------------------------------------------------------------------------------------
 
 

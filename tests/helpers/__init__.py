@@ -1,4 +1,5 @@
-"""Helpers the test modules share (test modules import this, never each other)."""
+"""Helpers the test modules share (test modules import this package, never each other): `helpers` is importable
+because pyproject's pytest config puts tests/ on sys.path (`pythonpath`)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ import torch
 
 from fastremover import media
 from fastremover.config import ModelSource
+from fastremover.models.loading import random_init_
+from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
 from fastremover.worker import RemovalWorker
 
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[1]  # tests/, the folder that holds this package
+REPO = TESTS.parent
 TOOLS = REPO / "tools"
 
 
@@ -58,7 +62,21 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The service (test_serve*.py)
+# Models
+
+
+TINY_TRANSFORMER = RemoverTransformerConfig(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2,
+                                            freq_dim=32)
+
+
+def tiny_transformer(seed: int, cfg: RemoverTransformerConfig = TINY_TRANSFORMER, device="cpu",
+                     dtype=torch.float32) -> RemoverTransformer:
+    """A RemoverTransformer with deterministic random weights (seed), in eval mode, on `device` in `dtype`."""
+    return random_init_(RemoverTransformer(cfg), seed).eval().to(device).to_inference_dtype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The service (serve/test_serve*.py)
 
 
 def write_clip(folder: Path, frames: int = 9, height: int = 48, width: int = 64, seed: int = 0) -> tuple[Path, Path]:
@@ -174,8 +192,33 @@ def wait_healthy(url: str, proc=None, timeout_s: float = 60) -> None:
         time.sleep(0.05)
 
 
+# A server whose (real, classic) worker holds every job at its first progress report until the file named by
+# $GATE exists: the test decides when a job may finish. Run it with live_server(..., script=GATED_SERVER, env=...).
+GATED_SERVER = f"""
+import os, sys, threading, time
+sys.path.insert(0, {str(TESTS)!r})
+from helpers import GatedPipeline
+from fastremover.config import ModelSource
+from fastremover.serve.cli import add_serve_parser, config_from_args, serve
+from fastremover.worker import RemovalWorker
+import argparse
+parser = argparse.ArgumentParser()
+add_serve_parser(parser.add_subparsers(dest="command"))
+args = parser.parse_args(["serve", *sys.argv[1:]])
+pipe = GatedPipeline()
+pipe.release.clear()
+def watch():
+    while not os.path.exists(os.environ["GATE"]):
+        time.sleep(0.02)
+    pipe.release.set()
+threading.Thread(target=watch, daemon=True).start()
+sys.exit(serve(config_from_args(args), args.host, args.port, log_level=args.log_level,
+               workers=[RemovalWorker(ModelSource(), pipeline=pipe)]))
+"""
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Batch runs (test_batch*.py)
+# Batch runs (e2e/test_batch*.py)
 
 
 CLIPS = 12

@@ -20,8 +20,7 @@ from fastremover.errors import FastRemoverError
 from fastremover.parallel import transport
 from fastremover.parallel.context import SINGLE, ParallelContext, ParallelError, check_heads, set_parallel, split_sizes
 from fastremover.parallel.launch import remove_rank, run_remove, spawn
-
-import attention_fakes
+from helpers import attention_fakes
 
 SPAWN_TIMEOUT_S = 150  # a whole launch (start, model builds, every check)
 COLLECTIVE_TIMEOUT_S = 30  # one collective
@@ -255,7 +254,7 @@ def test_parallel_decode_matches_serial(ranks):
     to it up to the first level whose RMS norm differs. Why not torch.equal everywhere: the eager RMS norm sums
     squares over the channel dim of an NCDHW tensor, and ATen's CPU sum groups those additions differently for
     different plane sizes (h * w), so a slab's channel sums can differ from the whole frame's in the last bit
-    (tests/test_parallel.py::test_channel_sum_depends_on_the_plane_size shows it on plain tensors); the convs
+    (tests/parallel/test_parallel.py::test_channel_sum_depends_on_the_plane_size shows it on plain tensors); the convs
     themselves (the kernel chosen as one process chooses it) and the gathered attention are exact."""
     serial, par = ranks[0]["decode"]
     assert par.shape == serial.shape

@@ -13,8 +13,7 @@ from fastremover.models.loading import random_init_
 from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
 from fastremover.ops import attention as registry
 from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG
-
-import attention_fakes
+from helpers import attention_fakes
 
 TINY = RemoverTransformerConfig(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=1, freq_dim=32)
 CPU = torch.device("cpu")
@@ -34,7 +33,7 @@ def test_canonical_names_and_aliases():
 
 
 def test_a_registered_backend_is_picked_by_priority_and_runs():
-    """A backend defined in one other file (tests/attention_fakes.py) and registered: `auto` picks it where its
+    """A backend defined in one other file (tests/helpers/attention_fakes.py) and registered: `auto` picks it where its
     priority is highest, the engine builds with it, and the transformer calls it."""
     calls = []
 

@@ -26,8 +26,6 @@ Claims and bounds (see vae_norm.py for the rounding points and the two modes):
 import json
 import os
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +37,7 @@ from fastremover.config import EngineConfig, FastVAEOptions, VAEOptions
 from fastremover.errors import FastRemoverError  # noqa: E402
 from fastremover.models.loading import random_init_  # noqa: E402
 from fastremover.models.vae import CausalCache, CausalConv3d, WanVAE, WanVAEConfig  # noqa: E402
+from helpers import TOOLS  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERPRET else "cuda"
@@ -461,7 +460,7 @@ for dt in ("fp16", "bf16"):
 print("codegen OK")
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    tools = str(TOOLS)
     r = subprocess.run([sys.executable, "-c", code, tools], env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
         pytest.skip("no ptxas in this Triton install")
@@ -1003,9 +1002,8 @@ def test_peak_timer_on_cpu_records_nothing():
 def _vae_bench():
     """tools/bench_vae.py's `bench` (the VAE bench moved out of the package; not importable as a module)."""
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_vae.py"
+    path = TOOLS / "bench_vae.py"
     spec = importlib.util.spec_from_file_location("_bench_vae_tool", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -1013,7 +1011,7 @@ def _vae_bench():
 
 
 def test_bench_entry_point_smoke(tmp_path):
-    pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers", reason="diffusers (the oracle; in the dev extra) is not installed")
     bench = _vae_bench()
 
     out = tmp_path / "vae.json"
@@ -1643,7 +1641,7 @@ def test_fuse_bias_skips_fp8_convs(monkeypatch):
 
 
 def test_bench_fuse_bias_flag(tmp_path, monkeypatch):
-    pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers", reason="diffusers (the oracle; in the dev extra) is not installed")
     bench = _vae_bench()
 
     _cudnn_like_convs(monkeypatch)  # (on the CPU only this makes the fused run bit-exact, see _cudnn_like_convs)

@@ -8,31 +8,7 @@ import signal
 import time
 
 import httpx
-from helpers import live_server, write_clip
-
-# A server whose (real, classic) worker holds every job at its first progress report until the file named by
-# $GATE exists: the test decides when a job may finish.
-GATED_SERVER = """
-import os, sys, threading, time
-sys.path.insert(0, "tests")
-from helpers import GatedPipeline
-from fastremover.config import ModelSource
-from fastremover.serve.cli import add_serve_parser, config_from_args, serve
-from fastremover.worker import RemovalWorker
-import argparse
-parser = argparse.ArgumentParser()
-add_serve_parser(parser.add_subparsers(dest="command"))
-args = parser.parse_args(["serve", *sys.argv[1:]])
-pipe = GatedPipeline()
-pipe.release.clear()
-def watch():
-    while not os.path.exists(os.environ["GATE"]):
-        time.sleep(0.02)
-    pipe.release.set()
-threading.Thread(target=watch, daemon=True).start()
-sys.exit(serve(config_from_args(args), args.host, args.port, log_level=args.log_level,
-               workers=[RemovalWorker(ModelSource(), pipeline=pipe)]))
-"""
+from helpers import GATED_SERVER, live_server, write_clip
 
 
 def submit(url: str, video, mask, seed: int) -> str:

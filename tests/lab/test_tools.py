@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tools"
+from helpers import REPO, TOOLS
+
 PACKAGE = REPO / "fastremover"
 SCRIPTS = sorted(p for p in TOOLS.iterdir() if p.suffix in (".py", ".sh"))
 # modules a library file may never import: lab code that used to live in the package, and tools/ itself

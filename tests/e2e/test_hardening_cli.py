@@ -27,8 +27,8 @@ import pytest
 from fastremover import media, outputs, stream
 from fastremover.cli import main
 from fastremover.errors import FastRemoverError
+from helpers import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -70,7 +70,7 @@ def run(args, capsys) -> tuple[int, str, str]:
 
 def cli(args, *, env: dict | None = None, cwd=None, timeout=180) -> subprocess.CompletedProcess:
     """`python -m fastremover ARGS` in a fresh process (bytes in and out: names need not be UTF-8)."""
-    full = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "fastremover", *[os.fsencode(a) for a in args]], capture_output=True,
                           env=full, cwd=cwd, timeout=timeout)
@@ -269,7 +269,7 @@ def test_sigterm_mid_batch_with_two_workers_leaves_no_temporary_files(tmp_path):
     marks.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_WRITES)
     env = {**os.environ, "FR_SLOW_WRITES": str(marks),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "fastremover", "batch", str(clips), "--masks", str(clips), "-o",
                              str(out), "--workers", "2", "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -543,7 +543,7 @@ def test_h3_decode_refuses_before_importing_torch(tmp_path, args, words):
     z, z0 = latents(tmp_path / "z.safetensors", (4, 2, 2, 2)), latents(tmp_path / "z0.safetensors", (4, 2, 0, 3))
     before = snapshot(tmp_path)
     argv = ["h3-decode", *[a.format(root=tmp_path, z=z, z0=z0) for a in args], "--preset", "tiny"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", H3_NO_TORCH, *argv], capture_output=True, text=True, timeout=120,
                           env=env)
     refused(proc.returncode, proc.stderr, words)
@@ -602,7 +602,7 @@ def test_a_killed_box_run_leaves_no_scratch_folder_for_long(clip, capsys, monkey
     scratch = root / "tmp"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     argv = ["remove", str(v), "--box", BOX, "--allow-uncertain", "-o", str(root / "o.mp4"), "--quiet"]
     proc = subprocess.run([sys.executable, "-c", KILLED_BOX_RUN, *argv], env=env, capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr

@@ -9,7 +9,7 @@ import fastremover.schedulers as schedulers
 from fastremover.errors import FastRemoverError
 from fastremover.schedulers import DEFAULT_SCHEDULE, DEFAULT_SCHEDULER_CONFIG, SCHEDULES, build_scheduler, load_scheduler_config
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = pytest.importorskip("diffusers", reason="diffusers (the oracle; in the dev extra) is not installed")
 from fastremover.bench.reference import set_diffusers_timesteps  # noqa: E402  (the reference's way to either schedule)
 
 UNIPC = DEFAULT_SCHEDULER_CONFIG
@@ -19,7 +19,7 @@ SHAPE = (1, 16, 3, 8, 8)
 
 def reference(config: dict, num_steps: int, device: str = "cpu", schedule: str = DEFAULT_SCHEDULE):
     """diffusers' scheduler with `schedule`: its own ("diffusers"), or 0.33.1's UniPC sigmas given to it
-    ("minimax-remover"; tests/test_schedule_released.py pins them to 0.33.1's values)."""
+    ("minimax-remover"; tests/parity/test_schedule_released.py pins them to 0.33.1's values)."""
     cls = getattr(diffusers, config["_class_name"])
     ref = cls.from_config(config)
     set_diffusers_timesteps(ref, num_steps, device, schedule)

@@ -8,17 +8,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import TOOLS
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BF16 = torch.bfloat16
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def tool(name: str):
@@ -34,7 +34,7 @@ def tool(name: str):
 
 
 def interp_rel(cin: int) -> float:
-    """= tests/test_conv3d_fp8.py's interpreter bound (fp32 sums of 27 * cin products + the bias)."""
+    """= tests/kernels/test_conv3d_fp8.py's interpreter bound (fp32 sums of 27 * cin products + the bias)."""
     return (27 * cin + 8) * 2.0**-24
 
 
@@ -61,7 +61,7 @@ def test_conv3d_fp8_sm90_codegen_fp8_wgmma_no_spills():
     """Compile the default configs for 96 and 384 channels for sm_90 with the bundled ptxas: QGMMA (fp8 wgmma) in
     the SASS, no register spills, the fp32 promotion adds present. Subprocess: this process imports the kernels for
     the interpreter."""
-    pytest.importorskip("triton.backends.nvidia")
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend (its bundled ptxas)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(TOOLS / "bench_conv3d_fp8.py"), "--codegen", "--quick"],
                        env=env, capture_output=True, text=True, timeout=300)
@@ -74,7 +74,7 @@ def test_upsample_conv_sm90_codegen():
     """Offline sm_90 compile (bundled ptxas) of every candidate config at the W2 shapes: fp16 wgmma, TMA loads and
     stores, no spills, no shared-memory round trip through registers. Subprocess: this process imports the kernel
     for the interpreter."""
-    pytest.importorskip("triton.backends.nvidia")
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend (its bundled ptxas)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(TOOLS / "bench_upsample_conv.py"), "--codegen"], env=env,
                        capture_output=True, text=True, timeout=600)

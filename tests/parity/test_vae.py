@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from fastremover.errors import FastRemoverError
 from fastremover.models.vae import CausalCache, WanVAE, WanVAEConfig, conv3d, conv3d_per_tap
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = pytest.importorskip("diffusers", reason="diffusers (the oracle; in the dev extra) is not installed")
 from diffusers import AutoencoderKLWan  # noqa: E402
 
 # vae/config.json of Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the VAE MiniMax-Remover ships), written out by hand.

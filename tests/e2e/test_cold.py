@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +14,8 @@ import torch
 from fastremover import media, timing
 from fastremover.cli import build_parser, main
 from fastremover.config import EngineConfig
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _env():

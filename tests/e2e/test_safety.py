@@ -23,7 +23,7 @@ from fastremover import media, outputs
 from fastremover.cli import main
 from fastremover.models.loading import random_models, save_checkpoint
 
-from av_clips import write_av_clip
+from helpers.av_clips import write_av_clip
 
 
 def snapshot(root: Path) -> dict[str, str]:

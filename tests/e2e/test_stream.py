@@ -27,9 +27,9 @@ from fastremover.pipeline import RemovalPipeline
 from fastremover.windows import next_window, plan_windows, window_lookahead
 from fastremover.worker import Job, RemovalWorker
 
-from av_clips import write_av_clip
+from helpers import REPO
+from helpers.av_clips import write_av_clip
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ import argparse
 import ast
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +22,8 @@ from fastremover.config import (
     option_table,
 )
 from fastremover.errors import FastRemoverError
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
 

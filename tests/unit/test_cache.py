@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from fastremover import cache as cache_mod
 from fastremover.cache import PersistentCache, environment
 from fastremover.config import cache_dir
+from helpers import REPO
 
 ENV = {"gpu": "NVIDIA H200", "driver": "13.0", "torch": "2.13.0", "triton": "3.9.0", "cudnn": 91900}
 
@@ -133,7 +133,7 @@ def test_two_processes_writing_the_same_entries_at_once(tmp_path):
             assert got is not None and got["pad"] == "x" * 2000, got
         print("ok")
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                                       os.environ.get("PYTHONPATH")]))}
     procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(w)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for w in (1, 2)]

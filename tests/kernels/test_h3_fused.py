@@ -86,7 +86,7 @@ def test_qkv_epilogue_bitwise(m, heads, dh, rot, s):
 @pytest.mark.parametrize("m,f", [(70, 128), (3, 48)])
 def test_swiglu_quantize_bitwise(m, f):
     """Bitwise against the reference given the interpreter's exp (numpy's), which differs from torch's CPU exp in the
-    last bit for some inputs; on the GPU both are CUDA's expf (tests/test_h3_gpu.py)."""
+    last bit for some inputs; on the GPU both are CUDA's expf (tests/kernels/test_h3_gpu.py)."""
     g = torch.Generator().manual_seed(f)
     u = (torch.randn(m, 2 * f, generator=g) * 4).bfloat16()
     bias = torch.randn(2 * f, generator=g).bfloat16()
