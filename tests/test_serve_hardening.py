@@ -29,7 +29,8 @@ import pytest
 from helpers import gated_worker, live_server, thread_server, write_clip
 from test_serve_faults import GATED_SERVER
 
-from fastremover.serve.app import ServeConfig, create_app
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed; the dev extra installs it")
+from fastremover.serve.app import ServeConfig, create_app  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Helpers
