@@ -16,7 +16,7 @@ modelled peak does not fit, the calls run in spatial tiles (`fastremover.fast.va
 a tiled decode has the whole video only after its last tile, so its chunks come at the end.
 
 Implementations: `EagerVideoVAE` (below: the eager `models.vae.WanVAE`, with the eager memory model of
-`vae_tiling.estimate_call_bytes`) and `fastremover.fast.vae_fast.FastWanVAE` (its own model).
+`vae_tiling.estimate_call_bytes`) and `fastremover.fast.vae.FastWanVAE` (its own model).
 
 Numerics: `decode_latents` is `torch.cat(list(decode_latents_iter(...)), dim=2)` bit for bit, and
 `decode_iter(z)` yields exactly the frames `decode(z)` returns (each implementation's decode is its decode_iter

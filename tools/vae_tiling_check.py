@@ -182,7 +182,7 @@ def gpu_check(
         # fast=True: through the pipeline's fast VAE (exact/fast modes), tiles planned with its own memory model
         runner, call_bytes = vae, None
         if fast:
-            from fastremover.fast.vae_fast import FastWanVAE
+            from fastremover.fast.vae import FastWanVAE
 
             runner = FastWanVAE(vae, device=dev, dtype=dtype)
             call_bytes = runner.memory_bytes

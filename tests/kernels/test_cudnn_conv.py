@@ -135,7 +135,7 @@ def test_small_convs_and_unaligned_inputs_keep_torchs_call():
 
 def test_gating_and_the_environment_switch(monkeypatch):
     from fastremover.config import KernelTuning
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
     from fastremover.models.loading import PRESETS, random_init_
     from fastremover.models.vae import WanVAE, WanVAEConfig
 
@@ -145,7 +145,7 @@ def test_gating_and_the_environment_switch(monkeypatch):
     assert KernelTuning.from_env({"FASTREMOVER_CUDNN_CONV_PLANS": "0"}).cudnn_conv_plans is False
     assert KernelTuning().cudnn_conv_plans is True
     vae = random_init_(WanVAE(WanVAEConfig.from_dict(PRESETS["tiny"]["vae"])), 0).eval()
-    assert FastWanVAE(vae, device="cpu", dtype=torch.float32).conv_plans is None
+    assert FastWanVAE(vae, device="cpu", dtype=torch.float32).convs.plans is None
     with pytest.raises(FastRemoverError, match="conv_plans=True: cuDNN plans need a CUDA device"):
         FastWanVAE(vae, device="cpu", dtype=torch.float32, options=FastVAEOptions(conv_plans=True))
     with pytest.raises(ValueError, match="conv_plans must be"):
@@ -182,7 +182,7 @@ def test_gpu_fast_vae_w2_same_bits_with_and_without_plans():
     """The whole fast VAE at W2 (81 x 480 x 832, fp16, random weights): both removal encodes and the decode give
     torch.equal results with conv_plans on and off, and plans ran for some of the convs."""
     from fastremover import media
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
     from fastremover.models.loading import random_init_
     from fastremover.models.vae import WanVAE, WanVAEConfig
 
@@ -200,7 +200,7 @@ def test_gpu_fast_vae_w2_same_bits_with_and_without_plans():
         za, zb = fast.encode_removal_inputs(x, m)
         outs[on] = (za, zb, fast.decode(za))
         if on:
-            rows = fast.conv_plans.report()
+            rows = fast.convs.plans.report()
             chosen = [r for r in rows if r["plan"] != "torch"]
             print(f"plans for {len(chosen)} of {len(rows)} signatures: "
                   + "; ".join(f"{r['x']} {r['torch_ms']:.3f}->{r['ms']:.3f} ms" for r in chosen))

@@ -140,7 +140,8 @@ def test_fast_vae_decoder_uses_the_subpixel_conv(monkeypatch):
     decode matches the eager-upsample decode of the same VAE to fp16 precision, and the kernel ran."""
     if not INTERPRET:
         pytest.skip("the GPU path runs in the bench and test_gpu_* below")
-    from fastremover.fast import vae_fast
+    from fastremover.fast.vae import FastWanVAE
+    from fastremover.fast.vae import model as vae_model
     from fastremover.models.loading import random_init_
     from fastremover.models.vae import WanVAE, WanVAEConfig
 
@@ -157,12 +158,12 @@ def test_fast_vae_decoder_uses_the_subpixel_conv(monkeypatch):
             calls["n"] += 1
             return real(*a, **k)
 
-    monkeypatch.setattr(vae_fast, "_load_upconv", lambda device, dtype: Up)
+    monkeypatch.setattr(vae_model, "load_upconv", lambda device, dtype: Up)
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 5).eval().half()
-    sub = vae_fast.FastWanVAE(vae, device="cpu", dtype=F16, kernels="torch")
-    eager = vae_fast.FastWanVAE(vae, device="cpu", dtype=F16, kernels="torch",
-                                options=FastVAEOptions(upsample_conv="eager"))
-    assert sub.upsample_conv == "subpixel" and eager.upsample_conv == "eager"
+    sub = FastWanVAE(vae, device="cpu", dtype=F16, kernels="torch")
+    eager = FastWanVAE(vae, device="cpu", dtype=F16, kernels="torch",
+                       options=FastVAEOptions(upsample_conv="eager"))
+    assert sub.options.upsample_conv == "subpixel" and eager.options.upsample_conv == "eager"
     z = torch.randn(1, 16, 2, 3, 4, generator=gen(6)).half()
     a, b = sub.decode(z), eager.decode(z)
     assert calls["n"] > 0

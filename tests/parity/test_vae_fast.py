@@ -1,4 +1,4 @@
-"""The fast VAE (fastremover/fast/vae_fast.py) and its norm kernel (fastremover/fast/kernels/vae_norm.py).
+"""The fast VAE (fastremover/fast/vae/) and its norm kernel (fastremover/fast/kernels/vae_norm.py).
 
 CPU: the kernel runs in Triton's interpreter at small shapes (TRITON_INTERPRET=1 from conftest.py); FastWanVAE runs
 with the torch reference norm in fp32 against the eager WanVAE on the `tiny` config, and the causal-cache buffers are
@@ -256,7 +256,7 @@ def test_norm_writes_fp8_codes(dtype, precise):
 def test_static_act_scale_bounds_the_norm_output():
     """static_act_scale's bound holds for the worst case (all of a pixel's energy in the channel of the largest
     gamma) and for random inputs; the codes of the norm output never saturate."""
-    from fastremover.fast.vae_fast import static_act_scale
+    from fastremover.fast.vae import static_act_scale
 
     g = gen(22)
     c = 48
@@ -474,23 +474,24 @@ print("codegen OK")
 def test_conv_buffers_hold_the_eager_stream():
     """Drive one causal conv through chunk sizes that take every path (first chunk, 1-frame ring updates, n >= 2
     with the producer writing the cache tail) and compare the buffer handed to the conv with the eager stream."""
-    from fastremover.fast.vae_fast import FastWanVAE, _Stream
+    from fastremover.fast.vae import FastWanVAE
+    from fastremover.fast.vae.conv import Stream, copy_fill
 
     vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1)).eval()
     fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch")
     conv = vae.decoder.up_blocks[0].resnets[0].conv1
     norm = vae.decoder.up_blocks[0].resnets[0].norm1
     seen = []
-    fast._conv3d = lambda buf, c, keep_bias=True: seen.append(buf.clone()) or F.conv3d(buf, c.weight, c.bias,
+    fast.convs.conv3d = lambda buf, c, keep_bias=True: seen.append(buf.clone()) or F.conv3d(buf, c.weight, c.bias,
                                                                                    c.stride, c.padding)
-    st, cache = _Stream(), CausalCache()
+    st, cache = Stream(), CausalCache()
     g = gen(5)
     c, h, w = conv.in_channels, 3, 4
     for i, n in enumerate((1, 1, 1, 2, 1, 4, 1, 3, 1, 1, 2)):
         x = video(g, 2, c, n, h, w, device="cpu")
         use_norm = i % 2 == 0  # the fused-norm producer (writes the cache tail itself) or a plain copy
-        new = fast._norm(x, norm, True) if use_norm else x
-        y = fast._causal(conv, st, n, (2, c, h, w), fast._norm_fill(x, norm) if use_norm else fast._copy_fill(x))
+        new = fast.blocks.norm(x, norm, True) if use_norm else x
+        y = fast.convs.causal(conv, st, n, (2, c, h, w), fast.blocks.norm_fill(x, norm) if use_norm else copy_fill(x))
         # eager: CausalConv3d.forward's stream = zero pad ++ cached frames ++ the new frames
         prev = cache.push(conv, new)
         stream = new if prev is None else torch.cat([prev, new], dim=2)
@@ -504,9 +505,10 @@ def test_fp8_static_scales_stream_cache_and_residual(monkeypatch):
     feeds it; that norm writes e4m3 codes into the stream buffer [older, newer cached frame, new frames], which equals
     the eager causal stream's codes chunk after chunk (the e4m3 cache slots rotating), and conv2 receives the block's
     shortcut as its epilogue residual (no separate add). A fake fp8 module stands in for conv3d_fp8."""
-    from fastremover.fast import vae_fast
+    from fastremover.fast.vae import conv as vae_conv
     from fastremover.fast.kernels.conv3d_fp8 import quantize_activation_reference
-    from fastremover.fast.vae_fast import FastWanVAE, _Stream, static_act_scale
+    from fastremover.fast.vae import FastWanVAE, static_act_scale
+    from fastremover.fast.vae.conv import Stream, copy_fill
 
     fp8, u8 = torch.float8_e4m3fn, torch.uint8
     seen = []
@@ -524,22 +526,22 @@ def test_fp8_static_scales_stream_cache_and_residual(monkeypatch):
             y = F.conv3d(stream.float() * act_scale, w_q, bias, padding=(0, 1, 1)).to(out_dtype)
             return (y if residual is None else y + residual).contiguous(memory_format=CL3)
 
-    monkeypatch.setattr(vae_fast, "fp8_conv_available", lambda: True)
-    monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
+    monkeypatch.setattr(vae_conv, "fp8_conv_available", lambda: True)
+    monkeypatch.setattr("fastremover.fast.vae.model.load_fp8", lambda device: FakeFP8)
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
     fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8")
-    assert fast.fp8_scales == "static" and fast.describe() == "fast-fp8" and fast.fp8_convs > 0
+    assert fast.options.fp8_scales == "static" and fast.describe() == "fast-fp8" and fast.weights.fp8_convs > 0
     r = vae.decoder.up_blocks[0].resnets[0]  # 64 -> 64 channels: on FP8 (fp8_pays), identity shortcut
-    c = fast._conv[r.conv1]
+    c = fast.weights.conv[r.conv1]
     assert c.fp8 is not None and c.act_norm is r.norm1
-    assert c.act_scale.item() == pytest.approx(static_act_scale(fast._gamma[r.norm1], 64), rel=1e-7)
-    assert fast._conv[r.conv2].act_norm is r.norm2
-    st, cache = _Stream(), CausalCache()
+    assert c.act_scale.item() == pytest.approx(static_act_scale(fast.weights.gamma[r.norm1], 64), rel=1e-7)
+    assert fast.weights.conv[r.conv2].act_norm is r.norm2
+    st, cache = Stream(), CausalCache()
     g = gen(31)
     for n in (1, 1, 2, 1, 4):
         x = video(g, 1, 64, n, 2, 3, device="cpu", scale=2.0)
-        fast._causal(r.conv1, st, n, (1, 64, 2, 3), fast._norm_fill(x, r.norm1))
-        y = fast._norm(x, r.norm1, True)
+        fast.convs.causal(r.conv1, st, n, (1, 64, 2, 3), fast.blocks.norm_fill(x, r.norm1))
+        y = fast.blocks.norm(x, r.norm1, True)
         prev = cache.push(r.conv1, y)
         stream = y if prev is None else torch.cat([prev, y], dim=2)
         stream = F.pad(stream, (0, 0, 0, 0, 2 - stream.shape[2] + n, 0))
@@ -548,27 +550,27 @@ def test_fp8_static_scales_stream_cache_and_residual(monkeypatch):
         assert seen[-1][1] is None
     seen.clear()
     x = video(g, 1, 64, 2, 2, 3, device="cpu")
-    out = fast._resblock(r, x, _Stream())
+    out = fast.blocks.resblock(r, x, Stream())
     assert len(seen) == 2 and seen[0][1] is None and seen[1][1] is x  # conv2 adds the shortcut itself
     assert out.shape == x.shape
     # a static scale needs the norm that computed it: any other producer is refused
     with pytest.raises(AssertionError, match="static FP8"):
-        fast._causal(r.conv1, _Stream(), 1, (1, 64, 2, 3), fast._copy_fill(x[:, :, :1]))
+        fast.convs.causal(r.conv1, Stream(), 1, (1, 64, 2, 3), copy_fill(x[:, :, :1]))
     # dynamic scales on request: no static scale, the causal_conv3d_fp8 path
     dyn = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
                      options=FastVAEOptions(fp8_scales="dynamic"))
-    assert dyn._conv[r.conv1].act_scale is None and dyn.describe() == "fast-fp8+dynamic-scales"
+    assert dyn.weights.conv[r.conv1].act_scale is None and dyn.describe() == "fast-fp8+dynamic-scales"
     # encoder levels: all of them with static scales, the 96-channel-class ones (<= 128) with dynamic scales
-    assert fast.fp8_encoder_max_channels == 384 and dyn.fp8_encoder_max_channels == 128
-    wide = [m for m in fast._conv if m in fast._encoder_modules and fast._conv[m].fp8 is not None]
-    assert wide and all(dyn._conv[m].fp8 is not None for m in wide)  # the tiny config's widest encoder level is 64
+    assert fast.options.fp8_encoder_max_channels == 384 and dyn.options.fp8_encoder_max_channels == 128
+    wide = [m for m in fast.weights.conv if m in fast.weights.encoder_modules and fast.weights.conv[m].fp8 is not None]
+    assert wide and all(dyn.weights.conv[m].fp8 is not None for m in wide)  # the tiny config's widest encoder level is 64
     narrow = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
                         options=FastVAEOptions(fp8_encoder_max_channels=64, fp8_max_channels=64))
     assert narrow.describe() == "fast-fp8+max64ch+enc64ch"
 
 
 def test_fp8_pays_levels():
-    from fastremover.fast.vae_fast import fp8_pays
+    from fastremover.fast.vae import fp8_pays
 
     assert fp8_pays(96, 96) and not fp8_pays(192, 192) and not fp8_pays(96, 192)
     assert fp8_pays(192, 192, 192) and not fp8_pays(384, 384, 192) and fp8_pays(384, 384, 384)
@@ -578,8 +580,9 @@ def test_fp8_pays_levels():
 def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
     """The FP8 conv path hands the kernel (cached frames, new frames) exactly as the eager stream has them; a fake
     fp8 module stands in for fastremover.fast.kernels.conv3d_fp8 (the real one needs a GPU)."""
-    from fastremover.fast import vae_fast
-    from fastremover.fast.vae_fast import FastWanVAE, _Stream
+    from fastremover.fast.vae import conv as vae_conv
+    from fastremover.fast.vae import FastWanVAE
+    from fastremover.fast.vae.conv import Stream, copy_fill
 
     calls, accs = [], []
 
@@ -601,18 +604,18 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
             calls.append(torch.cat([prev, x], dim=2).clone())
             return F.conv3d(torch.cat([prev, x], dim=2), w_q, bias, padding=(0, 1, 1))
 
-    monkeypatch.setattr(vae_fast, "fp8_conv_available", lambda: True)
-    monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
+    monkeypatch.setattr(vae_conv, "fp8_conv_available", lambda: True)
+    monkeypatch.setattr("fastremover.fast.vae.model.load_fp8", lambda device: FakeFP8)
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
     fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8")
-    assert fast.describe() == "fast-fp8+dynamic-scales" and fast.fp8_convs > 0  # no TMA kernel: dynamic scales
+    assert fast.describe() == "fast-fp8+dynamic-scales" and fast.weights.fp8_convs > 0  # no TMA kernel: dynamic scales
     conv = vae.decoder.up_blocks[0].resnets[0].conv1
-    assert fast._conv[conv].fp8 is not None
-    st, cache = _Stream(), CausalCache()
+    assert fast.weights.conv[conv].fp8 is not None
+    st, cache = Stream(), CausalCache()
     g = gen(9)
     for n in (1, 1, 2, 1, 4):
         x = video(g, 1, conv.in_channels, n, 2, 3, device="cpu")
-        fast._causal(conv, st, n, (1, conv.in_channels, 2, 3), fast._copy_fill(x))
+        fast.convs.causal(conv, st, n, (1, conv.in_channels, 2, 3), copy_fill(x))
         prev = cache.push(conv, x)
         stream = x if prev is None else torch.cat([prev, x], dim=2)
         stream = F.pad(stream, (0, 0, 0, 0, 2 - (0 if prev is None else prev.shape[2]), 0))
@@ -630,18 +633,19 @@ def test_fp8_hook_gets_prev_and_new_frames(monkeypatch):
 
 
 def test_fp8_unavailable_is_a_clear_error(monkeypatch):
-    from fastremover.fast import vae_fast
+    from fastremover.fast.vae import FastWanVAE
+    from fastremover.fast.vae import conv as vae_conv
 
     vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1))
-    monkeypatch.setattr(vae_fast, "fp8_conv_available", lambda: False)
+    monkeypatch.setattr(vae_conv, "fp8_conv_available", lambda: False)
     with pytest.raises(FastRemoverError, match="not available"):
-        vae_fast.FastWanVAE(vae, device="cpu", precision="fp8")
-    monkeypatch.setattr(vae_fast, "fp8_conv_available", lambda: True)
+        FastWanVAE(vae, device="cpu", precision="fp8")
+    monkeypatch.setattr(vae_conv, "fp8_conv_available", lambda: True)
     if not torch.cuda.is_available():
         with pytest.raises(FastRemoverError, match="CUDA GPU"):
-            vae_fast.FastWanVAE(vae, device="cpu", precision="fp8")
+            FastWanVAE(vae, device="cpu", precision="fp8")
     with pytest.raises(FastRemoverError, match="vae precision"):
-        vae_fast.FastWanVAE(vae, device="cpu", precision="int4")
+        FastWanVAE(vae, device="cpu", precision="int4")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -666,7 +670,7 @@ def tiny():
 @pytest.mark.parametrize("frames", [(2, 1), (None, None), (1, 2), (3, 4)], ids=lambda f: f"enc{f[0]}-dec{f[1]}")
 @pytest.mark.parametrize("pad_rgb,tap_head", [(False, True), (True, False)])
 def test_fast_vae_matches_eager(tiny, frames, pad_rgb, tap_head):
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae, x, z, d = tiny
     fast = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(encode_frames=frames[0],
@@ -684,12 +688,11 @@ def test_frames_per_step_auto_policy(tiny):
     """encode_frames / decode_frames "auto" (the default): the decode on CUDA in whole chunks (None) for frames of at
     most SMALL_FRAME_PIXELS, else 1; the encode 2 at every size; on the CPU always 2 / 1; explicit values pass
     through; bad values are refused."""
-    from fastremover.fast import vae_fast
-    from fastremover.fast.vae_fast import SMALL_FRAME_PIXELS, FastWanVAE
+    from fastremover.fast.vae import SMALL_FRAME_PIXELS, FastWanVAE
 
     vae = tiny[0]
     fast = FastWanVAE(vae, device="cpu", dtype=F32)
-    assert fast.encode_frames == fast.decode_frames == "auto"
+    assert fast.options.encode_frames == fast.options.decode_frames == "auto"
     assert (fast.frames_per_step("encode", 240, 432), fast.frames_per_step("decode", 240, 432)) == (2, 1)
     fast.device = torch.device("cuda")  # the policy only reads the device type (nothing runs here)
     assert 240 * 432 <= SMALL_FRAME_PIXELS < 480 * 832
@@ -709,7 +712,7 @@ def test_frames_per_step_auto_policy(tiny):
 def test_frames_per_step_gets_full_resolution_sizes(tiny, monkeypatch):
     """encode and decode ask the step policy with the frames' full-resolution height x width (a latent-sized
     question would put W2 decodes into whole chunks and break the memory bar)."""
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae, x, z, _ = tiny
     asked = []
@@ -727,7 +730,7 @@ def test_frames_per_step_gets_full_resolution_sizes(tiny, monkeypatch):
 
 
 def test_fast_vae_odd_frame_counts_and_history(tiny):
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae, x, z, d = tiny
     fast = FastWanVAE(vae, device="cpu", dtype=F32)
@@ -740,7 +743,7 @@ def test_fast_vae_odd_frame_counts_and_history(tiny):
 
 @pytest.mark.parametrize("pair", [True, False])
 def test_encode_removal_inputs(tiny, pair):
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae, x, _, _ = tiny
     frames = x[:1]
@@ -757,18 +760,18 @@ def test_encode_removal_inputs(tiny, pair):
 
 
 def test_pair_auto_is_off_on_cpu_and_budgeted():
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
-    vae = WanVAE(WanVAEConfig())  # the real config: only the estimate is used
-    fast = FastWanVAE.__new__(FastWanVAE)
-    fast.vae, fast.dtype, fast.encode_frames, fast.pair, fast.device = vae, F16, 2, "auto", torch.device("cpu")
-    fast.pad_channels, fast.pad_encoder, fast._encoder_modules = 0, False, set()
+    vae = WanVAE(WanVAEConfig())  # the real config: only the estimate is used (the meta device holds no weights)
+    fast = FastWanVAE(vae, device="meta", dtype=F16, options=FastVAEOptions(encode_frames=2))
+    assert fast.options.pair == "auto" and fast.options.pad_channels == 0 and not fast.options.pad_encoder
     assert fast.pair_fits(1, 81, 480, 832) is False
     # the estimate: W2 batch 2 is over the 2 GiB default budget, W1 under it, with or without channel padding in the
     # encoder (pad_encoder: its full-resolution activations a third wider; the caches keep the real width)
     unpadded = fast.encode_bytes(2, 480, 832), fast.encode_bytes(2, 240, 432)
     assert unpadded[0] > 2 * 2**30 > unpadded[1]
-    fast.pad_channels, fast.pad_encoder, fast._encoder_modules = 64, True, set(vae.encoder.modules())
+    fast = FastWanVAE(vae, device="meta", dtype=F16, options=FastVAEOptions(encode_frames=2, pad_channels=64,
+                                                                           pad_encoder=True))
     padded = fast.encode_bytes(2, 480, 832), fast.encode_bytes(2, 240, 432)
     assert padded[0] > 2 * 2**30 > padded[1] and padded[0] > unpadded[0] and padded[1] > unpadded[1]
 
@@ -790,35 +793,35 @@ def padded_model():
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"] if INTERPRET else ["torch"])
 def test_padded_channels_match_eager(padded_model, kernels):
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae, x, z, d = padded_model
     fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, options=FastVAEOptions(pad_channels=8,
                       pad_encoder=True, pair=True))
-    widths = {c.weight.shape[0] for c in fast._conv.values()} | {c.weight.shape[1] for c in fast._conv.values()}
+    widths = {c.weight.shape[0] for c in fast.weights.conv.values()} | {c.weight.shape[1] for c in fast.weights.conv.values()}
     assert {16, 24, 40} <= widths and not {12, 18, 36} & widths  # every 12/18/36 became 16/24/40
-    assert fast._norm_channels and set(fast._norm_channels.values()) <= {12, 18, 36}
+    assert fast.weights.norm_channels and set(fast.weights.norm_channels.values()) <= {12, 18, 36}
     decoder_only = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels,
                               options=FastVAEOptions(pad_channels=8))  # pad_encoder=False
-    enc_w = {decoder_only._conv[m].weight.shape[1] for m in vae.encoder.modules() if m in decoder_only._conv}
-    dec_w = {decoder_only._conv[m].weight.shape[1] for m in vae.decoder.modules() if m in decoder_only._conv}
+    enc_w = {decoder_only.weights.conv[m].weight.shape[1] for m in vae.encoder.modules() if m in decoder_only.weights.conv}
+    dec_w = {decoder_only.weights.conv[m].weight.shape[1] for m in vae.decoder.modules() if m in decoder_only.weights.conv}
     assert 12 in enc_w and 16 not in enc_w and {16, 24, 40} <= dec_w
     assert rel_err(decoder_only.encode(x), z) <= 1e-5 and rel_err(decoder_only.decode(z), d) <= 1e-5
     # row stripes on padded inputs with real-width caches (1-frame decode steps)
     striped = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, options=FastVAEOptions(pad_channels=8,
                          stripe_mib=0.0005))
     seen = []
-    orig = striped._causal_striped
-    striped._causal_striped = lambda conv, *a, **k: seen.append(conv) or orig(conv, *a, **k)
+    orig = striped.convs.causal_striped
+    striped.convs.causal_striped = lambda conv, *a, **k: seen.append(conv) or orig(conv, *a, **k)
     assert rel_err(striped.decode(z), d) <= 1e-5
-    assert any(striped._conv[m].weight.shape[1] > m.in_channels for m in seen)  # striped convs on padded inputs
+    assert any(striped.weights.conv[m].weight.shape[1] > m.in_channels for m in seen)  # striped convs on padded inputs
     mask = (x[:, :1] > 0.2).float().expand(1, 3, -1, -1, -1)
     za, zb = fast.encode_removal_inputs(x, mask)
     assert rel_err(za, vae.encode(x * (1 - mask))) <= 1e-5 and rel_err(zb, vae.encode(2 * mask - 1.0)) <= 1e-5
     df = fast.decode(z)
     assert df.shape == d.shape and rel_err(df, d) <= 1e-5
     plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels=kernels, options=FastVAEOptions(pad_channels=0))
-    assert not plain._norm_channels and rel_err(plain.decode(z), df) <= 1e-5
+    assert not plain.weights.norm_channels and rel_err(plain.decode(z), df) <= 1e-5
 
 
 @pytest.mark.parametrize("pad", [16, 32, 40, 56])
@@ -826,32 +829,33 @@ def test_grouped_convs_are_padded_group_by_group_only(padded_model, pad):
     """Widths where c stays but 2c / 3c would be padded (pad 40, 56: an upsampler's 2 x 36 time halves, the
     attention's 3 x 36 q | k | v) or where c itself grows (16, 32): the grouped convs keep one group width per part,
     and the decode matches eager."""
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae, _, z, d = padded_model
     fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", options=FastVAEOptions(pad_channels=pad))
     attn = vae.decoder.mid_block.attentions[0]
-    width = fast._width(attn.to_qkv.in_channels, attn.to_qkv)
-    assert tuple(fast._conv[attn.to_qkv].weight.shape[:2]) == (3 * width, width)
+    width = fast.weights.width(attn.to_qkv.in_channels, attn.to_qkv)
+    assert tuple(fast.weights.conv[attn.to_qkv].weight.shape[:2]) == (3 * width, width)
     up = next(m.upsamplers[0] for m in vae.decoder.up_blocks if m.upsamplers is not None
               and m.upsamplers[0].mode == "upsample3d")
     c = up.time_conv.in_channels
-    assert tuple(fast._conv[up.time_conv].weight.shape[:2]) == (2 * fast._width(c, up.time_conv),
-                                                                fast._width(c, up.time_conv))
+    assert tuple(fast.weights.conv[up.time_conv].weight.shape[:2]) == (2 * fast.weights.width(c, up.time_conv),
+                                                                fast.weights.width(c, up.time_conv))
     assert rel_err(fast.decode(z), d) <= 1e-5
 
 
 def test_padded_channels_hold_exact_zeros(padded_model, monkeypatch):
     """The padding channels of every padded conv input are exactly zero (what makes the padding free of error), the
     causal caches left out (they keep the real channels only); checked over a decode and an encode."""
-    from fastremover.fast import vae_fast
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import decoder as vae_decoder
+    from fastremover.fast.vae import encoder as vae_encoder
+    from fastremover.fast.vae import FastWanVAE
 
     vae, x, z, _ = padded_model
     fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", options=FastVAEOptions(pad_channels=8,
                       pad_encoder=True))
     streams = []
-    real_stream = vae_fast._Stream
+    real_stream = vae_encoder.Stream
 
     def recording_stream():
         st = real_stream()
@@ -859,16 +863,17 @@ def test_padded_channels_hold_exact_zeros(padded_model, monkeypatch):
         return st
 
     buffers = []  # (a conv's padded input buffer, its real channel count), as the conv sees it
-    conv3d = fast._conv3d
+    conv3d = fast.convs.conv3d
 
     def recording_conv3d(x, c, keep_bias=True):
-        real = next((m.in_channels for m, cv in fast._conv.items() if cv is c), None)
-        if real is not None and x.shape[1] > real and fast._width(real) == x.shape[1]:
+        real = next((m.in_channels for m, cv in fast.weights.conv.items() if cv is c), None)
+        if real is not None and x.shape[1] > real and fast.weights.width(real) == x.shape[1]:
             buffers.append((x.clone(), real))
         return conv3d(x, c, keep_bias)
 
-    fast._conv3d = recording_conv3d
-    monkeypatch.setattr(vae_fast, "_Stream", recording_stream)
+    fast.convs.conv3d = recording_conv3d
+    monkeypatch.setattr(vae_encoder, "Stream", recording_stream)
+    monkeypatch.setattr(vae_decoder, "Stream", recording_stream)
     fast.decode(z)
     fast.encode(x)
     # the caches keep the real channels only; every causal conv's input buffer carries exact zeros in the padding
@@ -881,13 +886,13 @@ def test_padded_channels_hold_exact_zeros(padded_model, monkeypatch):
 
 
 def test_pad_channels_widths_and_argument_checks():
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1))
     fast = FastWanVAE(vae, device="cpu", dtype=F32)
-    assert fast.pad_channels == 0 and fast._width(96) == 96  # off on the CPU by default
-    fast.pad_channels = 64
-    assert [fast._width(c) for c in (3, 16, 32, 64, 96, 128, 192, 384, 400)] == [3, 16, 32, 64, 128, 128, 192, 384,
+    assert fast.options.pad_channels == 0 and fast.weights.width(96) == 96  # off on the CPU by default
+    fast.weights.pad_channels = 64
+    assert [fast.weights.width(c) for c in (3, 16, 32, 64, 96, 128, 192, 384, 400)] == [3, 16, 32, 64, 128, 128, 192, 384,
                                                                                448]
     for bad in (-8, 12, 1.5, True):
         with pytest.raises(ValueError, match="pad_channels"):
@@ -896,7 +901,7 @@ def test_pad_channels_widths_and_argument_checks():
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU tests run the compiled kernels at real sizes")
 def test_fast_vae_with_the_interpreted_kernel(tiny):
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae, x, z, _ = tiny
     x5 = x[:1, :, :5, :16, :16]
@@ -909,22 +914,22 @@ def test_fast_vae_with_the_interpreted_kernel(tiny):
 def test_precise_norm_option(tiny):
     """precise_norm=True reaches the norm as precise=True (the default passes nothing: the kernel's fast mode) and
     shows in describe(); the torch reference ignores it (same bits)."""
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae, _, z, _ = tiny
     out = {}
     for precise_norm in (False, True):
         fast = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch",
                           options=FastVAEOptions(precise_norm=precise_norm))
-        assert fast.precise_norm is precise_norm
+        assert fast.options.precise_norm is precise_norm
         assert fast.describe() == "fast-fp32" + ("+precise-norm" if precise_norm else "")
-        seen, norm_fn = [], fast._norm_fn
+        seen, norm_fn = [], fast.blocks.norm_fn
 
         def recording(*a, **k):
             seen.append(k.get("precise", "default"))
             return norm_fn(*a, **k)
 
-        fast._norm_fn = recording
+        fast.blocks.norm_fn = recording
         out[precise_norm] = fast.decode(z[:1, :, :2, :2, :2])
         assert seen and set(seen) == {True if precise_norm else "default"}, set(seen)
     assert torch.equal(out[False], out[True])
@@ -938,7 +943,7 @@ def test_precise_norm_changes_the_triton_vae_in_fp32():
     """With our kernels (interpreted) in fp32, where every rounding shows: precise_norm=True and the fast-math default
     give different latents and video (the option really switches the kernel's step-3 math: x / denom vs
     x * (1/denom)), yet both within fp32 summation-order error of each other and of the eager WanVAE."""
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1)), 4).eval()
     g = gen(70)
@@ -959,7 +964,7 @@ def test_precise_norm_changes_the_triton_vae_in_fp32():
 
 
 def test_build_vae_and_pipeline_wiring():
-    from fastremover.fast.vae_fast import build_vae
+    from fastremover.fast.vae import build_vae
     from fastremover.models.loading import random_models
     from fastremover.pipeline import RemovalPipeline
 
@@ -1072,7 +1077,7 @@ def test_gpu_norm_fp8_codes_real_shape(dtype):
     quantizing the dtype call's output, each by one code step."""
     _gpu_env()
     from fastremover.fast.kernels.conv3d_fp8 import quantize_activation_reference
-    from fastremover.fast.vae_fast import static_act_scale
+    from fastremover.fast.vae import static_act_scale
 
     g = gen(41)
     x = video(g, 1, 96, 2, 480, 832, dtype=dtype, scale=2.0, device="cuda")
@@ -1137,7 +1142,7 @@ def test_gpu_fast_vae_vs_eager_w2():
     """Real config, random weights, W2 size (81 x 480 x 832) in fp16: PSNR >= 45 dB against the eager WanVAE."""
     _gpu_env()
     from fastremover import media
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     dev = torch.device("cuda")
     vae = random_init_(WanVAE(WanVAEConfig()), 1).eval()
@@ -1190,7 +1195,7 @@ def test_gpu_pipeline_builds_the_fast_vae():
 def test_gpu_fp8_vae_path(monkeypatch):
     """--vae-precision fp8: the 3x3x3 convs run the FP8 kernel (the output changes) and stay close to fp16."""
     _gpu_env()
-    from fastremover.fast.vae_fast import FastWanVAE, fp8_conv_available
+    from fastremover.fast.vae import FastWanVAE, fp8_conv_available
 
     if not fp8_conv_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 conv3d kernel / FP8 tensor cores")
@@ -1200,12 +1205,12 @@ def test_gpu_fp8_vae_path(monkeypatch):
     z = (torch.randn(1, 16, 5, 30, 52, generator=g)).to("cuda", F16)
     fp16 = FastWanVAE(vae, device="cuda", dtype=F16)
     fp8 = FastWanVAE(vae, device="cuda", dtype=F16, precision="fp8")
-    assert fp8.describe() == "fast-fp8" and fp8.fp8_convs > 0 and fp8.fp8_scales == "static"
+    assert fp8.describe() == "fast-fp8" and fp8.weights.fp8_convs > 0 and fp8.options.fp8_scales == "static"
     dyn = FastWanVAE(vae, device="cuda", dtype=F16, precision="fp8", options=FastVAEOptions(fp8_scales="dynamic"))
     a, b, d = fp16.decode(z), fp8.decode(z), dyn.decode(z)
     psnr, psnr_d = _psnr(b, a), _psnr(d, a)
     print(f"fp8 VAE decode vs fp16 fast VAE: static scales {psnr:.2f} dB, dynamic {psnr_d:.2f} dB over "
-          f"{fp8.fp8_convs} FP8 convs")
+          f"{fp8.weights.fp8_convs} FP8 convs")
     assert not torch.equal(a, b) and not torch.equal(b, d) and psnr >= 30.0 and psnr_d >= 30.0
     assert torch.equal(b, fp8.decode(z)), "static-scale FP8 decode is not deterministic"
 
@@ -1214,14 +1219,14 @@ def test_gpu_fp8_vae_path(monkeypatch):
 def test_row_stripes_change_nothing(tiny, encode_frames, monkeypatch):
     """stripe_mib: 1-frame conv steps and upsamplings in row stripes give the same result (the caches exactly the
     same frames, the outputs up to fp32 summation order), and the striped paths really run."""
-    from fastremover.fast import vae_fast
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae.conv import ConvDispatch
+    from fastremover.fast.vae import FastWanVAE
 
     vae, x, z, d = tiny
     plain = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(encode_frames=encode_frames))
     striped = FastWanVAE(vae, device="cpu", dtype=F32, options=FastVAEOptions(encode_frames=encode_frames,
                          stripe_mib=0.004))
-    calls = count_calls(monkeypatch, vae_fast.FastWanVAE, "_causal_striped")
+    calls = count_calls(monkeypatch, ConvDispatch, "causal_striped")
     assert rel_err(striped.decode(z), plain.decode(z)) <= 1e-6
     n_dec = calls["n"]
     assert n_dec > 0
@@ -1420,11 +1425,11 @@ def test_add_bias_in_place_on_4d_views_and_layouts(dtype, bias_dtype, monkeypatc
 
 def test_fast_vae_uses_the_bias_kernel_only_on_cuda():
     """The conv bias adds go through add_bias_ only on CUDA with our kernels; the CPU convs add their own."""
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1)), 0).eval()
-    assert FastWanVAE(vae, device="cpu", dtype=F32, kernels="triton")._bias_kernel is False
-    assert FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch")._bias_kernel is False
+    assert FastWanVAE(vae, device="cpu", dtype=F32, kernels="triton").convs.bias_kernel is False
+    assert FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch").convs.bias_kernel is False
 
 
 @pytest.mark.gpu
@@ -1485,7 +1490,7 @@ def tiny_big_bias():
 
 def _deferred_names(fast, ids):
     """The eager module names of the convs whose weights are in ids (the tap head's conv2d is not a module)."""
-    by_id = {id(c.weight): n for n, m in fast.vae.named_modules() if (c := fast._conv.get(m)) is not None}
+    by_id = {id(c.weight): n for n, m in fast.vae.named_modules() if (c := fast.weights.conv.get(m)) is not None}
     return {by_id.get(i, "tap_head") for i in ids}
 
 
@@ -1505,7 +1510,7 @@ def _expected_deferred(vae):
 def test_fuse_bias_is_bit_exact_with_the_interpreted_kernels(tiny_big_bias, dtype, n_frames, n_latents, monkeypatch):
     """fuse_bias=True gives the same latents and video bit for bit (Triton kernels in the interpreter), and it defers
     exactly the resblocks' conv1/conv2 and the attention proj."""
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae = tiny_big_bias
     g = gen(60)
@@ -1517,7 +1522,7 @@ def test_fuse_bias_is_bit_exact_with_the_interpreted_kernels(tiny_big_bias, dtyp
     for fuse in (False, True):
         fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", options=FastVAEOptions(pair=True,
                           fuse_bias=fuse))
-        assert fast.fuse_bias is fuse and fast.describe().endswith("+unfused-bias") is (not fuse)
+        assert fast.options.fuse_bias is fuse and fast.describe().endswith("+unfused-bias") is (not fuse)
         no_bias.clear()
         res[fuse] = (*fast.encode_removal_inputs(frames, mask), fast.decode(z))
         res[fuse, "deferred"] = _deferred_names(fast, no_bias) - {"tap_head"}
@@ -1531,15 +1536,15 @@ def test_fuse_bias_is_bit_exact_with_the_interpreted_kernels(tiny_big_bias, dtyp
 def test_fuse_bias_is_bit_exact_with_the_torch_kernels_and_stripes(tiny_big_bias, dtype, monkeypatch):
     """The CPU fallback (kernels="torch") too, through every path: two-pass and batch-2 encode, 1-frame encode steps,
     the padded output of a resblock before a downsample, and row stripes (decode and encode)."""
-    from fastremover.fast import vae_fast
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae.conv import ConvDispatch
+    from fastremover.fast.vae import FastWanVAE
 
     vae = tiny_big_bias
     g = gen(61)
     x = (torch.rand(2, 3, 9, 32, 48, generator=g) * 2 - 1).to(dtype)
     z = torch.randn(1, vae.config.z_dim, 3, 4, 6, generator=g).to(dtype)
     _cudnn_like_convs(monkeypatch)
-    striped = count_calls(monkeypatch, vae_fast.FastWanVAE, "_causal_striped")
+    striped = count_calls(monkeypatch, ConvDispatch, "causal_striped")
     out = {}
     for fuse in (False, True):
         kw = dict(device="cpu", dtype=dtype, kernels="torch")
@@ -1562,9 +1567,9 @@ def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype,
     (`_bias_kernel=False`): the same latents and video bit for bit, with the convs composed like ATen's cuDNN path
     (conv, then add_(bias)); and with True add_bias_ really runs (on conv3d and conv2d outputs, in the kernel and not
     only its eager fallback; with stripe_mib also inside the row-striped conv steps), with False never."""
-    from fastremover.fast import vae_fast
+    from fastremover.fast.vae.conv import ConvDispatch
     from fastremover.fast.kernels import residual
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     vae = tiny_big_bias
     g = gen(63)
@@ -1573,7 +1578,7 @@ def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype,
     z = torch.randn(1, vae.config.z_dim, n_latents, height // 8, 2, generator=g).to(dtype)
     _cudnn_like_convs(monkeypatch)
     calls, state = [], {"striping": 0}
-    orig_add, orig_striped = residual.add_bias_, FastWanVAE._causal_striped
+    orig_add, orig_striped = residual.add_bias_, ConvDispatch.causal_striped
 
     def counting_add(y, bias):
         calls.append((y.dim(), state["striping"] > 0))
@@ -1588,13 +1593,13 @@ def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype,
 
     monkeypatch.setattr(residual, "add_bias_", counting_add)  # FastWanVAE takes it from the module when built
     fallback = count_calls(monkeypatch, residual, "add_bias_reference_")
-    monkeypatch.setattr(vae_fast.FastWanVAE, "_causal_striped", striped)
+    monkeypatch.setattr(ConvDispatch, "causal_striped", striped)
     res, seen = {}, {}
     for bias_kernel in (False, True):
         fast = FastWanVAE(vae, device="cpu", dtype=dtype, kernels="triton", options=FastVAEOptions(pair=True,
                           fuse_bias=fuse_bias, stripe_mib=stripe_mib))
-        assert fast._bias_kernel is False  # off on the CPU by default; switched on as on CUDA
-        fast._bias_kernel = bias_kernel
+        assert fast.convs.bias_kernel is False  # off on the CPU by default; switched on as on CUDA
+        fast.convs.bias_kernel = bias_kernel
         calls.clear()
         fallback["n"] = 0
         res[bias_kernel] = (*fast.encode_removal_inputs(frames, mask), fast.decode(z))
@@ -1611,7 +1616,7 @@ def test_conv_bias_kernel_routing_is_bit_exact_interpreted(tiny_big_bias, dtype,
 
 def test_fuse_bias_skips_fp8_convs(monkeypatch):
     """An FP8 conv adds its bias in its own kernel: never deferred; the others still are."""
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     class FakeFP8:
         tma_available = staticmethod(lambda device: False)
@@ -1622,8 +1627,8 @@ def test_fuse_bias_skips_fp8_convs(monkeypatch):
         def causal_conv3d_fp8(prev, x, w_q, w_scale, bias, *, precise_acc=True):
             return F.conv3d(torch.cat([prev, x], dim=2), w_q, bias, padding=(0, 1, 1))
 
-    monkeypatch.setattr("fastremover.fast.vae_fast.fp8_conv_available", lambda: True)
-    monkeypatch.setattr(FastWanVAE, "_load_fp8", lambda self: FakeFP8)
+    monkeypatch.setattr("fastremover.fast.vae.conv.fp8_conv_available", lambda: True)
+    monkeypatch.setattr("fastremover.fast.vae.model.load_fp8", lambda device: FakeFP8)
     vae = random_init_(WanVAE(WanVAEConfig(base_dim=16, num_res_blocks=1)), 2).eval()
     _cudnn_like_convs(monkeypatch)
     plain = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
@@ -1631,11 +1636,11 @@ def test_fuse_bias_skips_fp8_convs(monkeypatch):
     fused = FastWanVAE(vae, device="cpu", dtype=F32, kernels="torch", precision="fp8",
                        options=FastVAEOptions(fuse_bias=True))
     convs = [r.conv1 for r in vae.decoder.up_blocks[0].resnets] + [r.conv1 for r in vae.decoder.up_blocks[-1].resnets]
-    fp8 = [m for m in convs if fused._conv[m].fp8 is not None]
-    not_fp8 = [m for m in convs if fused._conv[m].fp8 is None]
+    fp8 = [m for m in convs if fused.weights.conv[m].fp8 is not None]
+    not_fp8 = [m for m in convs if fused.weights.conv[m].fp8 is None]
     assert fp8 and not_fp8
-    assert all(fused._deferred(m) is None for m in fp8) and all(fused._deferred(m) is not None for m in not_fp8)
-    assert all(plain._deferred(m) is None for m in convs)
+    assert all(fused.convs.deferred(m) is None for m in fp8) and all(fused.convs.deferred(m) is not None for m in not_fp8)
+    assert all(plain.convs.deferred(m) is None for m in convs)
     z = torch.randn(1, 16, 3, 2, 3, generator=gen(62))
     assert torch.equal(plain.decode(z), fused.decode(z))
 
@@ -1663,7 +1668,7 @@ def test_gpu_fuse_bias_is_bit_exact_w2_chunk(dtype):
     bit-exactness cannot be asserted at all)."""
     _gpu_env()
     from fastremover import media
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     dev = torch.device("cuda")
     vae = random_init_(WanVAE(WanVAEConfig()), 1).eval()
@@ -1674,8 +1679,8 @@ def test_gpu_fuse_bias_is_bit_exact_w2_chunk(dtype):
     def run(fuse, pair, stripe_mib=None, bias_kernel=True):
         fast = FastWanVAE(vae, device=dev, dtype=dtype, options=FastVAEOptions(pair=pair, stripe_mib=stripe_mib,
                           fuse_bias=fuse))
-        assert fast._bias_kernel
-        fast._bias_kernel = bias_kernel
+        assert fast.convs.bias_kernel
+        fast.convs.bias_kernel = bias_kernel
         za, zb = fast.encode_removal_inputs(x, m)
         return za, zb, fast.decode(za)
 

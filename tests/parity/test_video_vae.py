@@ -8,7 +8,7 @@ import torch
 
 from fastremover.config import FastVAEOptions
 from fastremover.fast import vae_tiling as vt
-from fastremover.fast.vae_fast import FastWanVAE, build_vae
+from fastremover.fast.vae import FastWanVAE, build_vae
 from fastremover.models.loading import PRESETS, random_init_
 from fastremover.models.vae import WanVAE, WanVAEConfig
 from fastremover.vae_api import EagerVideoVAE, VideoVAE
@@ -129,8 +129,8 @@ def _live_peak(module, fast, op, frames, h, w, dtype):
     else:
         x = torch.zeros(1, fast.config.z_dim, (frames - 1) // 4 + 1, h // 8, w // 8, dtype=dtype, device="meta")
         fn = fast.decode
-    held = [x, *module.parameters(), *fast._gamma.values()]
-    for c in fast._conv.values():
+    held = [x, *module.parameters(), *fast.weights.gamma.values()]
+    for c in fast.weights.conv.values():
         held += [t for t in (c.weight, c.bias) if t is not None]
     meter = lab.LiveTensorBytes(held)
     with meter:

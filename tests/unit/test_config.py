@@ -178,12 +178,13 @@ def test_option_table_lists_every_option_once():
 def test_choice_lists_are_defined_once():
     """The engine, the registry, the parallel package and the fast VAE use config.py's lists themselves."""
     from fastremover import config
-    from fastremover.fast import engine, vae_fast
+    from fastremover.fast import engine
+    from fastremover.fast.vae import model as vae_model
     from fastremover.ops.attention import registry
     from fastremover.parallel import context
 
     assert engine.MODES is config.MODES and not hasattr(registry, "MODES")
-    assert context.TRANSPORTS is config.TRANSPORTS and vae_fast.VAE_PRECISIONS is config.VAE_PRECISIONS
+    assert context.TRANSPORTS is config.TRANSPORTS and vae_model.VAE_PRECISIONS is config.VAE_PRECISIONS
     assert list(engine.DTYPES) == list(config.PRECISIONS)
 
 
