@@ -1,4 +1,4 @@
-"""The linear-method seam (fastremover/fast/linear_methods.py): the registry, the typed FP8 activation, and the fast
+"""The linear-method seam (fastremover/ops/linear/registry.py): the registry, the typed FP8 activation, and the fast
 transformer running whatever method it is given (a test-registered dummy included) without knowing its name."""
 
 import gc
@@ -9,13 +9,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastremover.fast import linear_methods as lm
-from fastremover.fast.fp8 import Fp8Linear
 from fastremover.fast.kernels.quant import quant_fp8_rowwise_reference
-from fastremover.fast.nvfp4_linear import Nvfp4Linear, quantize_linears_nvfp4
 from fastremover.fast.transformer_fast import FastTransformer
 from fastremover.models.loading import random_init_
 from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
+from fastremover.ops.linear import registry as lm
+from fastremover.ops.linear.fp8_rowwise import Fp8Linear
+from fastremover.ops.linear.nvfp4 import Nvfp4Linear, quantize_linears_nvfp4
 
 TINY = RemoverTransformerConfig(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2, freq_dim=32)
 

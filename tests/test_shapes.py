@@ -116,7 +116,7 @@ def test_shape_buckets_option_and_the_pipeline_runs_on_canonical_shapes():
 
 
 def test_capture_rule():
-    from fastremover.fast import denoise
+    from fastremover.engine import denoise
 
     assert not denoise.capture_pays(12, 1)  # a shape seen once is never recorded
     assert denoise.capture_pays(12, 2)  # (provisional constants) recorded on its second call
@@ -147,7 +147,7 @@ def test_held_while_collects_what_the_caches_hand_out():
 
 
 def test_cudnn_attention_graphs_are_bounded_and_a_recording_keeps_its_own(monkeypatch):
-    from fastremover.fast import cudnn_sdpa
+    from fastremover.ops.attention import cudnn_fp8 as cudnn_sdpa
 
     monkeypatch.setattr(cudnn_sdpa, "_graphs", LRUCache(2))
     built = []
@@ -168,7 +168,8 @@ def test_cudnn_attention_graphs_are_bounded_and_a_recording_keeps_its_own(monkey
 
 
 def test_cublaslt_plans_and_conv_plans_are_lru_bounded(monkeypatch):
-    from fastremover.fast import cublaslt, cudnn_conv
+    from fastremover.fast import cudnn_conv
+    from fastremover.ops.linear import cublaslt
 
     assert isinstance(cublaslt._plans, LRUCache) and cublaslt._plans.max_items == cublaslt.MAX_PLANS
     assert isinstance(cudnn_sdpa_graphs(), LRUCache)
@@ -188,6 +189,6 @@ def test_cublaslt_plans_and_conv_plans_are_lru_bounded(monkeypatch):
 
 
 def cudnn_sdpa_graphs():
-    from fastremover.fast import cudnn_sdpa
+    from fastremover.ops.attention import cudnn_fp8 as cudnn_sdpa
 
     return cudnn_sdpa._graphs

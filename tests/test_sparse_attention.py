@@ -377,7 +377,7 @@ def test_sequence_parallelism_refuses_sparse_attention_before_building(monkeypat
     """The engine's build refuses a sparse backend for a context of several ranks (the layout permutes the whole
     sequence; the ranks hold slices of it) before it moves or builds anything, not at the first denoise step."""
     from fastremover.config import AttentionOptions, EngineConfig
-    from fastremover.fast import engine
+    from fastremover.engine import build as engine
     from fastremover.models.loading import random_models
     from fastremover.parallel.context import ParallelContext
 

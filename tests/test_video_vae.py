@@ -1,4 +1,4 @@
-"""The VideoVAE interface (fastremover/vae_api.py): both VAEs implement it, each with its own memory model, decode
+"""The VideoVAE interface (fastremover/engine/vae.py): both VAEs implement it, each with its own memory model, decode
 chunk by chunk equals the whole decode bit for bit, and the pipeline reaches its VAE only through it."""
 
 import inspect
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from fastremover.config import FastVAEOptions
-from fastremover.fast import vae_tiling as vt
+from fastremover.engine import tiling as vt
 from fastremover.fast.vae_fast import FastWanVAE, build_vae
 from fastremover.models.loading import PRESETS, random_init_
 from fastremover.models.vae import WanVAE, WanVAEConfig
-from fastremover.vae_api import EagerVideoVAE, VideoVAE
+from fastremover.engine.vae import EagerVideoVAE, VideoVAE
 from helpers import load_tool
 
 lab = load_tool("vae_tiling_check")  # the live-tensor-byte counter and the GPU check (lab code, tools/)

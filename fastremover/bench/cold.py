@@ -66,7 +66,7 @@ def _sha256(path: str | os.PathLike) -> str:
 
 def _pythonpath_env(extra: dict) -> dict:
     """The environment of a child process: this one's, with this checkout first on PYTHONPATH, plus `extra`."""
-    from fastremover.config import child_environment
+    from fastremover.env import child_environment
 
     return child_environment(extra, pythonpath_first=str(Path(__file__).resolve().parents[2]))
 
@@ -312,7 +312,7 @@ def capture_costs(pipe, latent_shapes: list[tuple], steps: int) -> dict:
     {"skipped": why} off CUDA or without a fast denoiser."""
     import torch
 
-    from fastremover.fast.denoise import FastDenoiser
+    from fastremover.engine.denoise import FastDenoiser
     from fastremover.schedulers import build_scheduler
 
     den = pipe.denoiser
@@ -379,7 +379,8 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
     import torch
 
     from fastremover.bench.harness import environment
-    from fastremover.config import EngineConfig, ModelSource, environment_set
+    from fastremover.config import EngineConfig, ModelSource
+    from fastremover.env import environment_set
     from fastremover.options import RunOptions
     from fastremover.worker import Job, RemovalWorker
 

@@ -12,7 +12,7 @@ Both are built on primitives each implementation provides (`encode`, `decode_ite
 override (`encode_removal_inputs`, the two removal encodes in one call). Each implementation owns its memory model:
 `memory_bytes(op, frames, height, width, batch)` is the peak tensor bytes of one untiled call, and
 `memory_budget()` the bytes a call may allocate now (None: memory is not planned, calls are never tiled). When the
-modelled peak does not fit, the calls run in spatial tiles (`fastremover.fast.vae_tiling`, the plan from that model);
+modelled peak does not fit, the calls run in spatial tiles (`fastremover.engine.tiling`, the plan from that model);
 a tiled decode has the whole video only after its last tile, so its chunks come at the end.
 
 Implementations: `EagerVideoVAE` (below: the eager `models.vae.WanVAE`, with the eager memory model of
@@ -82,7 +82,7 @@ class VideoVAE(ABC):
         whose host memory the VAE does not plan (calls there run untiled, as they always have)."""
         if self.device.type != "cuda":
             return None
-        from fastremover.fast.vae_tiling import default_budget_bytes
+        from fastremover.engine.tiling import default_budget_bytes
 
         return default_budget_bytes(self.device)
 
@@ -114,7 +114,7 @@ class VideoVAE(ABC):
         budget = self.memory_budget()
         if budget is None:
             return None
-        from fastremover.fast.vae_tiling import choose_tiling
+        from fastremover.engine.tiling import choose_tiling
 
         return choose_tiling(frames, height, width, self.dtype, budget, self.config, op=op, batch=batch,
                              call_bytes=lambda o, f, h, w: self.memory_bytes(o, f, h, w))
@@ -130,7 +130,7 @@ class VideoVAE(ABC):
         if plan is None:
             za, zb = self.encode_removal_inputs(frames, mask, progress)
         else:
-            from fastremover.fast.vae_tiling import encode_tiled
+            from fastremover.engine.tiling import encode_tiled
 
             def half(offset: int):
                 return (lambda done, total: progress(offset * total + done, 2 * total)) if progress else None
@@ -151,7 +151,7 @@ class VideoVAE(ABC):
         if plan is None:
             yield from self.decode_iter(z, progress)
             return
-        from fastremover.fast.vae_tiling import decode_tiled
+        from fastremover.engine.tiling import decode_tiled
 
         video = decode_tiled(self.decode, z, plan.tile_latent, plan.overlap_latent, progress)
         yield video[:, :, :1].clone()
@@ -195,7 +195,7 @@ class EagerVideoVAE(VideoVAE):
         return self.module.decode_iter(z, progress=progress)
 
     def memory_bytes(self, op: str, frames: int, height: int, width: int, batch: int = 1) -> int:
-        from fastremover.fast.vae_tiling import estimate_call_bytes
+        from fastremover.engine.tiling import estimate_call_bytes
 
         return batch * estimate_call_bytes(op, frames, height, width, self.dtype, self.config).total
 

@@ -3,7 +3,7 @@
 `FastWanVAE(vae)` runs the same math as `fastremover.models.vae.WanVAE` (whose weights it takes, converted once to
 channels-last on the target device/dtype), chunk by chunk exactly as the eager model does (encode: frame 0, then 4
 frames; decode: one latent frame, also as an iterator, `decode_iter`), behind the pipeline's
-`fastremover.vae_api.VideoVAE` interface with its own memory model (`memory_bytes`, which the tiling plan uses), with
+`fastremover.engine.vae.VideoVAE` interface with its own memory model (`memory_bytes`, which the tiling plan uses), with
 these changes:
 
 * Layout: every activation is channels-last ([B, C, T, H, W] with NDHWC memory; per-frame 2-D work on [B*T, C, H, W]
@@ -130,7 +130,7 @@ from fastremover.models.vae import (
     UpBlock,
     WanVAE,
 )
-from fastremover.vae_api import VideoVAE
+from fastremover.engine.vae import VideoVAE
 
 CL3 = torch.channels_last_3d
 CL2 = torch.channels_last
@@ -310,7 +310,7 @@ def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, 
             why = "the eager mode" if mode == "eager" else "no CUDA GPU"
             raise FastRemoverError(f"--vae-precision fp8 needs the fast VAE (a CUDA GPU and --mode exact or fast; "
                                    f"here: {why})")
-        from fastremover.vae_api import EagerVideoVAE
+        from fastremover.engine.vae import EagerVideoVAE
 
         eager = EagerVideoVAE(vae, device, dtype)
         return eager, eager.describe()
@@ -459,7 +459,7 @@ class FastWanVAE(VideoVAE):
         """The cuDNN plan chooser of the convs (fast/cudnn_conv.py: torch's bits, faster plans where cuDNN has them),
         or None: "auto" uses it where it can run (CUDA, fp16/bf16, cudnn-frontend) unless
         FASTREMOVER_CUDNN_CONV_PLANS=0; True raises where it cannot; False: torch's convs."""
-        from fastremover.config import kernel_tuning
+        from fastremover.env import kernel_tuning
         from fastremover.fast import cudnn_conv
 
         if conv_plans not in ("auto", True, False):
@@ -779,7 +779,7 @@ class FastWanVAE(VideoVAE):
                      one latent frame's chunk
         An upper bound checked against live tensor bytes of the torch-reference path (tests/test_video_vae.py); not
         seen: cuDNN workspaces and the allocator's rounding, which `choose_tiling`'s margin is for."""
-        from fastremover.fast.vae_tiling import _cache_elements
+        from fastremover.engine.tiling import _cache_elements
 
         if op not in ("encode", "decode"):
             raise ValueError(f"op must be 'encode' or 'decode', got {op!r}")

@@ -17,7 +17,12 @@ most recently used; a captured CUDA graph keeps the ones it recorded, fastremove
 CUDA-graph capturable like any other kernel launch.
 
 The package is optional (`pip install nvidia-cudnn-frontend`); `available()` says whether it imports and can build
-an FP8 graph on this device, and the attention registry (fast/attention.py) only offers the backend when it can.
+an FP8 graph on this device, and the registry only offers the backend when it can. torch and cudnn are imported on
+first use, so the registry (and the CLI's flag checks) load this module without them.
+
+The registry entry at the end: `cudnn-fp8` (alias `fp8`) quantizes q/k/v to per-tensor e4m3 codes with K and V
+centred (ops/attention/quantize.py) and hands its FP8 output (codes of (o - c) / sv) straight to the fast
+transformer's FP8 O projection.
 """
 
 from __future__ import annotations
@@ -26,12 +31,11 @@ import functools
 import math
 import threading
 
-import torch
-
 from fastremover.lru import LRUCache, used
+from fastremover.ops.attention.quantize import add_v_mean, needs_cuda, quantize_qkv
+from fastremover.ops.attention.registry import AttentionBackend, register
 from fastremover.timing import phase
 
-FP8 = torch.float8_e4m3fn
 MAX_GRAPHS = 16  # built graphs kept (per shape: one fp8 and one half graph; the denoiser keeps 4 captured shapes)
 P_SCALE = 448.0  # scale_s: P in [0, 1] -> codes in [0, 448]; descale_s = 1 / P_SCALE (a power-of-two-free constant)
 
@@ -57,6 +61,8 @@ _lock = threading.Lock()
 
 
 def _handle(device: torch.device):
+    import torch
+
     cudnn = _cudnn()
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
@@ -73,9 +79,11 @@ def _bhsd(t: torch.Tensor) -> tuple[list[int], list[int]]:
     return [b, h, s, d], [sb, sh, ss, sd]
 
 
-def _dtype(cudnn, dtype: torch.dtype):
+def _dtype(cudnn, dtype: "torch.dtype"):
+    import torch
+
     return {
-        FP8: cudnn.data_type.FP8_E4M3,
+        torch.float8_e4m3fn: cudnn.data_type.FP8_E4M3,
         torch.float16: cudnn.data_type.HALF,
         torch.bfloat16: cudnn.data_type.BFLOAT16,
         torch.float32: cudnn.data_type.FLOAT,
@@ -88,6 +96,8 @@ def _build(g, device: torch.device, all_plans: bool = False):
     Only the heuristics' first choice is built for real runs: picking the fastest of several plans by timing could
     pick differently in another process and change the output bits (runs must be reproducible). all_plans=True is
     for tools/bench_attention.py's plan survey."""
+    import torch
+
     cudnn = _cudnn()
     g.validate()
     g.build_operation_graph()
@@ -104,6 +114,8 @@ class _Graph:
 
     def _execute(self, pack: dict, device: torch.device, plan: int | None) -> None:
         """The heuristics' plan (plan None), or plan number `plan` (tools/bench_attention.py's survey)."""
+        import torch
+
         cudnn = _cudnn()
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(device).cuda_stream)
         if plan is None:
@@ -117,6 +129,8 @@ class _Fp8Graph(_Graph):
 
     def __init__(self, q, k, v, o_shape_stride, out_dtype: torch.dtype, attn_scale: float, device: torch.device,
                  all_plans: bool = False):
+        import torch
+
         cudnn = _cudnn()
         self.handle = _handle(device)
         g = cudnn.pygraph(
@@ -193,6 +207,8 @@ class _HalfGraph(_Graph):
 
 def sdpa_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp16/bf16 attention through cuDNN-frontend; q, k, v [B, S, H, D] (unit stride in D) -> [B, S, H, D]."""
+    import torch
+
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     attn_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -230,7 +246,7 @@ def sdpa_fp8(
     descale_k: torch.Tensor,
     descale_v: torch.Tensor,
     *,
-    out_dtype: torch.dtype = FP8,
+    out_dtype: "torch.dtype | None" = None,
     scale_o: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     attn_scale: float | None = None,
@@ -238,13 +254,18 @@ def sdpa_fp8(
     """FP8 attention. q, k, v float8_e4m3fn [B, S, H, D] (unit stride in D), descales fp32 [1] on the device.
 
     Returns o [B, S, H, D] contiguous in `out_dtype` (float8_e4m3fn: codes of o * scale_o, scale_o a fp32 [1] device
-    tensor, default 1 / descale_v (see the module docstring); fp16/bf16: real values, Blackwell only)."""
+    tensor, default 1 / descale_v (see the module docstring); fp16/bf16: real values, Blackwell only). out_dtype None:
+    float8_e4m3fn."""
+    import torch
+
+    fp8 = torch.float8_e4m3fn
+    out_dtype = fp8 if out_dtype is None else out_dtype
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != FP8 or t.ndim != 4 or t.stride(-1) != 1 or t.device.type != "cuda":
+        if t.dtype != fp8 or t.ndim != 4 or t.stride(-1) != 1 or t.device.type != "cuda":
             raise ValueError(f"sdpa_fp8: {name} must be a CUDA float8_e4m3fn [B, S, H, D] tensor with unit stride in D")
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"sdpa_fp8: q/k/v shapes differ: {list(q.shape)} {list(k.shape)} {list(v.shape)}")
-    if out_dtype == FP8 and scale_o is None:
+    if out_dtype == fp8 and scale_o is None:
         scale_o = torch.reciprocal(descale_v)
     if attn_scale is None:
         attn_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -256,8 +277,13 @@ def sdpa_fp8(
 
 
 @functools.lru_cache(maxsize=None)
-def supported(device_index: int, out_dtype: torch.dtype = FP8) -> str | None:
-    """None when an FP8 graph with `out_dtype` output builds and runs on this device, else why not."""
+def supported(device_index: int, out_dtype: "torch.dtype | None" = None) -> str | None:
+    """None when an FP8 graph with `out_dtype` output (None: float8_e4m3fn) builds and runs on this device, else why
+    not."""
+    import torch
+
+    fp8 = torch.float8_e4m3fn
+    out_dtype = fp8 if out_dtype is None else out_dtype
     why = import_error()
     if why:
         return why
@@ -265,10 +291,39 @@ def supported(device_index: int, out_dtype: torch.dtype = FP8) -> str | None:
     if torch.cuda.get_device_capability(device) < (9, 0):
         return "cuDNN FP8 attention needs Hopper (sm_90) or newer"
     try:
-        x = torch.randn(1, 256, 2, 128, device=device).to(FP8)
+        x = torch.randn(1, 256, 2, 128, device=device).to(fp8)
         one = torch.ones(1, device=device)
-        sdpa_fp8(x, x, x, one, one, one, out_dtype=out_dtype, scale_o=one if out_dtype == FP8 else None)
+        sdpa_fp8(x, x, x, one, one, one, out_dtype=out_dtype, scale_o=one if out_dtype == fp8 else None)
         torch.cuda.synchronize(device)
     except Exception as exc:  # cudnnGraphNotSupportedError, RuntimeError, ...
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The backend
+
+
+def fp8_cudnn(q, k, v, *, smooth_k: bool = True, smooth_v: bool = True):
+    q8, k8, v8, sq, sk, sv, *v_mean = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
+    o8 = sdpa_fp8(q8, k8, v8, sq, sk, sv)  # codes of o / sv (Hopper writes FP8 output)
+    return add_v_mean(o8.to(q.dtype).mul_(sv.view(())), v_mean[0] if v_mean else None)
+
+
+def codes(q8, k8, v8, sq, sk, sv, out_dtype=None):
+    return sdpa_fp8(q8, k8, v8, sq, sk, sv)
+
+
+def validate(device, dtype=None, shape=None) -> list[str]:
+    if device.type != "cuda":
+        return needs_cuda(device, "attention backend cudnn-fp8")
+    import torch
+
+    why = supported(device.index if device.index is not None else torch.cuda.current_device())
+    return [] if why is None else [f"cuDNN FP8 attention is not available: {why}"]
+
+
+BACKEND = register(AttentionBackend(
+    name="cudnn-fp8", label="cuDNN FP8 attention", aliases=("fp8",), call=fp8_cudnn, validate=validate,
+    priority={"exact": 2, "fast": 30}, precision="8bit", takes_codes=True, codes_call=codes, output="fp8-codes",
+))

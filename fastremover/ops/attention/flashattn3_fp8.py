@@ -8,7 +8,11 @@ kernels only (head dim 128, e4m3 and bf16 inputs, sm_90a) without a GPU against 
   centred, both exact under softmax), FA3's FP8 kernel (per-(batch, head) fp32 descale factors, bf16 output), then
   V's mean added back in the input dtype. V is centred for the same reason as with cuDNN: Hopper's FP8 MMA
   accumulates P @ V in reduced precision (flash-attention PR 2250).
-q, k, v are [B, S, H, D] with a unit stride in D (strided column views of the fused QKV projection work).
+q, k, v are [B, S, H, D] with a unit stride in D (strided column views of the fused QKV projection work); torch is
+imported on first use.
+
+The registry entry at the end: `flashattn3-fp8` (alias `fp8-flash3`): K and V centred, bf16 (o - c) out; the
+transformer may split the partial last wave of its 128-row query tiles into a second call (`row_split_block_m`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from __future__ import annotations
 import functools
 import math
 
-import torch
+from fastremover.ops.attention.quantize import add_v_mean, quantize_qkv
+from fastremover.ops.attention.registry import AttentionBackend, register
+
+BLOCK_M = 128  # the kernel's query tile (rows) at head dim 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,6 +36,8 @@ def import_error() -> str | None:
 
 
 def unavailable_reason(device: torch.device) -> str | None:
+    import torch
+
     if device.type != "cuda":
         return "FlashAttention-3 needs a CUDA GPU"
     if torch.cuda.get_device_capability(device) != (9, 0):
@@ -55,8 +64,27 @@ def flash3_fp8_codes(q8, k8, v8, sq, sk, sv) -> torch.Tensor:
 
 def flash3_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
                smooth_v: bool = True) -> torch.Tensor:
-    from fastremover.ops.attention.quantize import add_v_mean as _add_v_mean, quantize_qkv  # noqa: PLC0415
-
     q8, k8, v8, sq, sk, sv, *v_mean = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
     o = flash3_fp8_codes(q8, k8, v8, sq, sk, sv).to(q.dtype)
-    return _add_v_mean(o, v_mean[0] if v_mean else None)
+    return add_v_mean(o, v_mean[0] if v_mean else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The backend
+
+
+def validate(device, dtype=None, shape=None) -> list[str]:
+    why = unavailable_reason(device)
+    return [] if why is None else [why]
+
+
+def codes(q8, k8, v8, sq, sk, sv, out_dtype=None):
+    return flash3_fp8_codes(q8, k8, v8, sq, sk, sv)  # bf16 whatever out_dtype
+
+
+BACKEND = register(AttentionBackend(
+    name="flashattn3-fp8", label="FlashAttention-3's FP8 attention", aliases=("fp8-flash3",), call=flash3_fp8,
+    validate=validate, priority={"exact": 3, "fast": 40}, precision="8bit", takes_codes=True, codes_call=codes,
+    output="centred-16bit", row_split_block_m=BLOCK_M,
+    announce_if_skipped=False,  # built from source: its absence is the normal case, not worth a note
+))

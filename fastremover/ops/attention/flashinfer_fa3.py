@@ -9,10 +9,13 @@ FlashInfer's JIT (nvcc, a few minutes, cached under FLASHINFER_WORKSPACE_BASE).
 - `fa3_half(q, k, v)`: fp16/bf16 in and out, fp32 accumulation (no quantization: a candidate for the exact mode).
 - `fa3_fp8(q, k, v)`: our per-tensor e4m3 quantization (ops/attention/quantize.py's `quantize_qkv`: K mean-smoothed, V
   centred, both exact under softmax) and FlashInfer's FP8 kernel, fp16 output, then V's mean added back. Hopper's FP8
-  MMA accumulates P @ V in reduced precision like cuDNN's, so V is centred here too (see fast/attention.py).
+  MMA accumulates P @ V in reduced precision like cuDNN's, so V is centred here too (see cudnn_fp8.py).
 
 q, k, v are [B, S, H, D] with a unit stride in D (the fused QKV projection's strided column views work: the kernel
-takes row and head strides). B > 1 runs one call per batch item.
+takes row and head strides). B > 1 runs one call per batch item. torch and flashinfer are imported on first use.
+
+The registry entries at the end: `flashinfer-fa3` (alias `fa3`, fp16) and `flashinfer-fa3-fp8` (alias `fp8-fa3`; K and
+V centred; 16-bit (o - c) out).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import os
 import shutil
 import time
 
-import torch
+from fastremover.ops.attention.quantize import add_v_mean, quantize_qkv
+from fastremover.ops.attention.registry import AttentionBackend, register
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,6 +41,8 @@ def import_error() -> str | None:
 
 
 def unavailable_reason(device: torch.device) -> str | None:
+    import torch
+
     if device.type != "cuda":
         return "FlashInfer's FA3 kernels need a CUDA GPU"
     if torch.cuda.get_device_capability(device) != (9, 0):
@@ -56,16 +62,18 @@ def build_unavailable_reason() -> str | None:
             return None
     except Exception as exc:  # FlashInfer's spec generation refuses this setup (e.g. no CUDA arch to target)
         return f"FlashInfer cannot set up its FA3 modules here: {type(exc).__name__}: {str(exc)[:200]}"
-    from fastremover.config import cuda_home as cuda_home_dir
+    from fastremover.env import cuda_home as cuda_home_dir
 
     cuda_home = cuda_home_dir()
     if (cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc"))) or shutil.which("nvcc"):
         return None
     return ("FlashInfer's FA3 modules are not prebuilt and there is no nvcc to compile them (set CUDA_HOME, or "
-            "prebuild: python -m fastremover.fast.flashinfer_attention --build)")
+            "prebuild: python -m fastremover.ops.attention.flashinfer_fa3 --build)")
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    import torch
+
     from flashinfer.prefill import single_prefill_with_kv_cache  # noqa: PLC0415
 
     outs = [single_prefill_with_kv_cache(q[i], k[i], v[i], kv_layout="NHD", backend="fa3",
@@ -75,6 +83,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> tor
 
 
 def fa3_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    import torch
+
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"fa3_half takes fp16/bf16 q/k/v, got {q.dtype}")
     return _prefill(q, k, v)
@@ -85,8 +95,12 @@ def _per_head(scale: torch.Tensor, heads: int) -> torch.Tensor:
     return scale.reshape(1).float().expand(heads).contiguous()
 
 
-def fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=torch.float16) -> torch.Tensor:
-    """The kernel alone: e4m3 codes [B, S, H, D] and per-tensor dequantization factors in; out_dtype out."""
+def fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=None) -> torch.Tensor:
+    """The kernel alone: e4m3 codes [B, S, H, D] and per-tensor dequantization factors in; out_dtype (None:
+    fp16) out."""
+    import torch
+
+    out_dtype = torch.float16 if out_dtype is None else out_dtype
     h = q8.shape[2]
     return _prefill(q8, k8, v8, scale_q=_per_head(sq, h), scale_k=_per_head(sk, h), scale_v=_per_head(sv, h),
                     o_dtype=out_dtype)
@@ -94,20 +108,44 @@ def fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=torch.float16) -> torch.Tens
 
 def fa3_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
             smooth_v: bool = True) -> torch.Tensor:
-    from fastremover.ops.attention.quantize import add_v_mean as _add_v_mean, quantize_qkv  # noqa: PLC0415
-
     q8, k8, v8, sq, sk, sv, *v_mean = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v)
     o = fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=q.dtype)
-    return _add_v_mean(o, v_mean[0] if v_mean else None)
+    return add_v_mean(o, v_mean[0] if v_mean else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Prebuilding (GPU machine with nvcc): python -m fastremover.fast.flashinfer_attention --build --out-dir DIR
+# The backends
+
+
+def validate(device, dtype=None, shape=None) -> list[str]:
+    why = unavailable_reason(device)
+    return [] if why is None else [why]
+
+
+def codes(q8, k8, v8, sq, sk, sv, out_dtype=None):
+    return fa3_fp8_codes(q8, k8, v8, sq, sk, sv, out_dtype=out_dtype)
+
+
+HALF = register(AttentionBackend(
+    name="flashinfer-fa3", label="FlashInfer's FA3 attention", aliases=("fa3",), call=fa3_half, validate=validate,
+    priority={"exact": 20, "fast": 5},
+))
+FP8 = register(AttentionBackend(
+    name="flashinfer-fa3-fp8", label="FlashInfer's FA3 FP8 attention", aliases=("fp8-fa3",), call=fa3_fp8,
+    validate=validate, priority={"exact": 1, "fast": 4}, precision="8bit", takes_codes=True, codes_call=codes,
+    output="centred-16bit",
+))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Prebuilding (GPU machine with nvcc): python -m fastremover.ops.attention.flashinfer_fa3 --build --out-dir DIR
 # compiles the two modules this backend uses (head dim 128, fp16 and e4m3 inputs, fp16 output) in one ninja run and
 # copies each `<name>.so` to DIR. Placed at flashinfer/data/aot/<name>/<name>.so they load without a compiler.
 
 
 def jit_specs():
+    import torch
+
     from flashinfer.jit.attention.modules import gen_single_prefill_module  # noqa: PLC0415
 
     return [gen_single_prefill_module("fa3", dt, dt, torch.float16, 128, 128, 0, False, False, False)
