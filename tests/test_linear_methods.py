@@ -179,3 +179,32 @@ def test_nvfp4_method_in_the_fast_transformer_matches_the_eager_nvfp4_model():
         q = tiny_model(7)
         quantize_linears_nvfp4(q)
         FastTransformer(q, use_triton=False, linear_method="nvfp4-w4a4")
+
+
+def test_weights_flag_chooses_the_registered_method_end_to_end(monkeypatch):
+    """`--weights nvfp4` -> the plan's linear method -> the registry's entry -> the engine's build -> the eager
+    transformer's block linears: the build asks the registry (a replaced entry is the one that runs) and the layers
+    it leaves are the method's."""
+    from fastremover.config import EngineConfig, LinearOptions
+    from fastremover.engine.build import build
+    from fastremover.models.loading import random_models
+
+    real = lm.get("nvfp4")
+    calls = []
+
+    def prepare(transformer):
+        calls.append(transformer)
+        return real.prepare_eager(transformer)
+
+    lm.register(lm.LinearMethod("nvfp4", real.activation, real.build, real.build_fused, quantized=True,
+                                prepare_eager=prepare, report_key=real.report_key), replace=True)
+    try:
+        models = random_models("tiny", 0)
+        engine = build(models, EngineConfig(device="cpu", linears=LinearOptions(weights="nvfp4")))
+    finally:
+        lm.register(real, replace=True)
+    assert calls == [models.transformer]
+    assert engine.resolved.linear_method == "nvfp4" and engine.resolved.mode == "eager"
+    block = models.transformer.blocks[0]
+    assert isinstance(block.attn1.to_q, Nvfp4Linear) and isinstance(block.ffn.net[2], Nvfp4Linear)
+    assert engine.resolved.nvfp4["layers"] == 6 * len(models.transformer.blocks)
