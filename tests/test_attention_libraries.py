@@ -48,15 +48,15 @@ def test_refused_off_the_gpu_with_a_clear_error(name):
 
 
 @pytest.mark.parametrize("module,missing,remedy", [
-    ("flashinfer_attention", "flashinfer", "pip install flashinfer-python"),
-    ("flash3_attention", "flash_attn_interface", "tools/build_flash3.sh"),
+    ("flashinfer_fa3", "flashinfer", "pip install flashinfer-python"),
+    ("flashattn3_fp8", "flash_attn_interface", "tools/build_flash3.sh"),
 ])
 def test_availability_names_the_missing_piece(monkeypatch, module, missing, remedy):
     """On a GPU without the library the reason says what to do; off Hopper it says Hopper (import error and device
     capability faked: no GPU needed)."""
     import importlib
 
-    mod = importlib.import_module(f"fastremover.fast.{module}")
+    mod = importlib.import_module(f"fastremover.ops.attention.{module}")
     monkeypatch.setattr(mod, "import_error", lambda: f"ModuleNotFoundError: No module named '{missing}'")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     why = mod.unavailable_reason(torch.device("cuda", 0))

@@ -147,9 +147,9 @@ def test_held_while_collects_what_the_caches_hand_out():
 
 
 def test_cudnn_attention_graphs_are_bounded_and_a_recording_keeps_its_own(monkeypatch):
-    from fastremover.ops.attention import cudnn_fp8 as cudnn_sdpa
+    from fastremover.ops.attention import cudnn_fp8
 
-    monkeypatch.setattr(cudnn_sdpa, "_graphs", LRUCache(2))
+    monkeypatch.setattr(cudnn_fp8, "_graphs", LRUCache(2))
     built = []
 
     class Graph:
@@ -158,13 +158,13 @@ def test_cudnn_attention_graphs_are_bounded_and_a_recording_keeps_its_own(monkey
             built.append(key)
 
     with held_while() as held:
-        g1 = cudnn_sdpa._cached(("s", 1), lambda: Graph(1))
-        assert cudnn_sdpa._cached(("s", 1), lambda: Graph(1)) is g1 and built == [1]  # a hit
+        g1 = cudnn_fp8._cached(("s", 1), lambda: Graph(1))
+        assert cudnn_fp8._cached(("s", 1), lambda: Graph(1)) is g1 and built == [1]  # a hit
     for k in (2, 3, 4):
-        cudnn_sdpa._cached(("s", k), lambda k=k: Graph(k))
-    assert len(cudnn_sdpa._graphs) == 2 and ("s", 1) not in cudnn_sdpa._graphs  # evicted from the cache...
+        cudnn_fp8._cached(("s", k), lambda k=k: Graph(k))
+    assert len(cudnn_fp8._graphs) == 2 and ("s", 1) not in cudnn_fp8._graphs  # evicted from the cache...
     assert held == [g1]  # ...but the recording that used it still holds it
-    assert cudnn_sdpa._cached(("s", 1), lambda: Graph(1)) is not g1 and built == [1, 2, 3, 4, 1]
+    assert cudnn_fp8._cached(("s", 1), lambda: Graph(1)) is not g1 and built == [1, 2, 3, 4, 1]
 
 
 def test_cublaslt_plans_and_conv_plans_are_lru_bounded(monkeypatch):
@@ -189,6 +189,6 @@ def test_cublaslt_plans_and_conv_plans_are_lru_bounded(monkeypatch):
 
 
 def cudnn_sdpa_graphs():
-    from fastremover.ops.attention import cudnn_fp8 as cudnn_sdpa
+    from fastremover.ops.attention import cudnn_fp8
 
-    return cudnn_sdpa._graphs
+    return cudnn_fp8._graphs

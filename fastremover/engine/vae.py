@@ -16,7 +16,7 @@ modelled peak does not fit, the calls run in spatial tiles (`fastremover.engine.
 a tiled decode has the whole video only after its last tile, so its chunks come at the end.
 
 Implementations: `EagerVideoVAE` (below: the eager `models.vae.WanVAE`, with the eager memory model of
-`vae_tiling.estimate_call_bytes`) and `fastremover.fast.vae_fast.FastWanVAE` (its own model).
+`tiling.estimate_call_bytes`) and `fastremover.fast.vae_fast.FastWanVAE` (its own model).
 
 Numerics: `decode_latents` is `torch.cat(list(decode_latents_iter(...)), dim=2)` bit for bit, and
 `decode_iter(z)` yields exactly the frames `decode(z)` returns (each implementation's decode is its decode_iter
@@ -78,7 +78,7 @@ class VideoVAE(ABC):
 
     def memory_budget(self) -> int | None:
         """Bytes a call may allocate now; None: memory is not planned (calls are never tiled). Default: 0.9 of what
-        a new allocation can still get on a CUDA device (`vae_tiling.default_budget_bytes`); None on other devices,
+        a new allocation can still get on a CUDA device (`tiling.default_budget_bytes`); None on other devices,
         whose host memory the VAE does not plan (calls there run untiled, as they always have)."""
         if self.device.type != "cuda":
             return None
@@ -107,7 +107,7 @@ class VideoVAE(ABC):
     # -- what the pipeline calls -------------------------------------------------------------------------------------
 
     def tile_plan(self, op: str, frames: int, height: int, width: int, batch: int = 1):
-        """The spatial tiling an `op` call of this size needs under `memory_budget()` (a vae_tiling.TilePlan), or
+        """The spatial tiling an `op` call of this size needs under `memory_budget()` (a tiling.TilePlan), or
         None when it runs untiled. Uses this VAE's own `memory_bytes`."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -169,7 +169,7 @@ class VideoVAE(ABC):
 
 class EagerVideoVAE(VideoVAE):
     """The eager `WanVAE` (reference-order modules) as a VideoVAE, with the eager memory model
-    (`vae_tiling.estimate_call_bytes`, validated against live tensor bytes in tests/test_vae_tiling.py)."""
+    (`tiling.estimate_call_bytes`, validated against live tensor bytes in tests/test_tiling.py)."""
 
     def __init__(self, vae: WanVAE, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         if device is not None or dtype is not None:
