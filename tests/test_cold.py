@@ -91,8 +91,9 @@ def test_timings_json_of_a_remove_run(clip, tmp_path, capsys):
     assert {"imports", "weights_init", "host_to_device", "quantize", "vae_setup"} <= set(data["phases_s"])
     assert len(data["windows_s"]) == 1 and data["num_frames"] == 5 and "denoise" in data["stages_s"]
     assert data["cache"]["root"] and data["engine"]["mode"] == "eager"
+    before = video.read_bytes()
     assert main(["remove", str(video), "--mask", str(mask), "-o", str(out), "--timings-json", str(video)]) == 2
-    assert "--video" in capsys.readouterr().err
+    assert "--timings-json" in capsys.readouterr().err and video.read_bytes() == before
 
 
 # ----------------------------------------------------------------------------------------------------------------------
