@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--cold: also time the clip with canonical run shapes off and on (RunOptions.shape_buckets)")
     cold.add_argument("--capture-costs", action="store_true",
                       help="--cold, CUDA: an eager step, a replayed step and the graph recording per run shape (the "
-                      "costs of fast/denoise.capture_pays)")
+                      "costs of engine/denoise.capture_pays)")
     cold.add_argument("--cold-clip", default=None, metavar="FxWxH",
                       help="--cold: another clip size than the workload's, e.g. 9x96x64 (quick checks)")
 

@@ -1,5 +1,5 @@
 """Fewer run shapes and bounded per-shape state: the canonical sizes of crop boxes and last windows
-(fastremover/windows.py), the capture rule of the denoise loop (fast/denoise.capture_pays), and the LRU bounds of the
+(fastremover/windows.py), the capture rule of the denoise loop (engine/denoise.capture_pays), and the LRU bounds of the
 library caches (cuDNN attention graphs, cuBLASLt plans, cuDNN conv plans) with the objects a captured graph keeps."""
 
 import numpy as np

@@ -20,7 +20,7 @@ and in this process, after them:
     padding_cost         (flag) the clip with `shape_buckets` 0 and the default, warm: the time and pixels the
                          canonical shapes add, and the run shapes each gives
     capture_costs        (flag, CUDA) per latent shape of the run: an eager step, a replayed step and the recording
-                         of the denoise loop as a CUDA graph (the costs fast/denoise.capture_pays uses)
+                         of the denoise loop as a CUDA graph (the costs engine/denoise.capture_pays uses)
 
 The engine's processes write `--timings-json` (fastremover/timing.py): the cold run's `phases` come from there
 (start-up until the CLI's main, imports, weight read, host-to-device, quantization, Triton compiles, autotuning,
@@ -308,7 +308,7 @@ def padding_cost(pipe, frames, mask, options, warm_runs: int) -> dict:
 
 def capture_costs(pipe, latent_shapes: list[tuple], steps: int) -> dict:
     """Per latent shape [1, 16, T, H, W]: one eager step, one replayed step of the recorded loop, and the recording
-    itself (seconds), on the pipeline's fast denoiser; the constants of fast/denoise.capture_pays come from these.
+    itself (seconds), on the pipeline's fast denoiser; the constants of engine/denoise.capture_pays come from these.
     {"skipped": why} off CUDA or without a fast denoiser."""
     import torch
 

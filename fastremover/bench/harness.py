@@ -260,7 +260,7 @@ def fidelity_options(inputs: BenchInputs, steps: int, seed: int, schedule: str =
 
 def engine_warmups(pipe: RemovalPipeline) -> int:
     """Untimed requests before a warm measurement: enough for the denoiser to have recorded its CUDA graphs
-    (fast/denoise.capture_pays: a shape is recorded on its CAPTURE_AFTER_CALLS-th call), else one."""
+    (engine/denoise.capture_pays: a shape is recorded on its CAPTURE_AFTER_CALLS-th call), else one."""
     if getattr(pipe.denoiser, "cuda_graphs", False) and pipe.device.type == "cuda":
         from fastremover.engine.denoise import CAPTURE_AFTER_CALLS
 

@@ -298,7 +298,7 @@ def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, 
               options: FastVAEOptions = FastVAEOptions()):
     """The VideoVAE the pipeline runs for an (already resolved) engine mode: (vae, description).
 
-    eager mode, or no CUDA GPU: the eager `WanVAE` moved to device/dtype, as a `vae_api.EagerVideoVAE` ("eager");
+    eager mode, or no CUDA GPU: the eager `WanVAE` moved to device/dtype, as an `engine.vae.EagerVideoVAE` ("eager");
     exact/fast on CUDA: a `FastWanVAE` (its description, e.g. "fast-fp16"; the eager module stays where it is, so its
     weights are not held twice on the GPU; `options`: its switches). precision "fp8" needs the fast VAE: a clear
     error otherwise."""
