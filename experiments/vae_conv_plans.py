@@ -114,7 +114,7 @@ def main() -> int:
         print("needs a CUDA GPU")
         return 2
     from fastremover import media
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
     from fastremover.models.loading import PRESETS, random_init_
     from fastremover.models.vae import WanVAE, WanVAEConfig
 

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from fastremover.bench.harness import fidelity_options, synthetic_inputs
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
     from fastremover.models.loading import random_models
     from fastremover.pipeline import RemovalPipeline
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     res["pipeline_decode"] = timed(lambda: pipe.decode(latents))
     res["vae_decode_direct"] = timed(lambda: vae.decode(z))  # the pipeline's VAE with its own (default) steps
     if isinstance(vae, FastWanVAE):
-        res["vae_decode_frames_setting"] = str(vae.decode_frames)
+        res["vae_decode_frames_setting"] = str(vae.options.decode_frames)
         for frames in (1, 2, None):
             other = FastWanVAE(models.vae, device=vae.device, dtype=vae.dtype,
                                options=FastVAEOptions(decode_frames=frames))

@@ -215,7 +215,7 @@ class TransformerOptions:
 
 @dataclass(frozen=True)
 class FastVAEOptions:
-    """The fast VAE's (fast/vae_fast.py, `FastWanVAE`) switches: the defaults are what runs; tools and tests set the
+    """The fast VAE's (fast/vae/, `FastWanVAE`) switches: the defaults are what runs; tools and tests set the
     others to compare or to bound memory. Each is explained in FastWanVAE's docstring."""
 
     encode_frames: int | str | None = _opt("auto", help="frames per step of the encoder's full-resolution level")

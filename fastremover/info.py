@@ -63,8 +63,8 @@ def collect_info() -> dict:
 
 
 def _vae_paths(device: torch.device) -> dict[str, str]:
-    """Which VAE each --vae-precision runs here (fastremover.fast.vae_fast.build_vae is what the pipeline uses)."""
-    from fastremover.fast.vae_fast import fp8_conv_available
+    """Which VAE each --vae-precision runs here (fastremover.fast.vae.build_vae is what the pipeline uses)."""
+    from fastremover.fast.vae import fp8_conv_available
 
     fast = device.type == "cuda"
     sm90 = fast and torch.cuda.get_device_capability(device) >= (9, 0)  # TMA: sub-pixel upsampling, static FP8 scales

@@ -179,7 +179,7 @@ WRITER_DEPTH = 8
 #: Bytes per pixel of each held frame: RGB input and output (3 + 3), the dilated mask (1), and the window's transient
 #: working copies (the fill and its composite, window masks), about 8 more. (Measured: 720p, the default window and
 #: the classic fill peak at 1.7 GB RSS, about 14 bytes per pixel of each of the 106 held frames above the 0.3 GB the
-#: process starts with; tests/test_stream.py.)
+#: process starts with; tests/e2e/test_stream.py.)
 BYTES_PER_HELD_PIXEL = 3 + 3 + 1 + 8
 
 

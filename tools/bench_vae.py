@@ -5,8 +5,8 @@
 Per run: encode (both removal inputs) and decode time (CUDA events, medians of --repeats after a warm-up), peak memory
 per stage (absolute and above the stage's start), PSNR of the decoded video against the reference's (decode of the
 same latents, and the round trip through each VAE's own encoder), cosine of the latents; variants of FastWanVAE's
-switches as requested. `--device cpu --preset tiny` is a smoke run. (Moved here from `python -m
-fastremover.fast.vae_fast --bench`; same options, `--bench` still accepted.)
+switches as requested. `--device cpu --preset tiny` is a smoke run. (`--bench` is accepted and ignored: the
+flag of this bench's first home, inside the package.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from fastremover.config import VAE_PRECISIONS, FastVAEOptions, option_table
-from fastremover.fast.vae_fast import FastWanVAE
+from fastremover.fast.vae import FastWanVAE
 from fastremover.models.vae import WanVAE
 
 CHOICES = {row["option"]: row["choices"] for row in option_table()}
@@ -89,7 +89,7 @@ def bench(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python tools/bench_vae.py",
                                 description="FastWanVAE vs diffusers' AutoencoderKLWan on one GPU (random weights)")
-    p.add_argument("--bench", action="store_true", help="accepted for the old `python -m fastremover.fast.vae_fast --bench` form")
+    p.add_argument("--bench", action="store_true", help="accepted and ignored (the old form)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--frames", type=int, default=81)
     p.add_argument("--height", type=int, default=480)
@@ -226,7 +226,7 @@ def bench(argv: list[str] | None = None) -> int:
                                                  pad_rgb=not args.no_pad_rgb, tap_head=not args.no_tap_head,
                                                  pad_encoder=args.pad_encoder, **v))
         name = (f"fast ({fast.describe()}, pair={v['pair']}, cudnn.benchmark={v['cudnn_benchmark']}, "
-                f"pad {fast.pad_channels}"
+                f"pad {fast.options.pad_channels}"
                 + (f", stripes {v['stripe_mib']} MiB)" if v.get("stripe_mib") else ")"))
         r, (za, zb, vid) = _measure(name, lambda: fast.encode_removal_inputs(x, m), fast.decode, z_gpu, device,
                                     args.repeats)
@@ -246,7 +246,7 @@ def bench(argv: list[str] | None = None) -> int:
             "encode_frames": fast.frames_per_step("encode", args.height, args.width),  # None: whole chunks
             "decode_frames": fast.frames_per_step("decode", args.height, args.width),
             "frames_setting": [args.encode_frames, args.decode_frames],
-            "fp8_convs": fast.fp8_convs,
+            "fp8_convs": fast.weights.fp8_convs,
             "psnr_db": round(10 * math.log10(1 / mse), 3) if mse > 0 else math.inf,
             "psnr_min_frame_db": round(float(psnr.min()), 3),
             "latent_cos_masked": round(cosine(za.float().cpu(), za_ref), 7),
@@ -256,15 +256,10 @@ def bench(argv: list[str] | None = None) -> int:
             "speedup_vs_reference": round(r_ref["vae_total_s"] / r["vae_total_s"], 3),
             "peak_ratio_vs_reference": _ratio(r["stage_peak_gib"], r_ref["stage_peak_gib"]),
             "working_memory_ratio_vs_reference": _ratio(r["stage_peak_delta_gib"], r_ref["stage_peak_delta_gib"]),
-            "fuse_bias": fast.fuse_bias,
-            "pad_channels": fast.pad_channels,
-            "pad_encoder": fast.pad_encoder,
-            "fp8_precise_acc": fast.fp8_precise_acc,
-            "fp8_max_channels": fast.fp8_max_channels,
-            "fp8_encoder_max_channels": fast.fp8_encoder_max_channels,
-            "fp8_scales": fast.fp8_scales,
-            "upsample_conv": fast.upsample_conv,
-            "conv_plans": fast.conv_plans.report() if fast.conv_plans is not None else None,
+            **{k: getattr(fast.options, k) for k in ("fuse_bias", "pad_channels", "pad_encoder", "fp8_precise_acc",
+                                                     "fp8_max_channels", "fp8_encoder_max_channels", "fp8_scales",
+                                                     "upsample_conv")},
+            "conv_plans": fast.convs.plans.report() if fast.convs.plans is not None else None,
         })
         if args.fuse_bias:
             outs = tuple(t.cpu() for t in (za, zb, vid))

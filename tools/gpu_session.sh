@@ -9,8 +9,7 @@
 #   kernels          kernel micro-benchmarks: fused elementwise, attention backends, FP8 conv3d, fast VAE, profiles
 #   bench:ARGS       one `fastremover bench ARGS` (each mode's JSON is written as soon as that mode finishes)
 #   conv:ARGS        the FP8 conv3d kernel bench (`tools/bench_conv3d_fp8.py --bench ARGS`, JSON in $OUT/conv3d.json)
-#   vae:ARGS         the fast VAE bench (tools/bench_vae.py, or `vae_fast --bench` where that script is not there
-#                    yet; ARGS as for it, JSON in $OUT/vae.json)
+#   vae:ARGS         the fast VAE bench (tools/bench_vae.py; ARGS as for it, JSON in $OUT/vae.json)
 #   pytest:ARGS      pytest ARGS (log appended to $OUT/pytest.log)
 #   py:SCRIPT ARGS   python3 SCRIPT ARGS (experiments; write JSON to $OUT yourself via --out)
 #   flash3-variants  experiments/flash3_variants.py for the stock build (.fa3) and each carried variant build

@@ -214,7 +214,7 @@ def compare_graph_steps(model, workload: str, labels: list[str], attention: str 
 
 
 def profile_vae(workload: str = "w2", precision: str = "auto") -> dict:
-    from fastremover.fast.vae_fast import FastWanVAE
+    from fastremover.fast.vae import FastWanVAE
 
     frames, height, width = WORKLOADS[workload]
     vae = random_models("minimax-remover", seed=0).vae

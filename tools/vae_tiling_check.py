@@ -4,8 +4,8 @@
     python tools/vae_tiling_check.py --gpu-check [--fast] [--frames 81] [--height 1088] [--width 1920] [--cap-gib 24]
 
 Prints `gpu_check`'s JSON (the plan, tiles, peak memory, the memory model against the allocator).
-`LiveTensorBytes` / `measure_call_bytes` count the tensor bytes a call keeps alive; tests/test_vae_tiling.py and
-tests/test_video_vae.py validate the memory models of fastremover/engine/tiling.py and the fast VAE with them, and
+`LiveTensorBytes` / `measure_call_bytes` count the tensor bytes a call keeps alive; tests/parity/test_vae_tiling.py and
+tests/parity/test_video_vae.py validate the memory models of fastremover/engine/tiling.py and the fast VAE with them, and
 run the GPU check as a GPU test.
 """
 
@@ -182,7 +182,7 @@ def gpu_check(
         # fast=True: through the pipeline's fast VAE (exact/fast modes), tiles planned with its own memory model
         runner, call_bytes = vae, None
         if fast:
-            from fastremover.fast.vae_fast import FastWanVAE
+            from fastremover.fast.vae import FastWanVAE
 
             runner = FastWanVAE(vae, device=dev, dtype=dtype)
             call_bytes = runner.memory_bytes

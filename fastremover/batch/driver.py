@@ -77,7 +77,6 @@ def run_batch(plan: BatchPlan, source: ModelSource, config: EngineConfig | None 
 
         def on_done(task: ClipTask, entry: dict) -> None:
             if entry["status"] == "ok":  # the record first: a batch killed after it has the clip done
-                mark_written(plan, [task.job.output])
                 write_record(plan, task, keys[task.index], {k: entry.get(k) for k in RECORDED})
             summary.wall_s = time.perf_counter() - start
             bars.done(task, entry)
@@ -85,6 +84,9 @@ def run_batch(plan: BatchPlan, source: ModelSource, config: EngineConfig | None 
 
         try:
             if order:
+                # Listed before any worker can write them: a batch killed after a worker wrote an output, before the
+                # driver heard of it, still finds that output ours when it is run again.
+                mark_written(plan, [task.job.output for task in order])
                 _run(order, source, config, runner, on_done)
         finally:
             bars.close()

@@ -47,7 +47,7 @@ from fastremover.outputs import VIDEO_OUTPUTS, is_ours_by_name
 from fastremover.worker import DEFAULT_MAX_DECODED_GIB, Job
 
 #: Endings read as videos and as images (= fastremover.media.VIDEO_EXTENSIONS / IMAGE_EXTENSIONS, kept here so
-#: planning imports no media library; tests/test_batch.py checks they agree).
+#: planning imports no media library; tests/e2e/test_batch.py checks they agree).
 VIDEO_ENDINGS = frozenset(
     {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".gif", ".mpg", ".mpeg", ".ts", ".mts", ".m2ts",
      ".wmv", ".flv", ".3gp", ".ogv"}

@@ -221,7 +221,7 @@ def diffusers_scheduler(scheduler_config: dict):
 def set_diffusers_timesteps(scheduler, steps: int, device, schedule: str = DEFAULT_SCHEDULE) -> None:
     """`scheduler.set_timesteps` for `steps` steps with `schedule` (fastremover.schedulers.SCHEDULES). UniPC's
     "minimax-remover" schedule is diffusers 0.33.1's: given that release's unshifted sigmas, diffusers >= 0.38 shifts
-    them exactly as 0.33.1 did (tests/test_schedule_released.py checks the result against 0.33.1's values). Euler's
+    them exactly as 0.33.1 did (tests/parity/test_schedule_released.py checks the result against 0.33.1's values). Euler's
     schedule is the same under both names."""
     check_schedule(schedule)
     if schedule == "minimax-remover" and type(scheduler).__name__ == "UniPCMultistepScheduler":

@@ -241,7 +241,7 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
                                   requested_mode=config.mode, vae="none", vae_precision=config.vae.precision,
                                   weights=config.linears.weights, tuning=tuning, config=config.describe())
         return Engine(None, None, resolved, plan)
-    from fastremover.fast.vae_fast import build_vae
+    from fastremover.fast.vae import build_vae
     from fastremover.timing import phase
 
     notes = list(plan.mode_notes)

@@ -41,7 +41,7 @@ storage's size and subtracts it when the storage is freed; `LiveTensorBytes` in 
 meta device, which runs the CUDA code path of `WanVAE` (F.conv3d, F.normalize) without computing, decode matches the
 measurement to the byte
 (>= 9 frames; fewer frames never reach the steady state, the model then overestimates) and encode within +0.3 %,
-for the real config and the tiny preset, fp16 and fp32 (tests/test_vae_tiling.py); a tiled 81 x 1088 x 1920 run on
+for the real config and the tiny preset, fp16 and fp32 (tests/parity/test_vae_tiling.py); a tiled 81 x 1088 x 1920 run on
 meta (2 x 1 tiles of 624 x 1920) measured 10.03 GiB encode / 14.52 GiB decode against 10.06 / 14.68 modelled.
 What it does not see: cuDNN workspaces, caching-allocator rounding and fragmentation, and SDPA internals (the
 mid-block attention runs at 1/64 of the pixels, between the full-resolution peaks); `choose_tiling` multiplies by

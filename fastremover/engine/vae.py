@@ -16,7 +16,7 @@ modelled peak does not fit, the calls run in spatial tiles (`fastremover.engine.
 a tiled decode has the whole video only after its last tile, so its chunks come at the end.
 
 Implementations: `EagerVideoVAE` (below: the eager `models.vae.WanVAE`, with the eager memory model of
-`tiling.estimate_call_bytes`) and `fastremover.fast.vae_fast.FastWanVAE` (its own model).
+`tiling.estimate_call_bytes`) and `fastremover.fast.vae.FastWanVAE` (its own model).
 
 Numerics: `decode_latents` is `torch.cat(list(decode_latents_iter(...)), dim=2)` bit for bit, and
 `decode_iter(z)` yields exactly the frames `decode(z)` returns (each implementation's decode is its decode_iter
@@ -169,7 +169,7 @@ class VideoVAE(ABC):
 
 class EagerVideoVAE(VideoVAE):
     """The eager `WanVAE` (reference-order modules) as a VideoVAE, with the eager memory model
-    (`tiling.estimate_call_bytes`, validated against live tensor bytes in tests/test_tiling.py)."""
+    (`tiling.estimate_call_bytes`, validated against live tensor bytes in tests/parity/test_tiling.py)."""
 
     def __init__(self, vae: WanVAE, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         if device is not None or dtype is not None:

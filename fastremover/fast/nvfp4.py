@@ -36,7 +36,7 @@ The issue's idealized `e2m1(x * (global_sf / sf))` is the same up to the roundin
 reciprocal="exact" every step above is an IEEE operation and this module reproduces it bit for bit on the CPU.
 rcp.approx.ftz.f32 has no public bit-level definition (PTX promises a maximum error of 1 ulp and flushes subnormals),
 so it is NOT emulated here: the Triton quantizer (kernels/nvfp4.py) uses the instruction itself on the GPU
-(reciprocal="approx"), which is what tests/test_nvfp4_gpu.py compares with FlashInfer.
+(reciprocal="approx"), which is what tests/kernels/test_nvfp4_gpu.py compares with FlashInfer.
 
 Dequantization: w_unit = e2m1 * float(sf) is exact in fp32, fp16 and bf16 (at most 2 x 4 significant bits, within
 range), so the W4A16 GEMM feeds w_unit to 16-bit MMAs unrounded and applies alpha = fl(1 / global_sf) once to the fp32

@@ -47,7 +47,7 @@ max|centre|). The attention's 16-bit output o - c is bounded by 1.125 max|v - c|
 The FFN's GELU output is quantized with a static per-tensor bound as well (`Conditioning.ffn_amax`, no amax pass):
 |h_j| = |n . w_j + b_j| <= ||n|| ||w_j|| + |b_j| (Cauchy-Schwarz) with ||n|| <= sqrt(D) max|1 + scale| + ||shift||
 for the modulated LayerNorm output n (||LN(x)|| <= sqrt(D)), and |gelu(h)| <= max(h, 0.17). On the tiny test model
-it is 4-6x the true amax (tests/test_fast_transformer.py asserts it holds and stays under 100x); e4m3 is a
+it is 4-6x the true amax (tests/parity/test_fast_transformer.py asserts it holds and stays under 100x); e4m3 is a
 floating-point format, so a looser scale costs nothing until values fall below 2^-6 of it (the subnormals).
 """
 

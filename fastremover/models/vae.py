@@ -177,7 +177,7 @@ class WanVAEConfig:
 
 
 # ATen runs an fp32 CPU conv3d with batch 1 (and a kernel of at most 3x3 in space) on its slow reference kernel
-# unless N*C*T*H exceeds this (`use_mkldnn` in aten/src/ATen/native/Convolution.cpp); tests/test_vae.py checks it.
+# unless N*C*T*H exceeds this (`use_mkldnn` in aten/src/ATen/native/Convolution.cpp); tests/parity/test_vae.py checks it.
 _ATEN_MKLDNN_MIN_NCTH = 20480
 
 

@@ -9,7 +9,7 @@
 Round-trip bound (fp8), per element of a (row, head) with scale s: |x - x'| <= 2^-4 |x| + 2^-10 s, plus the final
 rounding to the model dtype. e4m3 keeps 3 mantissa bits (half an ulp = 2^-4 relative) down to 2^-6, below which the
 subnormal spacing is 2^-9 (half: 2^-10) in units of s; the codes never saturate because |x / s| <= 448 by
-construction. tests/test_parallel.py checks this bound element by element.
+construction. tests/parallel/test_parallel.py checks this bound element by element.
 
 Values that already are 8-bit codes (the fast mode's q/k/v for an 8-bit attention, per-tensor scales) travel as
 their bytes under either setting: nothing is quantized twice.

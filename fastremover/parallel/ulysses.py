@@ -8,7 +8,7 @@ adaLN, the norms and every GEMM. Attention needs all tokens, so around it one al
 and a second one turns the attention output back. The backend itself is not touched: it sees a [B, S, H/N, D]
 problem, and each head's attention is the same computation as in one process (heads are independent), so with the
 "fp16" transport the result equals the single-process attention up to the backend's own dependence on the head
-count (none for torch SDPA on the CPU: tests/test_parallel.py checks torch.equal).
+count (none for torch SDPA on the CPU: tests/parallel/test_parallel.py checks torch.equal).
 
 q, k and v travel in one all-to-all (stacked), since the engine projects them with one fused GEMM; the output
 travels in a second one. With head_groups G > 1, each rank's H/N heads go in G groups: group g+1's exchange is

@@ -22,7 +22,7 @@ on its halo-extended slab, with the CPU kernel chosen as one process chooses it 
 whole frame's height) and the slab kept in the frame's memory layout - and so is the gathered attention. The RMS
 norms are not, in the last bit: `models.vae.RMSNorm` sums squares over the channel dim of an NCDHW tensor, and
 ATen's CPU sum groups those additions differently for different plane sizes (h * w), so a slab's per-pixel sums
-can round differently from the whole frame's. tests/test_parallel.py bounds the decoded video at 1e-5 (max relative
+can round differently from the whole frame's. tests/parallel/test_parallel.py bounds the decoded video at 1e-5 (max relative
 difference) and shows the channel-sum effect alone. On GPUs cuDNN may also pick other conv algorithms for a
 slab's shape (unchecked).
 """

@@ -34,7 +34,7 @@ in fp32 on the same, dequantized inputs), per element, with vmax[b, h, d] = max_
     <= 2^-4 relative for p >= 2^-6 (normal codes; <= 2^-4 vmax in all) and <= 2^-10 absolute in the 256-scaled
     units below that (subnormal codes; l >= 256, so <= 2^-18 vmax per key), the output's e4m3 rounding <= 2^-4 |o|
     (normal) or 2^-10 sv (subnormal).
-(tests/test_sparse_attention.py asserts these on the CPU interpreter and, `gpu`, on an H200 at the real shapes.)
+(tests/kernels/test_sparse_attention.py asserts these on the CPU interpreter and, `gpu`, on an H200 at the real shapes.)
 
 Kernel (one program per BLOCK_M query rows x (batch, head); grid axis 0 runs over one head's query blocks, so
 programs running together share that head's key tiles in L2): the query tile's list is walked as one flat loop over

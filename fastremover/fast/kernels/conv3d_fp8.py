@@ -89,7 +89,7 @@ TFLOP/s (whole call with the amax and quantization passes 404; the pointer kerne
 effect (Triton 3.6 dropped it for BLOCK_K > 32, found afterwards; their max error/S 6-8e-4 equals the unpromoted
 one): they are the fast VAE's default (precise_acc=False) numbers. The written-out promotion that replaced it (FADD counts checked
 offline by tools/bench_conv3d_fp8.py --codegen) ran on the H200 at 80178cb: max error/S 0.7-1.4e-4 against 5.7-6.8e-4 unpromoted, at all
-four real shapes of tests/test_conv3d_fp8.py (which asserts under half).
+four real shapes of tests/kernels/test_conv3d_fp8.py (which asserts under half).
 
 Autotuning: a few configs per (Cin, Cout, quantize mode, accumulation, M bucket) are timed on the first call with
 that key (triton.testing.do_bench: that first call synchronizes the host once; later calls never do, so a CUDA

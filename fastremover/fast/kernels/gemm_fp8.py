@@ -19,7 +19,7 @@ two CTAs per SM). tanh.approx's relative error (~2^-11) is far below an e4m3 ste
 This is a lossy path next to the pair, not a bit-exact one: the pair rounds h to fp16 before the GELU, this kernel
 does not, its GELU is approximate, and its accumulation order differs from cuBLAS's. The codes agreed with the pair's
 on 99.77 % (W2) / 99.79 % (W1) of elements and were never more than one e4m3 step apart (same file).
-tests/test_gemm_fp8.py asserts that bound against the fp32 composition `gemm_fp8_gelu_quant_reference`
+tests/kernels/test_gemm_fp8.py asserts that bound against the fp32 composition `gemm_fp8_gelu_quant_reference`
 (interpreter, both GELU forms) and, at the real shape on the GPU, against the pair; there it also asserts the kernel
 is as close to the fp32 GEMM as the pair is (both accumulate FP8 products without fp32 promotion).
 

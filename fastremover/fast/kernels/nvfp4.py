@@ -1,7 +1,7 @@
 """NVFP4 Triton kernels for Hopper: quantize, dequantize and the W4A16 GEMM (packed FP4 weights, 16-bit MMA).
 
 Format, rounding points (1)-(10) and the swizzled scale layout: fastremover/fast/nvfp4.py, whose torch functions are
-the eager references of these kernels (bit-equal under TRITON_INTERPRET=1, tests/test_nvfp4.py).
+the eager references of these kernels (bit-equal under TRITON_INTERPRET=1, tests/kernels/test_nvfp4.py).
 
     quantize_nvfp4(x, global_sf, reciprocal)   [M, K] fp16/bf16/fp32 -> Nvfp4Tensor. One program per 32 x 64 tile of
                                      the PADDED scale grid (Mpad rows x 16 Cpad columns): lanes outside x load 0, so
@@ -465,7 +465,7 @@ def w4a16_gemm(x: torch.Tensor, t: ref.Nvfp4Tensor, bias: torch.Tensor | None = 
 # operand tiles by TMA copies from host tensor descriptors (rows and columns outside the matrix arrive as zeros, as
 # the masked loads' other=0). The K loop is the same for every config: tl.dot's fp32 accumulation over BLOCK_K
 # slices in increasing k, so the result depends on K only (not on M, N, the tile shape or how a tile is loaded;
-# tests/test_h3_gpu.py and tools/profile_h3.py --gemm-sweep check that bit for bit at the H3 decoder's shapes).
+# tests/kernels/test_h3_gpu.py and tools/profile_h3.py --gemm-sweep check that bit for bit at the H3 decoder's shapes).
 UNIT_GEMM_CONFIGS = [
     (128, 256, 64, 8, 3, 8, False),
     (128, 128, 64, 8, 4, 8, False),

@@ -30,7 +30,7 @@ quant.py with a GIVEN amax A (a 1-element device tensor): codes = RNE_e4m3(sat(y
 codes are this kernel's dtype output quantized by `quant_static_reference`, bit for bit under the interpreter. On the
 GPU only up to the order of step 2's sum: the compiler propagates the output store's register layout back into the
 row (fp8 codes vectorize 16 per thread, 16-bit outputs 8), so the two variants sum the squares in different orders
-and r can differ by an ulp; a code then moves by one e4m3 step in ~1e-6 of the elements (tests/test_kernels.py
+and r can differ by an ulp; a code then moves by one e4m3 step in ~1e-6 of the elements (tests/kernels/test_kernels.py
 asserts one step at most, in under 1e-4 of them).
 The fast transformer passes a static bound as A (`rope_amax_bound`): RMSNorm leaves every |x_i| * r <= sqrt(H*Dh),
 and RoPE rotates (even, odd) pairs, so no output exceeds sqrt(H*Dh) * max|weight| - a scale known before the

@@ -48,7 +48,7 @@ flushes y to -0 below x ~ -5, where this form keeps relative accuracy. The fp8 q
 spacing of 2^-4 relative to the row max, so a few-ulp fp32 difference is invisible there; the previous bit-exact
 libdevice-tanhf form was ALU-bound at 0.77 ms for 32760 x 8960 (24 % of HBM bandwidth). Asserted bound against
 torch's F.gelu(h.float(), approximate="tanh"): |diff| <= 2^-20 * max(1, |y|)
-(tests/test_kernels.py::test_gelu_tanh_f32_matches_torch, CPU and GPU).
+(tests/kernels/test_kernels.py::test_gelu_tanh_f32_matches_torch, CPU and GPU).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ Numerics: the same function, not the same bits as the eager pair. Rounding point
 Bound against the exact (float64) eager composition, S = conv2d(|up|, |weight|), u the dtype's unit roundoff
 (2^-11 fp16, 2^-8 bf16): |y - y_ref| <= (u + (4 Cin + 2) 2^-24) (S + |bias|) + ulp_dtype(|y_ref| + that)
 [each Wp within u of its exact sum, which scales S's terms by at most u; (K - 1) 2^-24 S for any fp32 summation, the
-bias add, and the two final roundings to the dtype at most one ulp apart]. tests/test_upsample_conv.py asserts it
+bias add, and the two final roundings to the dtype at most one ulp apart]. tests/kernels/test_upsample_conv.py asserts it
 (CPU interpreter at small shapes; the GPU at the W2 decoder's shapes).
 
 Refusals (ValueError: the caller falls back to the eager pair): Cin not a multiple of 16, Cout not a multiple of 16,

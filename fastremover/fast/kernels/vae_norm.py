@@ -52,7 +52,7 @@ Rounding points (fp32 arithmetic, compiled with enable_fp_fusion=False and non-f
        the block out differently (1-byte stores), so step 1's tl.sum can add in another order than in the same call
        with dtype output: v is the norm of the same x within the bound below, not always the dtype call's bits
        (precise mode given the denominators: bit-exact, GPU test; the interpreter: bit-exact to the dtype call).
-       Used by the fast VAE's FP8 convs with a static scale (see fastremover/fast/vae_fast.py).
+       Used by the fast VAE's FP8 convs with a static scale (see fastremover/fast/vae/).
 
 Precise mode: steps 2-6 are bit-exact to the eager ops given the same denominator: `out_norm=` returns the kernel's
 fp32 denominators and `vae_rms_norm_given_denominator` is the eager composition from them; the GPU tests check
@@ -71,7 +71,7 @@ ulps at step 3), carried through steps 4-5 the same way. The fast sigmoid's rela
 rounding of v*log2(e) ~|v|*2^-24, div.full 2 ulps: below ~2^-19 for |n| < 16, nearly every element of a unit-RMS row
 times gamma) again only moves the last rounding, by 1 ulp, near a midpoint. So the asserted bound vs the eager op is
 the precise mode's: each element within 3 dtype ulps of eager's or within one dtype ulp of its frame's largest
-|output| (tiny values, SiLU of negative inputs), at most 0.1 % of the elements differing (tests/test_vae_fast.py: CPU
+|output| (tiny values, SiLU of negative inputs), at most 0.1 % of the elements differing (tests/parity/test_vae_fast.py: CPU
 interpreter at small shapes, the GPU at [1, 96, 2, 480, 832] fp16 and the other real shapes). Measured: H200, fp16,
 C = 96/192/384 at the fast VAE's call shapes: 3.7-4.5e-5 of the elements differ from the precise kernel, max |diff|
 3.9e-3 (5.9e-3 at C=192); CPU interpreter (the tests' shapes, and runs of 1.5-3e5 elements): at most 1.1e-4 of the
@@ -87,14 +87,14 @@ inputs give equal bits run after run (tested: two calls, torch.equal).
 
 fp32 inputs run the same code (the dtype roundings are then no-ops; eager skips the `.float()` round trip too).
 
-`bias=` (C elements, fp32 or x.dtype): x is a conv output whose bias the conv did not add (fastremover/fast/vae_fast.py
+`bias=` (C elements, fp32 or x.dtype): x is a conv output whose bias the conv did not add (fastremover/fast/vae/
 `fuse_bias`); the kernel adds it first (step 0), so `vae_rms_norm(x, gamma, bias=b)` is bit-identical to
 `vae_rms_norm(add_bias(x, b), gamma)`, i.e. to the norm of x after torch's `x.add_(b.view(1, C, 1, 1, 1))` - it only
 saves that add's pass over x. The biased x itself is not written anywhere: only defer a bias this way when the norm
 is the conv output's one consumer.
 
 `tail=` additionally stores the last k frames of the output (k = tail.shape[2]) into a second tensor: the causal
-cache of the conv that consumes `out` (see fastremover/fast/vae_fast.py), written in the same pass.
+cache of the conv that consumes `out` (see fastremover/fast/vae/), written in the same pass.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ for a query tile when one of its cubes lies in the window of one of the query ti
 The permutation is applied once per transformer call: everything in a DiT block except the attention is row-wise
 (norms, linears, the per-token RoPE), so the residual stream runs in cube order from the patch embedding to the
 output projection, with RoPE's tables permuted the same way (qk_norm_rope reads table row s for token s, so
-permuting rows of x and of the tables together permutes its output exactly: tests/test_sparse_attention.py checks
+permuting rows of x and of the tables together permutes its output exactly: tests/kernels/test_sparse_attention.py checks
 torch.equal). Cost: one gather of the patch embedding's output (which replaces the copy it already made) and one of
 the output projection's (B, S, 64) result per transformer call, none per layer.
 

@@ -17,7 +17,7 @@ or faster (bench/results/gemm-memsets-*.json). `CUBLASLT_WORKSPACE_SIZE=0` would
 call of the process (the reference model's GEMMs included); this module does it for our FP8 linears only.
 
 Only the tile scheduler differs (same tile shapes, same k-loop), so the products are the very same bits as
-`torch._scaled_mm`'s: tests/test_cublaslt.py checks that with torch.equal on the GPU at the W1 / W2 shapes on fresh
+`torch._scaled_mm`'s: tests/kernels/test_cublaslt.py checks that with torch.equal on the GPU at the W1 / W2 shapes on fresh
 random inputs (passed on an H200, cuBLASLt 13.1; bench/results/cublaslt-probe-*.json also covers no bias and fp32
 promotion), so falling back to `torch._scaled_mm` changes the speed, not the output.
 
