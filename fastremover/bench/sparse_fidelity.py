@@ -21,7 +21,7 @@ from fastremover.bench.harness import BenchInputs, run_engine
 from fastremover.bench.metrics import fidelity
 from fastremover.config import AttentionOptions, EngineConfig
 from fastremover.errors import FastRemoverError
-from fastremover.fast.engine import resolve
+from fastremover.engine.build import resolve
 from fastremover.masks import dilate_masks
 from fastremover.models.loading import RemoverModels
 from fastremover.pipeline import RemovalPipeline

@@ -390,7 +390,7 @@ def test_sequence_parallelism_refuses_sparse_attention_before_building(monkeypat
     """The engine's build refuses a sparse backend for a context of several ranks (the layout permutes the whole
     sequence; the ranks hold slices of it) before it moves or builds anything, not at the first denoise step."""
     from fastremover.config import AttentionOptions, EngineConfig
-    from fastremover.fast import engine
+    from fastremover.engine import build as engine
     from fastremover.models.loading import random_models
     from fastremover.parallel.context import ParallelContext
 
@@ -424,7 +424,7 @@ def test_a_head_dim_the_fp8_kernel_cannot_compile_is_refused_before_any_work(mon
     --attention-keeps` refuses it before its first mode runs; the exact mode (16-bit operands) passes the check."""
     from fastremover.bench import sparse_fidelity
     from fastremover.config import AttentionOptions, EngineConfig
-    from fastremover.fast import engine
+    from fastremover.engine import build as engine
     from fastremover.models.loading import random_models
 
     monkeypatch.setattr(engine, "resolve_mode", lambda mode, device: (mode, []))  # fast / exact on the CPU

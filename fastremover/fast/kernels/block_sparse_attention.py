@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastremover.config import kernel_tuning
+from fastremover.env import kernel_tuning
 from fastremover.fast.kernels._common import bf16_to_f32, check_device, f32_to_fp8e4m3_rne, interpreting, round_to
 
 try:

@@ -16,21 +16,34 @@ codes; the output is e4m3 codes of (o - c) / sv, straight into the FP8 O project
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
-from fastremover.config import parse_window
 from fastremover.errors import FastRemoverError
+from fastremover.ops.attention import registry
 from fastremover.ops.attention.registry import AttentionBackend, register
 
 DEFAULT_KEEP = 0.25
 SOURCES = {"sparse-sta": "sta", "sparse-vsa": "vsa-topk"}
 
 
+def parse_window(value) -> tuple[int, int, int]:
+    """`--attention-window T,H,W` (or TxHxW, or a sequence of three) -> (T, H, W), each a whole number >= 1;
+    FastRemoverError otherwise."""
+    parts = list(value) if isinstance(value, (tuple, list)) else re.split(r"[,x]", str(value).strip())
+    try:
+        window = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        window = ()
+    if len(window) != 3 or min(window) < 1 or any(isinstance(p, (bool, float)) for p in parts):
+        raise FastRemoverError(f"--attention-window {value!r}: give three positive whole numbers T,H,W (tiles of "
+                               "4x4x4 tokens per axis), e.g. 3,5,5")
+    return window
+
+
 def check_options(backend: str, keep, window) -> None:
     """FastRemoverError (one line) for sparse options out of range, or given to a backend that has none (`auto`
     never picks a sparse backend)."""
-    from fastremover.ops.attention import registry
-
     name = registry.canonical(backend) if backend != "auto" else "auto"
     if keep is not None:
         if name not in SOURCES:
