@@ -1,4 +1,4 @@
-"""Every environment variable the package reads, read here only (tests/test_config.py checks it).
+"""Every environment variable the package reads, read here only (tests/unit/test_config.py checks it).
 
     variables()             the process's environment (os.environ): what EngineConfig.with_env reads the engine's
                             FASTREMOVER_* overrides from (fastremover/config.py names them in its fields' metadata)

@@ -169,7 +169,7 @@ class VideoVAE(ABC):
 
 class EagerVideoVAE(VideoVAE):
     """The eager `WanVAE` (reference-order modules) as a VideoVAE, with the eager memory model
-    (`tiling.estimate_call_bytes`, validated against live tensor bytes in tests/parity/test_tiling.py)."""
+    (`tiling.estimate_call_bytes`, validated against live tensor bytes in tests/parity/test_vae_tiling.py)."""
 
     def __init__(self, vae: WanVAE, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         if device is not None or dtype is not None:
