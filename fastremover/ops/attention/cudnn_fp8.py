@@ -178,45 +178,6 @@ class _Fp8Graph(_Graph):
         return out
 
 
-class _HalfGraph(_Graph):
-    """cuDNN's fp16/bf16 SDPA through the frontend (the same library torch's SDPA calls, with its own heuristics)."""
-
-    def __init__(self, q, k, v, out, attn_scale: float, device: torch.device, all_plans: bool = False):
-        cudnn = _cudnn()
-        self.handle = _handle(device)
-        io = _dtype(cudnn, q.dtype)
-        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                          compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
-
-        def tensor(name, t):
-            dim, stride = _bhsd(t)
-            return g.tensor(name=name, dim=dim, stride=stride, data_type=io)
-
-        self.q, self.k, self.v = tensor("q", q), tensor("k", k), tensor("v", v)
-        o, _stats = g.sdpa(q=self.q, k=self.k, v=self.v, is_inference=True, attn_scale=attn_scale,
-                           use_causal_mask=False, name="sdpa")
-        dim, stride = _bhsd(out)
-        o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(io)
-        self.o = o
-        self.graph, self.workspace, self.plans = _build(g, device, all_plans)
-
-    def run(self, q, k, v, out, plan: int | None = None):
-        self._execute({self.q: q, self.k: k, self.v: v, self.o: out}, q.device, plan)
-        return out
-
-
-def sdpa_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp16/bf16 attention through cuDNN-frontend; q, k, v [B, S, H, D] (unit stride in D) -> [B, S, H, D]."""
-    import torch
-
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    attn_scale = 1.0 / math.sqrt(q.shape[-1])
-    key = ("half", *_key(q, k, v, out, attn_scale))
-    graph = _cached(key, lambda: _HalfGraph(q, k, v, out, attn_scale, q.device))
-    return graph.run(q, k, v, out)
-
-
 _graphs: LRUCache = LRUCache(MAX_GRAPHS)
 _graphs_lock = threading.Lock()
 
