@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from fastremover.ops.attention.quantize import quantize_qkv
-from fastremover.fast.flash3_attention import flash3_fp8_codes, import_error
+from fastremover.ops.attention.flashattn3_fp8 import flash3_fp8_codes, import_error
 from _provenance import save_experiment
 
 GEMMS = {"qkv": (4608, 1536), "o": (1536, 1536), "ff1": (8960, 1536), "ff2": (1536, 8960)}

@@ -1,4 +1,4 @@
-"""Which cuBLASLt setups of fast/cublaslt.py's FP8 GEMM the library accepts, what they run, and whether the output
+"""Which cuBLASLt setups of ops/linear/cublaslt.py's FP8 GEMM the library accepts, what they run, and whether the output
 equals torch._scaled_mm's (GPU; one JSON). Used to debug the setup (the first try failed the heuristic query with
 status 7, CUBLAS_STATUS_INVALID_VALUE, when the scale pointers were left unset until the matmul call).
 
@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from _provenance import save_experiment
-from fastremover.fast import cublaslt
+from fastremover.ops.linear import cublaslt
 
 FP8 = torch.float8_e4m3fn
 

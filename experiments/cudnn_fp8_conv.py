@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import cudnn
 
-from fastremover.fast.cudnn_sdpa import _build, _dtype  # graph build (all plans: the survey), dtype map
+from fastremover.ops.attention.cudnn_fp8 import _build, _dtype  # graph build (all plans: the survey), dtype map
 from fastremover.timing import cuda_time_ms
 from _provenance import save_experiment
 

@@ -23,7 +23,7 @@ from _provenance import save_experiment
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # profile_step lives in tools/
 from profile_step import capture
 from fastremover.ops.attention.quantize import quantize_qkv
-from fastremover.fast.flash3_attention import _descale, flash3_fp8_codes
+from fastremover.ops.attention.flashattn3_fp8 import _descale, flash3_fp8_codes
 from fastremover.fast.kernels.quant import quant_fp8_static
 from fastremover.fast.transformer_fast import O_AMAX_PER_V_SCALE
 

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from bench_attention import _cos, _kernel_only_rows, _time_ms, sdpa  # noqa: E402
 
-from fastremover.fast.flash3_attention import flash3_fp8, import_error  # noqa: E402
+from fastremover.ops.attention.flashattn3_fp8 import flash3_fp8, import_error  # noqa: E402
 from fastremover.ops import attention as registry  # noqa: E402
 
 

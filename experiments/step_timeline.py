@@ -16,7 +16,7 @@ import torch
 from _provenance import save_experiment
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # profile_step lives in tools/
 from profile_step import capture, real_model, step_latents
-from fastremover.fast.engine import resolve_attention
+from fastremover.engine.build import resolve_attention
 from fastremover.fast.transformer_fast import FastTransformer
 
 

@@ -189,7 +189,7 @@ def default_cache() -> PersistentCache:
     global _default
     with _default_lock:
         if _default is None:
-            from fastremover.config import cache_dir
+            from fastremover.env import cache_dir
 
             _default = PersistentCache(cache_dir())
         return _default
@@ -213,7 +213,7 @@ def install_tool_dirs(cache: PersistentCache | None = None) -> dict:
     global _tool_dirs
     if cache is None and _tool_dirs is not None:
         return _tool_dirs
-    from fastremover.config import TOOL_CACHE_VARS, tool_cache_dirs
+    from fastremover.env import TOOL_CACHE_VARS, tool_cache_dirs
 
     use = cache or default_cache()
     done = tool_cache_dirs()

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from fastremover import __version__
-from fastremover.batch.cli import add_batch_parser, cmd_batch
-from fastremover.config import EngineConfig, ModelSource, add_engine_args, add_model_args, torchrun_env
+from fastremover.batch.cli import EXIT_CLIPS_FAILED, add_batch_parser, pick_slots
+from fastremover.config import EngineConfig, ModelSource, add_engine_args, add_model_args
+from fastremover.env import torchrun_env
 from fastremover.errors import FastRemoverError
 from fastremover.h3.cli import add_parser as add_h3_parser, run as cmd_h3_decode
 from fastremover.log import logger, setup_cli, teardown_cli
@@ -251,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--cold: also time the clip with canonical run shapes off and on (RunOptions.shape_buckets)")
     cold.add_argument("--capture-costs", action="store_true",
                       help="--cold, CUDA: an eager step, a replayed step and the graph recording per run shape (the "
-                      "costs of fast/denoise.capture_pays)")
+                      "costs of engine/denoise.capture_pays)")
     cold.add_argument("--cold-clip", default=None, metavar="FxWxH",
                       help="--cold: another clip size than the workload's, e.g. 9x96x64 (quick checks)")
 
@@ -419,6 +420,36 @@ def cmd_remove(args) -> int:
         print(result.geometry)
     logger.debug("engine: " + json.dumps(result.describe, default=str))
     return 0
+
+
+def cmd_batch(args) -> int:
+    """Plan, run and report a batch; returns the exit code (FastRemoverError for a problem with the batch itself)."""
+    from fastremover.batch.driver import Runner, run_batch
+    from fastremover.batch.plan import plan_batch
+    from fastremover.options import validate_gib
+
+    options = _options_from_args(args)  # the same flags -> the same options and model as `remove`
+    source, config = model_and_config(args)
+    check_unused_flags(args, source, config)
+    validate_gib(args.max_decoded_gib)
+    if args.ray is not None:
+        if args.gpus is not None:
+            raise FastRemoverError("--gpus is for one host; with --ray each actor takes one GPU of the cluster "
+                                   "(set how many with --workers)")
+        if args.workers is not None and args.workers < 1:
+            raise FastRemoverError(f"--workers {args.workers}: must be at least 1")
+        from fastremover.batch.ray_runner import import_ray
+
+        import_ray()  # a missing ray is a problem with the batch itself: said before any clip is planned or run
+        runner = Runner(kind="ray", workers=args.workers, address=args.ray)
+    else:
+        runner = Runner(kind="local", slots=tuple(pick_slots(args.gpus, args.workers, args.device)))
+    plan = plan_batch(args.inputs, args.output_dir, masks=args.masks, options=options,
+                      mask_threshold=args.mask_threshold, max_decoded_gib=args.max_decoded_gib)
+    _announce_model(args)
+    summary = run_batch(plan, source, config, runner, force=args.force, progress=not args.quiet)
+    print(summary.table())
+    return 0 if summary.all_succeeded else EXIT_CLIPS_FAILED
 
 
 def _write_timings(path: str, result, clock) -> None:
@@ -656,7 +687,7 @@ def _bench_parallel(args) -> int:
     mode, saved with the provenance of every bench JSON."""
     from fastremover.bench.harness import WORKLOADS, environment, save_results
     from fastremover.parallel.bench import bench_denoise, latent_shape
-    from fastremover.parallel.context import check_heads
+    from fastremover.parallel.ulysses import check_heads
 
     ranks = args.parallel_ranks
     if args.video:
@@ -668,7 +699,7 @@ def _bench_parallel(args) -> int:
     config = engine_config(args, parallel__mode="ulysses", parallel__world_size=ranks)
     import torch
 
-    from fastremover.fast.engine import resolve_device
+    from fastremover.engine.build import resolve_device
     from fastremover.models.loading import PRESETS
 
     if args.preset not in PRESETS:
@@ -728,7 +759,7 @@ def _verify_sparse(args) -> int:
     """`verify --attention-keeps`: fastremover.bench.sparse_fidelity (flags checked before the model loads)."""
     from fastremover.bench.harness import file_inputs
     from fastremover.bench.sparse_fidelity import format_sparse_table, parse_keeps, sparse_fidelity
-    from fastremover.fast.engine import resolve_device, resolve_mode
+    from fastremover.engine.build import resolve_device, resolve_mode
     from fastremover.ops.attention import get
     from fastremover.pipeline import load_source
 

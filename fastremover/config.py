@@ -1,4 +1,4 @@
-"""The engine's typed input, and every flag and environment variable that sets it, read in ONE place (this module).
+"""The engine's typed input and every flag and environment variable that sets it (one definition per option).
 
     ModelSource             which weights: "classic" (no model), "random" (a preset config with deterministic random
                             weights), a checkpoint folder or a Hugging Face Hub id ORG/NAME[@REVISION]
@@ -11,10 +11,8 @@
       .graphs               GraphOptions      cuda_graphs, max_graphs
       .parallel             ParallelOptions   mode, world_size, transport, head_groups, timeout_s (read by the
                                               launcher, fastremover/parallel/launch.py, and the engine's build)
-    KernelTuning            process-wide kernel switches, environment only (autotuning on / off)
     ResolvedEngine          the record of what runs (after every fallback) plus its notes: `fastremover info`, the
                             bench JSON (`engine_config`) and the CLI's `-v` log print it
-    TorchrunEnv             the ranks torchrun describes in the environment (`torchrun_env`)
 
 Where a value comes from:
 
@@ -25,12 +23,14 @@ Where a value comes from:
   command has, then the environment, `EngineConfig.from_env()` the environment alone. An environment value overrides
   the flag (the variables exist for A/B runs of an otherwise unchanged command line). A value outside the field's
   choices is a `FastRemoverError` naming the flag or the variable.
-* the other environment variables the package reads are read by the functions at the end of this module (torchrun's
-  rank variables, the service's API key, CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, CUDA_HOME, the persistent cache's
-  folder and the libraries' own cache folders; a child process's environment).
-* `resolve` is not here: `fastremover.fast.engine.resolve(config, device)` turns a config into a plan for a device
+* the environment itself is read in fastremover/env.py only (`env.variables()` here; there: the kernel switches
+  (KernelTuning), torchrun's rank variables, the service's API key, CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, CUDA_HOME,
+  the persistent cache's folder and the libraries' own cache folders; a child process's environment).
+* the checks that need a registry ask it: an attention backend's name and the sparse options
+  (fastremover.ops.attention), a Hub id (fastremover.models.hub). None of them imports torch.
+* `resolve` is not here: `fastremover.engine.build.resolve(config, device)` turns a config into a plan for a device
   (the device and dtype, mode fallbacks, the attention backend and linear method, the notes), and
-  `fastremover.fast.engine.build` into modules plus the ResolvedEngine. This module imports neither torch nor any
+  `fastremover.engine.build.build` into modules plus the ResolvedEngine. This module imports neither torch nor any
   kernel, so flags and variables are checked in well under a second, before anything is loaded.
 
 Adding an option: one field in the options class it belongs to (with `flag` / `env` metadata if a flag or a variable
@@ -39,14 +39,15 @@ sets it); the engine reads it from the config it is given.
 
 from __future__ import annotations
 
-import os
 import re
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
+from fastremover.env import KernelTuning, env_value, variables
 from fastremover.errors import FastRemoverError
+from fastremover.ops import attention as attention_backends  # the registry (no torch at import)
+from fastremover.ops.attention.sparse import check_options, parse_window
 
 # The choice lists (each defined here only; the engine, the registry and the parallel package import them)
 MODES = ("eager", "exact", "fast")
@@ -73,23 +74,7 @@ def _opt(default, *, choices=None, flag: str | None = None, env: str | None = No
 
 
 def _attention_choices() -> list[str]:
-    from fastremover.ops import attention  # the backend registry (no torch at import)
-
-    return ["auto", *attention.names(with_aliases=True)]
-
-
-def parse_window(value) -> tuple[int, int, int]:
-    """`--attention-window T,H,W` (or TxHxW, or a sequence of three) -> (T, H, W), each a whole number >= 1;
-    FastRemoverError otherwise."""
-    parts = list(value) if isinstance(value, (tuple, list)) else re.split(r"[,x]", str(value).strip())
-    try:
-        window = tuple(int(p) for p in parts)
-    except (TypeError, ValueError):
-        window = ()
-    if len(window) != 3 or min(window) < 1 or any(isinstance(p, (bool, float)) for p in parts):
-        raise FastRemoverError(f"--attention-window {value!r}: give three positive whole numbers T,H,W (tiles of "
-                               "4x4x4 tokens per axis), e.g. 3,5,5")
-    return window
+    return ["auto", *attention_backends.names(with_aliases=True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -388,12 +373,8 @@ class EngineConfig:
         self.parallel.validate()
         validate_device(self.device)
         if self.attention.backend != "auto":
-            from fastremover.ops import attention  # the registry (no torch at import)
-
-            attention.canonical(self.attention.backend)  # FastRemoverError for an unknown name
+            attention_backends.canonical(self.attention.backend)  # FastRemoverError for an unknown name
         if self.attention.keep is not None or self.attention.window is not None:
-            from fastremover.ops.attention.sparse import check_options  # no torch
-
             check_options(self.attention.backend, self.attention.keep, self.attention.window)
         if self.linears.weights != "dense" and self.mode in ("exact", "fast"):
             raise FastRemoverError(f"--weights {self.linears.weights} runs in --mode eager only (the fused "
@@ -435,13 +416,13 @@ class EngineConfig:
 
     def with_env(self, environ: Mapping[str, str] | None = None) -> "EngineConfig":
         """A copy with every field that names an environment variable set from it where the variable is set and not
-        empty (os.environ when `environ` is None)."""
-        environ = os.environ if environ is None else environ
+        empty (the process's, `env.variables()`, when `environ` is None)."""
+        environ = variables() if environ is None else environ
         config = self
         for path, f, _ in _leaves(self):
             var = f.metadata.get("env")
             if var is not None and environ.get(var, "").strip():
-                config = _replace_path(config, path, _env_value(var, environ[var], f), check=False)
+                config = _replace_path(config, path, env_value(var, environ[var], f), check=False)
         config.validate()
         return config
 
@@ -521,65 +502,6 @@ def _with_help(f, text: str):
 # Kernel switches and the record of what runs
 
 
-@dataclass(frozen=True)
-class KernelTuning:
-    """Process-wide kernel switches, read from the environment by the kernels at call time (autotuning caches are
-    process-wide too): for A/B runs and for suspected kernel problems, never needed to run."""
-
-    # the FP8 conv3d kernel's timing-based config choice (off: the first candidate config)
-    conv3d_fp8_tune: bool = _opt(True, env="FASTREMOVER_CONV3D_FP8_TUNE", env_values={"1": True, "0": False})
-    # the sub-pixel upsampling conv's timing-based config choice (off: the first candidate)
-    upconv_tune: bool = _opt(True, env="FASTREMOVER_UPCONV_TUNE", env_values={"1": True, "0": False})
-    # the fast VAE's convs on cuDNN plans that give torch's bits faster (fast/cudnn_conv.py; off: torch's convs)
-    cudnn_conv_plans: bool = _opt(True, env="FASTREMOVER_CUDNN_CONV_PLANS", env_values={"1": True, "0": False})
-    # the block-sparse attention kernel's config by name, e.g. m64n64w4s3t1ws0vt1 (BlockSparseConfig in
-    # fast/kernels/block_sparse_attention.py; unset: the default for the tile size)
-    sparse_attn_config: str | None = _opt(None, env="FASTREMOVER_SPARSE_ATTN_CONFIG")
-    # the persistent cache of warm-up results (fastremover/cache.py: Triton's kernels, cuDNN plan choices, autotune
-    # results, FlashInfer's modules): a folder; "" = the platform's user cache folder (`cache_dir`); "off" = none
-    cache_dir: str = _opt("", env="FASTREMOVER_CACHE_DIR")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelTuning":
-        environ = os.environ if environ is None else environ
-        values = {}
-        for f in fields(cls):
-            var = f.metadata["env"]
-            text = environ.get(var, "").strip()
-            if text:
-                values[f.name] = _env_value(var, text, f)
-        return cls(**values)
-
-    def describe(self) -> dict:
-        return asdict(self)
-
-
-def cache_dir(environ: Mapping[str, str] | None = None) -> str | None:
-    """The persistent cache folder (fastremover/cache.py): FASTREMOVER_CACHE_DIR, else the platform's user cache
-    folder (Linux: $XDG_CACHE_HOME/fastremover or ~/.cache/fastremover; macOS: ~/Library/Caches/fastremover; Windows:
-    %LOCALAPPDATA%\\fastremover\\Cache); None when the variable is "off" (or "none", "0")."""
-    environ = os.environ if environ is None else environ
-    setting = KernelTuning.from_env(environ).cache_dir.strip()
-    if setting.lower() in ("off", "none", "0"):
-        return None
-    if setting:
-        return os.path.expanduser(setting)
-    import sys
-
-    home = os.path.expanduser("~")
-    if sys.platform == "win32":
-        base = environ.get("LOCALAPPDATA") or os.path.join(home, "AppData", "Local")
-        return os.path.join(base, "fastremover", "Cache")
-    if sys.platform == "darwin":
-        return os.path.join(home, "Library", "Caches", "fastremover")
-    return os.path.join(environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "fastremover")
-
-
-def kernel_tuning() -> KernelTuning:
-    """The kernel switches as the environment sets them now (what the kernels read at each call)."""
-    return KernelTuning.from_env()
-
-
 @dataclass
 class ResolvedEngine:
     """What runs (after every fallback), with the notes that explain each fallback: printed by `fastremover info`,
@@ -592,15 +514,15 @@ class ResolvedEngine:
     requested_mode: str = "eager"
     fused_kernels: str = "none"
     fp8_linears: bool = False
-    linear_method: str = "dense"  # the transformer's block linears (fast/linear_methods.py registry entry)
+    linear_method: str = "dense"  # the transformer's block linears (ops/linear/registry.py registry entry)
     attention: str = "sdpa"
     ffn1: str = "none"  # fast mode: the FFN's first GEMM + GELU quantization path (fast/transformer_fast.py)
-    fp8_gemm: str = "none"  # fast mode: cuBLASLt with workspace-free algorithms (fast/cublaslt.py) or torch._scaled_mm
+    fp8_gemm: str = "none"  # fast mode: cuBLASLt with workspace-free algorithms (ops/linear/cublaslt.py) or torch._scaled_mm
     concurrent_branches: bool = False  # fp8 attention on CUDA: q / k / V preparation on parallel streams
     vae: str = "eager"  # the VAE path that runs: "eager" (models.vae.WanVAE) or "fast-fp16" / "fast-bf16" / "fast-fp8"
     vae_precision: str = "auto"  # as requested: auto | fp16 (the model dtype) | fp8 (FP8 conv3d in the fast VAE)
     cuda_graphs: bool = False
-    weights: str = "dense"  # the transformer block linears: dense | nvfp4 | nvfp4-w4a4 (fast/nvfp4_linear.py)
+    weights: str = "dense"  # the transformer block linears: dense | nvfp4 | nvfp4-w4a4 (ops/linear/nvfp4.py)
     nvfp4: dict | None = None  # with NVFP4 weights: resident bytes before / after packing (Nvfp4Report.describe)
     nvfp4_vae: dict | None = None  # with NVFP4 weights: the eager VAE's packed 3x3x3 convs (Nvfp4ConvReport.describe)
     parallel: str = "none"  # "ulysses" when this process is one rank of a sequence-parallel run
@@ -613,101 +535,6 @@ class ResolvedEngine:
 
     def describe(self) -> dict:
         return asdict(self)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The process environment beyond the engine options (read here only)
-
-
-@dataclass(frozen=True)
-class TorchrunEnv:
-    """The rank torchrun (torch.distributed.elastic) describes in the environment."""
-
-    world_size: int
-    rank: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    agent_store: bool  # TORCHELASTIC_USE_AGENT_STORE: the agent serves the rendezvous store
-
-
-def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
-    """This process's rank under torchrun, or None when WORLD_SIZE is absent or 1 (one process)."""
-    environ = os.environ if environ is None else environ
-    try:
-        world = int(environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return None
-        rank = int(environ["RANK"])
-        return TorchrunEnv(world_size=world, rank=rank, local_rank=int(environ.get("LOCAL_RANK", rank)),
-                           master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(environ["MASTER_PORT"]),
-                           agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
-    except (KeyError, ValueError) as e:
-        raise FastRemoverError(f"the torchrun environment is incomplete or malformed ({e}): start the ranks with "
-                               "torchrun, or unset WORLD_SIZE") from None
-
-
-API_KEY_ENV = "FASTREMOVER_API_KEY"
-
-
-def serve_api_key(environ: Mapping[str, str] | None = None) -> str | None:
-    """The service's API key from FASTREMOVER_API_KEY (None when unset or empty)."""
-    environ = os.environ if environ is None else environ
-    return environ.get(API_KEY_ENV) or None
-
-
-def visible_cuda_devices(environ: Mapping[str, str] | None = None) -> str | None:
-    """CUDA_VISIBLE_DEVICES as set (None when unset)."""
-    environ = os.environ if environ is None else environ
-    return environ.get("CUDA_VISIBLE_DEVICES")
-
-
-def triton_interpret(environ: Mapping[str, str] | None = None) -> bool:
-    """TRITON_INTERPRET=1: Triton kernels run in its CPU interpreter (tests)."""
-    environ = os.environ if environ is None else environ
-    return environ.get("TRITON_INTERPRET") == "1"
-
-
-def cuda_home(environ: Mapping[str, str] | None = None) -> str | None:
-    """The CUDA toolkit's folder (CUDA_HOME, else CUDA_PATH) for JIT builds; None when neither is set."""
-    environ = os.environ if environ is None else environ
-    return environ.get("CUDA_HOME") or environ.get("CUDA_PATH") or None
-
-
-#: The libraries' own cache folders, which the persistent cache fills unless they are set (fastremover/cache.py)
-TOOL_CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "FLASHINFER_WORKSPACE_BASE": "flashinfer"}
-
-
-def tool_cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """{variable: folder} of TOOL_CACHE_VARS that are set and not empty."""
-    environ = os.environ if environ is None else environ
-    return {var: environ[var] for var in TOOL_CACHE_VARS if environ.get(var)}
-
-
-def child_environment(changes: Mapping[str, str] | None = None, *, pythonpath_first: str | None = None,
-                      environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for a child process: this one's with `changes` set, and `pythonpath_first` put in front of
-    PYTHONPATH (so the child imports this checkout)."""
-    environ = os.environ if environ is None else environ
-    env = {**environ, **(changes or {})}
-    if pythonpath_first:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath_first, environ.get("PYTHONPATH", "")) if p)
-    return env
-
-
-@contextmanager
-def environment_set(changes: Mapping[str, str]) -> Iterator[None]:
-    """`changes` set in this process's environment for the block; the earlier values (or their absence) after it."""
-    before = {var: os.environ.get(var) for var in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for var, value in before.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -750,16 +577,6 @@ def _unchecked_replace(config: EngineConfig, name: str, value) -> EngineConfig:
     for f in fields(config):
         object.__setattr__(new, f.name, value if f.name == name else getattr(config, f.name))
     return new
-
-
-def _env_value(var: str, text: str, f):
-    text = text.strip()
-    values = f.metadata.get("env_values")
-    if values is None:
-        return text
-    if text not in values:
-        raise FastRemoverError(f"{var}={text!r}: use one of {list(values)}")
-    return values[text]
 
 
 def option_table() -> list[dict]:

@@ -1,5 +1,5 @@
 """`fastremover info`: versions, device, the engine configuration the environment gives, and what each engine mode
-resolves to here (fastremover.fast.engine.resolve: what the pipeline runs)."""
+resolves to here (fastremover.engine.build.resolve: what the pipeline runs)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ def collect_info() -> dict:
             gpus.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB)")
     info["devices"] = gpus or ["cpu only (no CUDA GPU visible)"]
     info["engine config (defaults + environment)"] = _engine_config()
-    from fastremover.fast.engine import resolve_device
+    from fastremover.engine.build import resolve_device
 
     device = resolve_device(None)
     info["modes"] = _modes(device)
-    from fastremover.fast.nvfp4_linear import format_memory_estimate, nvfp4_memory_estimate
+    from fastremover.ops.linear.nvfp4 import format_memory_estimate, nvfp4_memory_estimate
     from fastremover.models.transformer import RemoverTransformerConfig
 
     info["transformer weights (released config), --weights"] = format_memory_estimate(
@@ -86,7 +86,8 @@ def _vae_paths(device: torch.device) -> dict[str, str]:
 def _engine_config() -> dict[str, str]:
     """Every engine option and kernel switch with the value it has here (the defaults, then the environment's
     overrides: `EngineConfig.from_env`), and where a flag or a variable sets it."""
-    from fastremover.config import EngineConfig, kernel_tuning, option_table
+    from fastremover.config import EngineConfig, option_table
+    from fastremover.env import kernel_tuning
 
     config, tuning = EngineConfig.from_env().describe(), kernel_tuning().describe()
     out = {}
@@ -96,7 +97,7 @@ def _engine_config() -> dict[str, str]:
         path = row["option"].split(".")
         value = tuning[path[1]] if path[0] == "tuning" else _get(config, path)
         if row["option"] == "tuning.cache_dir":  # the folder it resolves to (fastremover/cache.py)
-            from fastremover.config import cache_dir
+            from fastremover.env import cache_dir
 
             value = cache_dir() or "off"
         where = ", ".join(x for x in (row["flag"] and "--" + row["flag"].replace("_", "-"), row["env"]) if x)
@@ -116,7 +117,7 @@ def _modes(device: torch.device) -> dict[str, str]:
     """What each engine mode resolves to on this device, with the environment's overrides (engine.resolve: what the
     pipeline runs)."""
     from fastremover.config import EngineConfig
-    from fastremover.fast.engine import MODES, resolve
+    from fastremover.engine.build import MODES, resolve
     from fastremover.ops import attention
 
     out = {}

@@ -1168,3 +1168,53 @@ def synthetic_clip(
         np.copyto(frames[i, ys, xs], patch[i], where=inside[i][..., None])
     video = Video(frames=frames, fps=_as_fraction(fps), source=None, has_audio=False)
     return video, mask
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checking the inputs before a run
+
+
+#: A mask may be at most this many times the video's width or height (it is scaled to the video's size, nearest
+#: neighbour): anything larger is the wrong file, or a small file that decodes huge (a decompression bomb).
+MAX_MASK_SCALE = 8
+
+
+@dataclass(frozen=True)
+class InputProbe:
+    num_frames: int  # the video's (an estimate when the container has no count; 0 when unknown)
+    width: int
+    height: int
+
+
+def _check_readable(path: str | os.PathLike, what: str) -> Path:
+    p = Path(path)
+    try:
+        if not p.exists():
+            raise FastRemoverError(f"{what} {p} does not exist; check the path")
+        if p.is_dir():
+            os.listdir(p)
+        else:
+            with open(p, "rb"):
+                pass
+    except FastRemoverError:
+        raise
+    except OSError as exc:
+        raise FastRemoverError(f"cannot read the {what} {p}: {exc.strerror or exc}") from None
+    return p
+
+
+def check_inputs(video: str | os.PathLike, mask: str | os.PathLike) -> InputProbe:
+    """Both inputs readable and probed as media (from the container or the image header, not decoded); the video's
+    frame count and size. A mask more than MAX_MASK_SCALE times the video's width or height is refused. What memory
+    the run needs is the worker's to check (it depends on the window, not on the clip's length)."""
+    video_path = _check_readable(video, "video")
+    mask_path = _check_readable(mask, "mask")
+    v = probe(video_path)  # sizes from headers: nothing is decoded that a check below would refuse
+    m = probe(mask_path)  # a corrupt or unsupported mask fails here, before anything runs
+    side = max(m["width"] / max(1, v["width"]), m["height"] / max(1, v["height"]))
+    if side > MAX_MASK_SCALE:
+        raise FastRemoverError(
+            f"the mask {mask_path} is {m['width']}x{m['height']}, far larger than the video ({v['width']}x"
+            f"{v['height']}); it would be decoded only to be scaled down: give a mask at the video's size"
+        )
+    return InputProbe(num_frames=int(v["num_frames"]), width=int(v["width"]), height=int(v["height"]))

@@ -2,7 +2,7 @@
 
 One request loop: `remove_stream` runs a clip's windows (`WindowScheduler`) and emits the output frames as they are
 final; `remove` collects them for a clip held in memory. The modules come from the engine's build
-(fastremover/fast/engine.py), which turns an EngineConfig into a denoiser and a VideoVAE; this file has no device or
+(fastremover/engine/build.py), which turns an EngineConfig into a denoiser and a VideoVAE; this file has no device or
 mode branches.
 
 Data path (upstream MiniMax-Remover order, REFERENCE §1, per window):
@@ -15,7 +15,7 @@ Data path (upstream MiniMax-Remover order, REFERENCE §1, per window):
     -> VAE encode twice (posterior mode): masked = frames*(1-mask), and 2*mask-1; both normalized
     -> denoise: noise ~ randn [1,16,T,H/8,W/8] from torch.Generator(device).manual_seed(seed);
        each step the transformer sees cat([x, masked_lat, mask_lat]) and the scheduler steps x
-    -> VAE decode of denormalized x, one latent frame at a time (`fastremover.vae_api.VideoVAE`: the pipeline's
+    -> VAE decode of denormalized x, one latent frame at a time (`fastremover.engine.vae.VideoVAE`: the pipeline's
        only way to its VAE); each chunk of pixels goes on at once through the steps below, all of them per frame
     -> crop padding, resize back to the source size, paste the crop back
     -> composite: pixels outside the dilated mask are copied from the input (feathered inside the mask for crops);
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from fastremover.config import EngineConfig, ModelSource, ResolvedEngine
 from fastremover.errors import FastRemoverError
-from fastremover.fast.engine import DTYPES, build, resolve_device, resolve_precision
+from fastremover.engine.build import DTYPES, build, resolve_device, resolve_precision
 from fastremover.log import logger
 from fastremover.masks import composite, dilate_masks
 from fastremover.models.loading import RemoverModels, load_models
@@ -305,7 +305,7 @@ class RemovalPipeline:
     @torch.no_grad()
     def encode(self, prep: Prepared, progress: Progress | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalized latents of the masked video and of the mask video (as 2*mask-1): the VAE's `encode_removal`
-        (`fastremover.vae_api.VideoVAE`: tiled when its own memory model says one call does not fit; the fast VAE
+        (`fastremover.engine.vae.VideoVAE`: tiled when its own memory model says one call does not fit; the fast VAE
         forms both inputs chunk by chunk, as one batch of 2 when memory allows)."""
         report = (lambda done, total: progress("vae_encode", done, total)) if progress else None
         return self.vae.encode_removal(prep.frames, prep.mask, report)

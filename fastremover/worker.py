@@ -93,7 +93,8 @@ class RemovalWorker:
         """Every check that needs no decoding: options, the output path against the inputs, the inputs' existence,
         and the memory the frames held while streaming need (:func:`streaming_bytes`) against the budget. Returns
         the output target (hand it to `run` to skip the checks there). Raises FastRemoverError."""
-        from fastremover.outputs import check_inputs, check_output
+        from fastremover.media import check_inputs
+        from fastremover.outputs import check_output
 
         job.validate()
         target = check_output(job.output, inputs=[job.video, job.mask])

@@ -48,10 +48,10 @@ def _survey(graph, run_plan, time_ms, check=None) -> list[dict]:
 
 def survey_plans(q, k, v, dq, dk, dv, time_ms) -> list[dict]:
     """Every FP8 plan cuDNN can build for these inputs, timed with `time_ms(fn)`."""
-    from fastremover.fast.cudnn_sdpa import FP8, _bhsd, _Fp8Graph
+    from fastremover.ops.attention.cudnn_fp8 import _bhsd, _Fp8Graph
 
-    out = torch.empty(q.shape, dtype=FP8, device=q.device)
-    graph = _Fp8Graph(q, k, v, _bhsd(out), FP8, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
+    out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+    graph = _Fp8Graph(q, k, v, _bhsd(out), out.dtype, 1.0 / math.sqrt(q.shape[-1]), q.device, all_plans=True)
     scale_o = torch.reciprocal(dv)
     return _survey(graph, lambda i: graph.run(q, k, v, dq, dk, dv, out, scale_o, plan=i), time_ms)
 
@@ -59,7 +59,7 @@ def survey_plans(q, k, v, dq, dk, dv, time_ms) -> list[dict]:
 def survey_plans_half(q, k, v, time_ms) -> list[dict]:
     """Every fp16/bf16 SDPA plan cuDNN can build for these inputs, timed, with each one's output compared to the
     heuristics' choice."""
-    from fastremover.fast.cudnn_sdpa import _HalfGraph, sdpa_half
+    from fastremover.ops.attention.cudnn_fp8 import _HalfGraph, sdpa_half
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ref = sdpa_half(q, k, v)
@@ -73,7 +73,7 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
     """fp16 SDPA vs the 8-bit backends at the DiT's shapes; q, k ~ N(0, 1) with a shared per-channel offset on K of
     size k_bias (trained DiTs have one; it is what smoothing removes), v ~ N(0, 1) plus a shared per-channel offset
     of size v_bias (a long same-sign P @ V sum: what exposes a reduced-precision accumulator)."""
-    from fastremover.fast.cudnn_sdpa import sdpa_fp8
+    from fastremover.ops.attention.cudnn_fp8 import sdpa_fp8
 
     rows = []
     dev = torch.device("cuda")
@@ -89,7 +89,7 @@ def bench(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128, k_bias: 
         rows.append({"seq": s, "backend": "sdpa-fp16", "ms": base_ms, "tflops": flop / base_ms / 1e9, "cos": 1.0,
                      "speedup": 1.0})
         try:  # cuDNN's fp16 SDPA through the frontend (own heuristics) and torch's flash backend, for reference
-            from fastremover.fast.cudnn_sdpa import sdpa_half
+            from fastremover.ops.attention.cudnn_fp8 import sdpa_half
 
             out = sdpa_half(q, k, v)
             ms = _time_ms(lambda: sdpa_half(q, k, v))
@@ -186,7 +186,7 @@ def bench_layouts(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128) 
     QKV projection's strided views ([B, S, 3, H, D] unbound), token-major contiguous [B, S, H, D], head-major
     contiguous [B, H, S, D]; for torch SDPA (fp16) and cuDNN's FP8 kernel (codes in, codes out; the output stays
     token-major where the O projection needs it, or head-major)."""
-    from fastremover.fast.cudnn_sdpa import sdpa_fp8
+    from fastremover.ops.attention.cudnn_fp8 import sdpa_fp8
 
     rows = []
     dev = torch.device("cuda")
@@ -204,7 +204,7 @@ def bench_layouts(seq_lens=(32760, 7290), heads: int = 12, head_dim: int = 128) 
             rows.append({"seq": s, "backend": f"sdpa-fp16 in={name}", "ms": ms, "tflops": flop / ms / 1e9,
                          "equal_to_strided": bool(torch.equal(out, ref))})
             try:  # cuDNN through the frontend, output written token-major (what the O projection reads)
-                from fastremover.fast.cudnn_sdpa import sdpa_half
+                from fastremover.ops.attention.cudnn_fp8 import sdpa_half
 
                 o = torch.empty(q.shape, dtype=q.dtype, device=dev)
                 sdpa_half(q, k, v, out=o)

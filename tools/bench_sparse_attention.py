@@ -4,7 +4,7 @@
     python tools/bench_sparse_attention.py --codegen                   # no GPU: compile every config for sm_90
 
 Rows (12 heads x 128, one batch; W2 = 21 x 30 x 52 = 32760 tokens, W3 = 21 x 45 x 80 = 75600):
-  * dense baselines per layer: fp8 = cuDNN's FP8 attention on the same codes (fastremover/fast/cudnn_sdpa.py, the
+  * dense baselines per layer: fp8 = cuDNN's FP8 attention on the same codes (fastremover/ops/attention/cudnn_fp8.py, the
     `cudnn-fp8` backend) where it builds, else torch SDPA in fp16; fp16 = torch SDPA;
   * the block-sparse kernel at keep 1.0 / 0.5 / 0.25 / 0.125 with VSA's lists (fastremover/ops/attention/
     sparse_layout.py, computed from the inputs' pooled scores) and, at 0.25, STA's window lists; per row the kernel
@@ -178,7 +178,7 @@ def dense_fp8_ms(q8, k8, v8, scales) -> tuple[str, float]:
     from fastremover.timing import cuda_time_ms
 
     try:
-        from fastremover.fast.cudnn_sdpa import sdpa_fp8, supported
+        from fastremover.ops.attention.cudnn_fp8 import sdpa_fp8, supported
 
         why = supported(torch.cuda.current_device())
         if why is None:
@@ -280,10 +280,10 @@ def format_table(rows: list[dict]) -> str:
 # Offline codegen (no GPU): every config compiled for sm_90
 
 
-def compile_sm90(name: str, dtype: str, tile: int, grid=SHAPES["W2"]):
+def compile_sm90(name: str, dtype: str, tile: int, grid=SHAPES["W2"], head_dim: int = HEAD_DIM):
     """The kernel compiled for sm_90 with the specialization a real launch at `grid` gets (token-major q/k/[v] rows of
     H*D, VSA's contiguous lists, the count broadcast; integers equal to 1 become constants, multiples of 16 are
-    marked so): Triton's CompiledKernel."""
+    marked so): Triton's CompiledKernel. `head_dim`: D (the model's 128 by default)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -293,7 +293,7 @@ def compile_sm90(name: str, dtype: str, tile: int, grid=SHAPES["W2"]):
     cfg = bsa.BlockSparseConfig.parse(name)
     kern = bsa._block_sparse_attn_kernel
     names = list(kern.arg_names)
-    S, H, D = math.prod(grid), HEADS, HEAD_DIM
+    S, H, D = math.prod(grid), HEADS, head_dim
     nq = -(-S // tile)
     fp8 = dtype == "fp8"
     v_t = fp8 and cfg.v_t

@@ -26,13 +26,13 @@ C=$W/cuda/nvidia/cu13
 export CUDA_HOME=$C PATH=$C/bin:$W/deps/bin:$PATH FLASHINFER_WORKSPACE_BASE=$W/ws FLASHINFER_CUDA_ARCH_LIST=9.0a
 export MAX_JOBS=${MAX_JOBS:-2} PYTHONPATH=$W/site:$W/deps:$PWD
 mkdir -p .fi/aot
-python -m fastremover.fast.flashinfer_attention --build --out-dir .fi/aot  # copies <name>.so of each module
+python -m fastremover.ops.attention.flashinfer_fa3 --build --out-dir .fi/aot  # copies <name>.so of each module
 # the modules an FA3 call imports (traced), plus the jinja/cu sources its spec generation reads
 python - "$W/site" > "$W/files" <<'PY'
 import os, sys, torch
 site = sys.argv[1]
 import flashinfer.prefill  # noqa: F401
-from fastremover.fast.flashinfer_attention import jit_specs
+from fastremover.ops.attention.flashinfer_fa3 import jit_specs
 [s.aot_path for s in jit_specs()]
 files = {os.path.relpath(m.__file__, site) for m in list(sys.modules.values())
          if getattr(m, "__file__", None) and m.__file__.startswith(site + "/flashinfer")}

@@ -79,7 +79,7 @@ for phase in "$@"; do
         name=$(basename "$so" .so); mkdir -p "/tmp/fisite/flashinfer/data/aot/$name"
         cp "$so" "/tmp/fisite/flashinfer/data/aot/$name/$name.so"
       done
-      python3 -m fastremover.fast.flashinfer_attention --build --out-dir "$OUT" 2>&1 | tail -20 ;;
+      python3 -m fastremover.ops.attention.flashinfer_fa3 --build --out-dir "$OUT" 2>&1 | tail -20 ;;
     attention:*)
       # shellcheck disable=SC2086
       python3 tools/bench_attention.py --bench ${phase#attention:} --out "$OUT/attention.json" 2>&1 \

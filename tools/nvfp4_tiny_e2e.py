@@ -19,7 +19,7 @@ import sys
 from fastremover import media
 from fastremover.bench.harness import BenchInputs, format_nvfp4_table, nvfp4_fidelity
 from fastremover.fast.nvfp4_conv import format_vae_memory_estimate, vae_conv_memory_estimate
-from fastremover.fast.nvfp4_linear import format_memory_estimate, nvfp4_memory_estimate
+from fastremover.ops.linear.nvfp4 import format_memory_estimate, nvfp4_memory_estimate
 from fastremover.models.loading import random_models
 from fastremover.models.transformer import RemoverTransformerConfig
 from fastremover.models.vae import WanVAEConfig

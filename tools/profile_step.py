@@ -48,7 +48,7 @@ def _load() -> None:
     global torch, WORKLOADS, environment, resolve_attention, FastTransformer, random_models
     import torch
     from fastremover.bench.harness import WORKLOADS, environment
-    from fastremover.fast.engine import resolve_attention
+    from fastremover.engine.build import resolve_attention
     from fastremover.fast.transformer_fast import FastTransformer
     from fastremover.models.loading import random_models
 

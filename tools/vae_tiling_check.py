@@ -5,7 +5,7 @@
 
 Prints `gpu_check`'s JSON (the plan, tiles, peak memory, the memory model against the allocator).
 `LiveTensorBytes` / `measure_call_bytes` count the tensor bytes a call keeps alive; tests/parity/test_vae_tiling.py and
-tests/parity/test_video_vae.py validate the memory models of fastremover/fast/vae_tiling.py and the fast VAE with them, and
+tests/parity/test_video_vae.py validate the memory models of fastremover/engine/tiling.py and the fast VAE with them, and
 run the GPU check as a GPU test.
 """
 
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from fastremover.fast.vae_tiling import (  # noqa: E402
+from fastremover.engine.tiling import (  # noqa: E402
     choose_tiling,
     decode_auto,
     decode_tiled,

@@ -1,4 +1,5 @@
-"""`fastremover batch`: the subcommand's flags (the remove flags come from the CLI's own helper) and its command.
+"""`fastremover batch`: the subcommand's flags (the remove flags come from the CLI's own helper) and its GPU slots; the
+command itself is fastremover.cli.cmd_batch, `python -m fastremover.batch` its stand-alone entry.
 
 Exit codes: 0 when every clip succeeded (or was done already), 1 when some clip failed (the report says which and
 why), 2 for a problem with the batch itself (bad flags, missing folders, a model that cannot load).
@@ -98,42 +99,3 @@ def pick_slots(gpus: str | None, workers: int | None, device: str | None,
             return [None] * (workers or 1)
         picked = list(range(count))
     return [picked[i % len(picked)] for i in range(workers or len(picked))]
-
-
-def cmd_batch(args) -> int:
-    """Plan, run and report a batch; returns the exit code (FastRemoverError for a problem with the batch itself)."""
-    from fastremover.batch.driver import Runner, run_batch
-    from fastremover.batch.plan import plan_batch
-    from fastremover.cli import _announce_model, _options_from_args, check_unused_flags, model_and_config
-    from fastremover.options import validate_gib
-
-    options = _options_from_args(args)  # the same flags -> the same options and model as `remove`
-    source, config = model_and_config(args)
-    check_unused_flags(args, source, config)
-    validate_gib(args.max_decoded_gib)
-    if args.ray is not None:
-        if args.gpus is not None:
-            raise FastRemoverError("--gpus is for one host; with --ray each actor takes one GPU of the cluster "
-                                   "(set how many with --workers)")
-        if args.workers is not None and args.workers < 1:
-            raise FastRemoverError(f"--workers {args.workers}: must be at least 1")
-        from fastremover.batch.ray_runner import import_ray
-
-        import_ray()  # a missing ray is a problem with the batch itself: said before any clip is planned or run
-        runner = Runner(kind="ray", workers=args.workers, address=args.ray)
-    else:
-        runner = Runner(kind="local", slots=tuple(pick_slots(args.gpus, args.workers, args.device)))
-    plan = plan_batch(args.inputs, args.output_dir, masks=args.masks, options=options,
-                      mask_threshold=args.mask_threshold, max_decoded_gib=args.max_decoded_gib)
-    _announce_model(args)
-    summary = run_batch(plan, source, config, runner, force=args.force, progress=not args.quiet)
-    print(summary.table())
-    return 0 if summary.all_succeeded else EXIT_CLIPS_FAILED
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fastremover.batch ARGS`` = ``fastremover batch ARGS`` (same flags, same exit codes, same handling
-    of SIGTERM and of a user's OSError)."""
-    from fastremover.cli import main as cli_main
-
-    return cli_main(["batch", *(sys.argv[1:] if argv is None else argv)])

@@ -9,7 +9,7 @@ import time
 import traceback
 
 from fastremover.batch.plan import ClipTask
-from fastremover.config import visible_cuda_devices
+from fastremover.env import visible_cuda_devices
 from fastremover.errors import FastRemoverError
 from fastremover.worker import Progress, RemovalWorker
 

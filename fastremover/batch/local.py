@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 
 from fastremover.batch.execute import failed, run_clip, where
 from fastremover.batch.plan import ClipTask
-from fastremover.config import EngineConfig, ModelSource, visible_cuda_devices
+from fastremover.config import EngineConfig, ModelSource
+from fastremover.env import visible_cuda_devices
 from fastremover.errors import FastRemoverError
 from fastremover.log import setup_cli
 from fastremover.outputs import remove_stale_temps

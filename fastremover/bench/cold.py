@@ -20,7 +20,7 @@ and in this process, after them:
     padding_cost         (flag) the clip with `shape_buckets` 0 and the default, warm: the time and pixels the
                          canonical shapes add, and the run shapes each gives
     capture_costs        (flag, CUDA) per latent shape of the run: an eager step, a replayed step and the recording
-                         of the denoise loop as a CUDA graph (the costs fast/denoise.capture_pays uses)
+                         of the denoise loop as a CUDA graph (the costs engine/denoise.capture_pays uses)
 
 The engine's processes write `--timings-json` (fastremover/timing.py): the cold run's `phases` come from there
 (start-up until the CLI's main, imports, weight read, host-to-device, quantization, Triton compiles, autotuning,
@@ -66,7 +66,7 @@ def _sha256(path: str | os.PathLike) -> str:
 
 def _pythonpath_env(extra: dict) -> dict:
     """The environment of a child process: this one's, with this checkout first on PYTHONPATH, plus `extra`."""
-    from fastremover.config import child_environment
+    from fastremover.env import child_environment
 
     return child_environment(extra, pythonpath_first=str(Path(__file__).resolve().parents[2]))
 
@@ -308,11 +308,11 @@ def padding_cost(pipe, frames, mask, options, warm_runs: int) -> dict:
 
 def capture_costs(pipe, latent_shapes: list[tuple], steps: int) -> dict:
     """Per latent shape [1, 16, T, H, W]: one eager step, one replayed step of the recorded loop, and the recording
-    itself (seconds), on the pipeline's fast denoiser; the constants of fast/denoise.capture_pays come from these.
+    itself (seconds), on the pipeline's fast denoiser; the constants of engine/denoise.capture_pays come from these.
     {"skipped": why} off CUDA or without a fast denoiser."""
     import torch
 
-    from fastremover.fast.denoise import FastDenoiser
+    from fastremover.engine.denoise import FastDenoiser
     from fastremover.schedulers import build_scheduler
 
     den = pipe.denoiser
@@ -379,7 +379,8 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
     import torch
 
     from fastremover.bench.harness import environment
-    from fastremover.config import EngineConfig, ModelSource, environment_set
+    from fastremover.config import EngineConfig, ModelSource
+    from fastremover.env import environment_set
     from fastremover.options import RunOptions
     from fastremover.worker import Job, RemovalWorker
 

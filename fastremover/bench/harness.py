@@ -260,9 +260,9 @@ def fidelity_options(inputs: BenchInputs, steps: int, seed: int, schedule: str =
 
 def engine_warmups(pipe: RemovalPipeline) -> int:
     """Untimed requests before a warm measurement: enough for the denoiser to have recorded its CUDA graphs
-    (fast/denoise.capture_pays: a shape is recorded on its CAPTURE_AFTER_CALLS-th call), else one."""
+    (engine/denoise.capture_pays: a shape is recorded on its CAPTURE_AFTER_CALLS-th call), else one."""
     if getattr(pipe.denoiser, "cuda_graphs", False) and pipe.device.type == "cuda":
-        from fastremover.fast.denoise import CAPTURE_AFTER_CALLS
+        from fastremover.engine.denoise import CAPTURE_AFTER_CALLS
 
         return max(1, CAPTURE_AFTER_CALLS)
     return 1
@@ -409,7 +409,7 @@ def compare(
     # bad flags fail before the long runs
     RunOptions(window=window, overlap=overlap, crop=crop or "off", schedule=schedule).validate()
     from fastremover.bench.reference import ReferencePipeline
-    from fastremover.fast.engine import DTYPES, resolve_device, resolve_precision
+    from fastremover.engine.build import DTYPES, resolve_device, resolve_precision
 
     config = config if config is not None else EngineConfig.from_env()
     device = resolve_device(config.device)
@@ -554,8 +554,8 @@ def nvfp4_fidelity(models: RemoverModels, inputs: BenchInputs, *, steps: int = 1
     bytes and what was packed. Every run is on a private copy of `models`. `crop_inputs`: the crop rows' clip (default `inputs`)."""
     from fastremover.bench.metrics import cosine
     from fastremover.fast.nvfp4_conv import MIN_IN_CHANNELS, Nvfp4CausalConv3d
-    from fastremover.fast.engine import resolve_device, resolve_precision
-    from fastremover.fast.nvfp4_linear import Nvfp4Linear, resident_bytes
+    from fastremover.engine.build import resolve_device, resolve_precision
+    from fastremover.ops.linear.nvfp4 import Nvfp4Linear, resident_bytes
 
     unknown = [o for o in options if o not in NVFP4_OPTIONS]
     if unknown:

@@ -67,7 +67,7 @@ def available(device: torch.device, dtype: torch.dtype) -> str | None:
         return "cuDNN plans need a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"cuDNN plans are used for fp16/bf16 convs, not {dtype}"
-    from fastremover.fast.cudnn_sdpa import import_error
+    from fastremover.ops.attention.cudnn_fp8 import import_error
 
     err = import_error()
     return None if err is None else f"cudnn-frontend does not import ({err})"
@@ -270,7 +270,7 @@ class _CudnnConvPlans:
     def __init__(self, x, weight, y, stride, padding, names: tuple[str, ...] | None):
         import cudnn
 
-        from fastremover.fast.cudnn_sdpa import _dtype, _handle
+        from fastremover.ops.attention.cudnn_fp8 import _dtype, _handle
 
         self.cudnn = cudnn
         self.handle = _handle(x.device)

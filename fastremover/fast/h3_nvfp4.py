@@ -80,15 +80,6 @@ def rsqrt_ieee(v: torch.Tensor) -> torch.Tensor:
     return torch.rsqrt(v)
 
 
-def norm_lanes(width: int) -> int:
-    """Lanes of the fixed RMSNorm summation order for rows of `width` (a power-of-two lane count)."""
-    t = min(128, width // 4)
-    if width % 4 or t < 1 or t & (t - 1) or width % (4 * t):
-        raise ValueError(f"row width {width}: the RMSNorm order needs width = 4 * T * k with T = min(128, width / 4) "
-                         "a power of two")
-    return t
-
-
 def _halving_tree(s: torch.Tensor) -> torch.Tensor:
     """[..., L] (L a power of two) -> [...]: lane t += lane t + L/2, then L/4, ... (warp shuffle-down order)."""
     while s.shape[-1] > 1:
@@ -99,6 +90,8 @@ def _halving_tree(s: torch.Tensor) -> torch.Tensor:
 
 def sumsq_reference(x: torch.Tensor) -> torch.Tensor:
     """[..., W] fp32 -> [...] fp32 sum of squares in the fixed order of the module docstring."""
+    from fastremover.fast.kernels.h3_fused import norm_lanes  # the kernel's lane layout
+
     w = x.shape[-1]
     t = norm_lanes(w)
     xs = x.float().unflatten(-1, (w // (4 * t), t, 4))

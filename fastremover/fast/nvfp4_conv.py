@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from fastremover.errors import FastRemoverError
 from fastremover.fast import nvfp4 as ref
-from fastremover.fast.nvfp4_linear import resident_bytes
+from fastremover.ops.linear.nvfp4 import resident_bytes
 from fastremover.models.vae import CausalConv3d
 
 MIN_IN_CHANNELS = 192  # FlashRT's threshold

@@ -4,7 +4,7 @@ Per block (M = B*S tokens, D = 1536, activations token-major [M, D]):
     n      = adaln_modulate(x, shift, scale)            LayerNorm (fp32 stats) + adaLN in one pass [-> fp8 + row scales]
     q,k,v  = linear(n)                                  exact: three GEMMs; fast: one fused [D, 3D] FP8 GEMM (FP8
                                                         GEMMs: cuBLASLt's workspace-free algorithms on sm_90,
-                                                        fast/cublaslt.py; `gemm`)
+                                                        ops/linear/cublaslt.py; `gemm`)
     q,k    = qk_norm_rope(q), qk_norm_rope(k)           RMSNorm across heads + 3D RoPE in one pass, [B,S,H,Dh] layout;
                                                         with 8-bit attention the same pass writes e4m3 codes (below)
     o      = attention(q, k, v); linear(o)              backend from the registry (fastremover/ops/attention); in the
@@ -65,13 +65,13 @@ import torch.nn.functional as F
 
 from fastremover.config import AttentionOptions, TransformerOptions
 from fastremover.errors import FastRemoverError
-from fastremover.fast import linear_methods
-from fastremover.fast.linear_methods import Fp8Activation, concat_linears, gelu_linear  # noqa: F401 (re-exported)
+from fastremover.ops import linear
+from fastremover.ops.linear.registry import Fp8Activation, concat_linears, gelu_linear  # noqa: F401 (re-exported)
 from fastremover.fast.kernels.qk_norm_rope import rope_amax_bound
 from fastremover.lru import LRUCache
 from fastremover.models.transformer import RemoverTransformer
 from fastremover.ops import attention as attention_backends
-from fastremover.parallel.context import SINGLE
+from fastremover.engine.interfaces import SINGLE
 
 
 def kernel_ops(use_triton: bool) -> SimpleNamespace:
@@ -162,11 +162,11 @@ class FastTransformer(nn.Module):
     # all-to-all, K's centre and V's statistics all-reduced; size 1 (one process) leaves every path as it is
     parallel = SINGLE
 
-    def __init__(self, model: RemoverTransformer, *, linear_method: "str | linear_methods.LinearMethod" = "dense",
+    def __init__(self, model: RemoverTransformer, *, linear_method: "str | linear.LinearMethod" = "dense",
                  attention: str = "sdpa", use_triton: bool | None = None, fused_ffn1: bool = True,
                  options: TransformerOptions = TransformerOptions(),
                  attention_options: AttentionOptions | None = None):
-        """linear_method: how the block linears are stored and run (fast/linear_methods.py: dense, fp8-rowwise,
+        """linear_method: how the block linears are stored and run (ops/linear/registry.py: dense, fp8-rowwise,
         nvfp4, nvfp4-w4a4 or a registered one; the engine passes the plan's). A method with FP8 activations makes
         the norms write e4m3 codes + row scales and enables the 8-bit attention path. use_triton: the Triton kernels
         (default: on CUDA) or their eager references. options: the switches of config.TransformerOptions (streams,
@@ -179,15 +179,15 @@ class FastTransformer(nn.Module):
         self.dtype = model.proj_out.weight.dtype
         self.options = options
         gemm = options.gemm
-        self.linear_method = linear_methods.get(linear_method)
+        self.linear_method = linear.get(linear_method)
         fp8 = self.fp8 = self.linear_method.fp8_activations  # norms write e4m3 codes + row scales
         self.fused_ffn1 = False  # set below in fp8 mode
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton
         self.ops = kernel_ops(self.use_triton)
         heads, head_dim = self.config.num_attention_heads, self.config.attention_head_dim
-        # (dtype: the activations a 16-bit call gets; the fast mode hands e4m3 codes to a backend that takes them)
-        self.backend = attention_backends.runnable(attention, device, dtype=None if fp8 else self.dtype,
-                                                   shape=(heads, head_dim))
+        # (the fast mode hands e4m3 codes to a backend that takes them; engine.build checked this before building)
+        self.backend = attention_backends.runnable(attention, device, dtype=self.dtype, shape=(heads, head_dim),
+                                                   fp8_activations=fp8)
         # a sparse backend: the tokens run in its layout's order (cube order) from the patch embedding to proj_out,
         # one layout per grid (`_token_layout`), passed to every attention call
         self.attention_options = attention_options

@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from fastremover.config import triton_interpret
+from fastremover.env import triton_interpret
 from fastremover.errors import FastRemoverError
 
 BLOCKS = ("dense", "nvfp4", "nvfp4-fused")
@@ -121,7 +121,7 @@ def _check_args(args) -> None:
 def _device(args):
     """The torch device of --device (checked by _check_args; None: a CUDA GPU if one is visible, else the CPU)."""
     from fastremover.config import validate_device
-    from fastremover.fast.engine import resolve_device
+    from fastremover.engine.build import resolve_device
 
     return resolve_device(validate_device(args.device))
 
@@ -183,14 +183,3 @@ def run(args) -> int:
     print(f"wrote {args.output}: {out.shape[0]} frames {width}x{height} ({args.blocks}, tier {args.tier}, "
           f"{args.tiles_per_call} tile(s) per call)")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (python -m fastremover.h3.cli ...): the same command and exit codes as `fastremover`."""
-    from fastremover.cli import main as cli_main
-
-    return cli_main(["h3-decode", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

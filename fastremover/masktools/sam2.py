@@ -161,7 +161,7 @@ def load_video_predictor(directory: str | Path, device: str | None = None):
             f"{files.checkpoint} does not fit {files.config.name}: {len(missing)} missing and {len(unexpected)} "
             f"unexpected tensors (first: {(missing or unexpected)[0]}); use the config of this checkpoint"
         )
-    from fastremover.fast.engine import resolve_device
+    from fastremover.engine.build import resolve_device
 
     return model.to(resolve_device(device)).eval()
 

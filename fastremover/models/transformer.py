@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from fastremover.errors import FastRemoverError
 from fastremover.lru import LRUCache
 from fastremover.models.config_types import check_config_types
-from fastremover.parallel.context import SINGLE
+from fastremover.engine.interfaces import SINGLE
 
 
 ROPE_CACHE_SIZE = 16  # RoPE tables kept per model (one per latent grid the model has seen lately)

@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from fastremover.parallel.context import SINGLE, ParallelContext
+from fastremover.engine.interfaces import SINGLE
+from fastremover.parallel.context import ParallelContext
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -78,7 +79,7 @@ def bench_rank(ctx: ParallelContext, config, preset: str, latent_shape: tuple, s
     """One rank of bench_denoise (module docstring). Rank 0 returns the record, the others None."""
     import torch.distributed as dist
 
-    from fastremover.fast.engine import DTYPES, build_denoiser, resolve_precision
+    from fastremover.engine.build import DTYPES, build_denoiser, resolve_precision
     from fastremover.models.loading import random_models
 
     device = ctx.device
@@ -100,7 +101,7 @@ def bench_rank(ctx: ParallelContext, config, preset: str, latent_shape: tuple, s
         _sync(device)
         return out, time.perf_counter() - t
 
-    from fastremover.fast.denoise import CAPTURE_AFTER_CALLS
+    from fastremover.engine.denoise import CAPTURE_AFTER_CALLS
 
     warm = max(1, CAPTURE_AFTER_CALLS) if graphs else 1  # kernels, allocator, and the graph's recording
     ref_times, ref = [], None
@@ -150,7 +151,7 @@ def bench_denoise(config, *, preset: str = "minimax-remover", latent_shape: tupl
     """The record of the module docstring for an EngineConfig: its mode, attention, precision and parallel options
     (`parallel.world_size` new ranks, one per GPU on a CUDA device; `parallel.timeout_s` per collective, and 1.5x
     that for the whole run at least 30 minutes). threads: torch's CPU threads per rank (None: torch's default)."""
-    from fastremover.fast.engine import resolve_device
+    from fastremover.engine.build import resolve_device
     from fastremover.parallel.launch import spawn
 
     p = config.parallel

@@ -1,6 +1,7 @@
 """ParallelContext: who this process is among the ranks of one run, and the hooks the models call.
 
-The models hold a context (`SINGLE`, size 1, by default) and call it at the only points where sequence parallelism
+The models hold a hook (fastremover.engine.interfaces.SINGLE, size 1, by default; this context under sequence
+parallelism) and call it at the only points where sequence parallelism
 changes their data flow:
 
     shard_tokens(x)          [B, S, ...] -> this rank's tokens [B, s_r, ...] (contiguous ranges, balanced sizes)
@@ -31,7 +32,9 @@ from typing import Any, Callable
 import torch
 
 from fastremover.config import DEFAULT_PARALLEL_TIMEOUT_S, TRANSPORTS
+from fastremover.engine.interfaces import ParallelHook
 from fastremover.errors import FastRemoverError
+from fastremover.parallel.ulysses import ulysses_attention
 
 ERROR_KEY = "fastremover/error"
 
@@ -46,19 +49,10 @@ def split_sizes(total: int, world_size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(world_size)]
 
 
-def check_heads(heads: int, world_size: int) -> None:
-    """Ulysses gives each rank heads / N whole heads: the degree must divide the head count."""
-    if world_size > 1 and heads % world_size:
-        divisors = [d for d in range(2, heads + 1) if heads % d == 0]
-        raise FastRemoverError(
-            f"--parallel ulysses over {world_size} ranks needs a head count divisible by {world_size}; this model has "
-            f"{heads} attention heads (usable degrees: {divisors})"
-        )
-
-
 @dataclass
 class ParallelContext:
-    """Rank, world size and process group of a run (`SINGLE`: one process, no group).
+    """Rank, world size and process group of a run over several ranks (the ParallelHook of engine/interfaces.py; a
+    context of size 1 behaves as `SINGLE`, the hook every model holds by default).
 
     transport: how q/k/v travel before a 16-bit attention ("fp16": as they are, exact; "fp8": e4m3 codes + one fp32
     scale per (row, head), transport.py). head_groups: the all-to-all and the attention run in this many head groups
@@ -313,8 +307,6 @@ class ParallelContext:
         """fn(q, k, v) over the whole sequence: q/k/v/result [B, s_r, H, D] here, [B, S, H/N, D] inside fn."""
         if not self.is_parallel:
             return fn(q, k, v)
-        from fastremover.parallel.ulysses import ulysses_attention
-
         return ulysses_attention(self, fn, q, k, v)
 
     def sequence_mean(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -345,10 +337,8 @@ class ParallelContext:
         return codes, amax / amax.new_full((), 448.0), mean
 
 
-SINGLE = ParallelContext()  # the size-1 default every model holds
 
-
-def set_parallel(model, ctx: ParallelContext) -> None:
+def set_parallel(model, ctx: ParallelHook) -> None:
     """Give an eager RemoverTransformer (and its attention modules) or a FastTransformer the context `ctx`."""
     model.parallel = ctx
     inner = getattr(model, "model", None)  # FastTransformer wraps the eager module

@@ -9,7 +9,7 @@ Two ways in:
 
 Either way every rank runs `remove_rank` with the same model source and EngineConfig (its `parallel` options: the
 ranks, the transport, the collective timeout). Each rank builds its pipeline with its ParallelContext, so the engine's
-build makes the sequence-parallel denoiser and VAE (parallel/engine.py). Rank 0 alone checks and reads the inputs,
+build makes the sequence-parallel denoiser and VAE (engine/parallel.py). Rank 0 alone checks and reads the inputs,
 drives the request loop and writes the output; the other ranks follow rank 0's commands (`follow`): for each stage
 rank 0 broadcasts what comes next, then the tensors it needs, and every rank runs its part of that stage
 
@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from fastremover.config import DEFAULT_PARALLEL_TIMEOUT_S, EngineConfig, ModelSource, torchrun_env
+from fastremover.config import DEFAULT_PARALLEL_TIMEOUT_S, EngineConfig, ModelSource
+from fastremover.env import torchrun_env
 from fastremover.errors import FastRemoverError
 from fastremover.parallel.context import ParallelContext, ParallelError
 
@@ -218,7 +219,7 @@ def run_remove(source: ModelSource, config: EngineConfig, job, progress=None):
     otherwise `config.parallel.world_size` ranks are started here (one per GPU, or CPU processes with --device cpu;
     rank 0 then runs in a child process, so `progress` is not shown). Returns rank 0's JobResult on rank 0 (and in
     the launching process), None on the other ranks."""
-    from fastremover.fast.engine import resolve_device
+    from fastremover.engine.build import resolve_device
 
     p = config.parallel
     options = {"transport": p.transport, "head_groups": p.head_groups}

@@ -16,19 +16,31 @@ started (async) before group g's attention runs, and group g's output is sent ba
 transfers can hide behind the attention on a GPU (NCCL runs them on its own stream). On gloo the result is the
 same as G = 1 (the same per-head work in another order).
 
-The degree must divide H (context.check_heads); the sequence need not divide N (uneven all-to-all splits).
+The degree must divide H (check_heads); the sequence need not divide N (uneven all-to-all splits).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import time
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from fastremover.errors import FastRemoverError
 from fastremover.parallel import transport
-from fastremover.parallel.context import ParallelContext, check_heads
+
+if TYPE_CHECKING:
+    from fastremover.parallel.context import ParallelContext
+
+
+def check_heads(heads: int, world_size: int) -> None:
+    """Ulysses gives each rank heads / N whole heads: the degree must divide the head count."""
+    if world_size > 1 and heads % world_size:
+        divisors = [d for d in range(2, heads + 1) if heads % d == 0]
+        raise FastRemoverError(
+            f"--parallel ulysses over {world_size} ranks needs a head count divisible by {world_size}; this model has "
+            f"{heads} attention heads (usable degrees: {divisors})"
+        )
 
 
 def _send_qkv(ctx: ParallelContext, qkv: torch.Tensor, groups: int, g: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ import signal
 import socket
 import sys
 
-from fastremover.config import API_KEY_ENV, EngineConfig, ModelSource, add_engine_args, add_model_args, serve_api_key
+from fastremover.config import EngineConfig, ModelSource, add_engine_args, add_model_args
+from fastremover.env import API_KEY_ENV, serve_api_key
 from fastremover.errors import FastRemoverError
 from fastremover.extras import install_hint
 

@@ -18,7 +18,8 @@ import pytest
 
 from fastremover import media
 from fastremover.batch import Runner, plan_batch, run_batch
-from fastremover.batch.cli import EXIT_CLIPS_FAILED, main as batch_main, pick_slots
+from fastremover.batch.__main__ import main as batch_main
+from fastremover.batch.cli import EXIT_CLIPS_FAILED, pick_slots
 from fastremover.batch.driver import dispatch_order
 from fastremover.batch.plan import IMAGE_ENDINGS, RECORDS_DIR, VIDEO_ENDINGS
 from fastremover.config import EngineConfig, ModelSource

@@ -10,7 +10,8 @@ import os
 import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (the dev extra installs it; the cluster extra for users)")
 
-from fastremover.batch.cli import EXIT_CLIPS_FAILED, main as batch_main
+from fastremover.batch.__main__ import main as batch_main
+from fastremover.batch.cli import EXIT_CLIPS_FAILED
 from fastremover.worker import Job, RemovalWorker
 from helpers import CLIPS, frames_of, make_clips
 

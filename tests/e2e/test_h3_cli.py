@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from fastremover import media
 from fastremover.h3 import cli as h3cli
+from fastremover.h3.__main__ import main as h3_main
 from fastremover.models import h3_decoder as h3
 
 
@@ -20,7 +21,7 @@ def latents(tmp_path):
 
 
 def _run(*argv):
-    return h3cli.main([str(a) for a in argv])
+    return h3_main([str(a) for a in argv])
 
 
 def test_decode_writes_video(tmp_path, latents, capsys):

@@ -1,4 +1,4 @@
-"""Attention backends (fastremover/ops/attention/, fast/cudnn_sdpa.py): the 8-bit path against fp16 SDPA.
+"""Attention backends (fastremover/ops/attention/, ops/attention/cudnn_fp8.py): the 8-bit path against fp16 SDPA.
 
 CPU: the q/k/v quantizer against its eager reference (Triton interpreter) and K smoothing's exactness under softmax.
 GPU (H200): cuDNN FP8 SDPA at the W2 shape (S = 32760, 12 heads x 128), cosine vs fp16 SDPA >= 0.998 on inputs with a

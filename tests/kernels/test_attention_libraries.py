@@ -1,6 +1,6 @@
 """Attention backends on optional libraries' kernels: FlashInfer's FA3 (`fa3` fp16, `fp8-fa3`;
-fastremover/fast/flashinfer_attention.py) and FlashAttention-3's own FP8 kernel (`fp8-flash3`;
-fastremover/fast/flash3_attention.py).
+fastremover/ops/attention/flashinfer_fa3.py) and FlashAttention-3's own FP8 kernel (`fp8-flash3`;
+fastremover/ops/attention/flashattn3_fp8.py).
 
 CPU: each is refused off the GPU with a clear error (never a silent fp16 SDPA run); the availability check names the
 missing piece (package or build script, Hopper). GPU (H200, with flashinfer-python installed and FlashAttention-3
@@ -33,7 +33,7 @@ def qkv_views(s, heads=12, dim=128, k_bias=1.0, v_bias=0.0, seed=0, batch=1):
 
 @pytest.mark.parametrize("name", LIBRARY_BACKENDS)
 def test_refused_off_the_gpu_with_a_clear_error(name):
-    from fastremover.fast.engine import resolve_attention
+    from fastremover.engine.build import resolve_attention
     from fastremover.ops.attention import runnable as get_backend
     from fastremover.ops.attention import unavailable_reason
 
@@ -48,15 +48,15 @@ def test_refused_off_the_gpu_with_a_clear_error(name):
 
 
 @pytest.mark.parametrize("module,missing,remedy", [
-    ("flashinfer_attention", "flashinfer", "pip install flashinfer-python"),
-    ("flash3_attention", "flash_attn_interface", "tools/build_flash3.sh"),
+    ("flashinfer_fa3", "flashinfer", "pip install flashinfer-python"),
+    ("flashattn3_fp8", "flash_attn_interface", "tools/build_flash3.sh"),
 ])
 def test_availability_names_the_missing_piece(monkeypatch, module, missing, remedy):
     """On a GPU without the library the reason says what to do; off Hopper it says Hopper (import error and device
     capability faked: no GPU needed)."""
     import importlib
 
-    mod = importlib.import_module(f"fastremover.fast.{module}")
+    mod = importlib.import_module(f"fastremover.ops.attention.{module}")
     monkeypatch.setattr(mod, "import_error", lambda: f"ModuleNotFoundError: No module named '{missing}'")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     why = mod.unavailable_reason(torch.device("cuda", 0))
@@ -112,7 +112,7 @@ def test_gpu_batch_of_two_equals_per_item_calls():
     same codes and scales: a separate quantization of one item would pick other per-tensor scales)."""
     _needs("fa3")
     _needs("fp8-fa3")
-    from fastremover.fast.flashinfer_attention import fa3_fp8_codes
+    from fastremover.ops.attention.flashinfer_fa3 import fa3_fp8_codes
     from fastremover.ops.attention.flashinfer_fa3 import fa3, fa3_fp8 as fp8_fa3
     from fastremover.ops.attention.quantize import quantize_qkv
     from fastremover.ops.attention.sdpa import sdpa

@@ -1,4 +1,4 @@
-"""fast/cublaslt.py: the FP8 linears' workspace-free cuBLASLt GEMM against torch._scaled_mm (its eager reference).
+"""ops/linear/cublaslt.py: the FP8 linears' workspace-free cuBLASLt GEMM against torch._scaled_mm (its eager reference).
 
 CPU: argument checks, the availability gate and Fp8Linear's choice. GPU: torch.equal with torch._scaled_mm at the
 DiT's real shapes on fresh random inputs, inside a CUDA graph too, and the profiler showing the point of the path
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fastremover.config import TransformerOptions
-from fastremover.fast import cublaslt
-from fastremover.fast.fp8 import Fp8Linear
+from fastremover.ops.linear import cublaslt
+from fastremover.ops.linear.fp8_rowwise import Fp8Linear
 from helpers import TOOLS, tiny_transformer
 
 FP8 = torch.float8_e4m3fn

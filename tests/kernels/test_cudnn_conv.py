@@ -134,7 +134,7 @@ def test_small_convs_and_unaligned_inputs_keep_torchs_call():
 
 
 def test_gating_and_the_environment_switch(monkeypatch):
-    from fastremover.config import KernelTuning
+    from fastremover.env import KernelTuning
     from fastremover.fast.vae import FastWanVAE
     from fastremover.models.loading import PRESETS, random_init_
     from fastremover.models.vae import WanVAE, WanVAEConfig

@@ -33,7 +33,7 @@ def test_sumsq_order():
     integers are exact, so the order-free value must come out), and its lane layout is the one documented."""
     x = torch.randint(-8, 9, (3, 2048)).float()
     assert torch.equal(H.sumsq_reference(x), (x * x).sum(-1))
-    assert H.norm_lanes(2048) == 128 and H.norm_lanes(64) == 16 and H.norm_lanes(32) == 8
+    assert K.norm_lanes(2048) == 128 and K.norm_lanes(64) == 16 and K.norm_lanes(32) == 8
     # the order is observable: lane 0 sums 2^24 + 1 -> 2^24 (a tie, to even); lane 1's 1 joins at the tree's last
     # step, 2^24 + 1 -> 2^24 again. Adding the two ones first would give 2^24 + 2.
     y = torch.zeros(1, 64)

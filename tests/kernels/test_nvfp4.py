@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from fastremover.errors import FastRemoverError
 from fastremover.fast import nvfp4 as n
-from fastremover.fast.nvfp4_linear import (
+from fastremover.ops.linear.nvfp4 import (
     Nvfp4Linear,
     nvfp4_memory_estimate,
     quantize_linears_nvfp4,
@@ -371,7 +371,7 @@ def test_nvfp4_linear_modes():
 def test_nvfp4_linear_gpu_branches_under_the_interpreter(monkeypatch, gemm):
     """The sm_90 branches of Nvfp4Linear.forward, run on the CPU: the interpreter executes the same Triton kernels,
     torch.addmm stands in for cuBLAS."""
-    import fastremover.fast.nvfp4_linear as nl
+    import fastremover.ops.linear.nvfp4 as nl
 
     monkeypatch.setattr(nl, "_on_triton_gpu", lambda t: True)
     lin = nn.Linear(32, 24).half()
@@ -433,9 +433,9 @@ def test_quantize_linears_user_errors():
 
 
 def test_w4a4_refused_on_full_frames_unless_forced():
-    """The engine plan's per-window rule (fastremover/fast/engine.py Plan.check_window)."""
+    """The engine plan's per-window rule (fastremover/engine/build.py Plan.check_window)."""
     from fastremover.config import EngineConfig, LinearOptions
-    from fastremover.fast.engine import resolve
+    from fastremover.engine.build import resolve
 
     plan = resolve(EngineConfig(device="cpu", linears=LinearOptions(weights="nvfp4-w4a4")))
     assert plan.linear_method == "nvfp4-w4a4"

@@ -18,7 +18,7 @@ from fastremover.fast.nvfp4_conv import (
     quantize_vae_convs_nvfp4,
     vae_conv_memory_estimate,
 )
-from fastremover.fast.nvfp4_linear import resident_bytes
+from fastremover.ops.linear.nvfp4 import resident_bytes
 from fastremover.models.loading import random_init_
 from fastremover.models.vae import CausalCache, CausalConv3d, WanVAE, WanVAEConfig
 

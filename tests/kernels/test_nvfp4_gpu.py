@@ -97,7 +97,7 @@ def test_nvfp4_linear_gpu_paths_on_sm90(dtype):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the W4A16 GPU paths are gated to sm_90")
     from fastremover.fast.kernels.nvfp4 import w4a16_gemm
-    from fastremover.fast.nvfp4_linear import Nvfp4Linear
+    from fastremover.ops.linear.nvfp4 import Nvfp4Linear
 
     lin = torch.nn.Linear(1536, 8960).cuda().to(dtype)
     fused, dequant = Nvfp4Linear(lin, gemm="triton"), Nvfp4Linear(lin)

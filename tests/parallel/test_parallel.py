@@ -18,7 +18,9 @@ import torch
 from fastremover.config import EngineConfig, ModelSource, ParallelOptions
 from fastremover.errors import FastRemoverError
 from fastremover.parallel import transport
-from fastremover.parallel.context import SINGLE, ParallelContext, ParallelError, check_heads, set_parallel, split_sizes
+from fastremover.engine.interfaces import SINGLE
+from fastremover.parallel.context import ParallelContext, ParallelError, set_parallel, split_sizes
+from fastremover.parallel.ulysses import check_heads
 from fastremover.parallel.launch import remove_rank, run_remove, spawn
 from helpers import attention_fakes
 
@@ -73,7 +75,7 @@ def _denoise_pair(ctx, denoiser, target, inputs, **ctx_fields):
 
 
 def _rank_checks(ctx):
-    from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
+    from fastremover.engine.denoise import EagerDenoiser, FastDenoiser
     from fastremover.fast.transformer_fast import FastTransformer
     from fastremover.models.loading import random_init_
     from fastremover.models.vae import WanVAE, WanVAEConfig
@@ -107,7 +109,7 @@ def _rank_checks(ctx):
     back = ctx.attention(lambda q, k, v: v, codes.clone(), codes.clone(), codes)
     out["codes_round_trip"] = back.dtype == codes.dtype and torch.equal(back.view(torch.uint8), codes.view(torch.uint8))
     # CUDA graphs under sequence parallelism: the ranks take the same branch (all graphs or none)
-    from fastremover.fast.denoise import capture_agreed
+    from fastremover.engine.denoise import capture_agreed
 
     def fail_on_last():
         if ctx.rank == ctx.world_size - 1:
@@ -213,7 +215,7 @@ def test_graph_capture_is_all_ranks_or_none(ranks):
 
 
 def test_replay_wait_raises_instead_of_hanging():
-    from fastremover.fast.denoise import wait_for_replay
+    from fastremover.engine.denoise import wait_for_replay
 
     class Event:
         def __init__(self, ready_after):
@@ -350,7 +352,7 @@ def test_the_engine_builds_the_parallel_denoiser_and_vae():
     VAE around the modules (no proxies swapped onto a built pipeline) and records the run's parallel shape. Building
     communicates nothing (this context has no process group)."""
     from fastremover.models.loading import random_models
-    from fastremover.parallel.engine import ParallelDenoiser, ParallelVAE
+    from fastremover.engine.parallel import ParallelDenoiser, ParallelVAE
     from fastremover.pipeline import RemovalPipeline
 
     ctx = ParallelContext(rank=0, world_size=2)
@@ -442,7 +444,7 @@ def test_parallel_remove_matches_serial_and_failures_stop_every_rank(tmp_path):
 
 def _nccl_checks(ctx):
     """NCCL: Ulysses exact-mode denoise on the GPUs equals one GPU's at a real head count (12 heads)."""
-    from fastremover.fast.denoise import FastDenoiser
+    from fastremover.engine.denoise import FastDenoiser
     from fastremover.fast.transformer_fast import FastTransformer
     from fastremover.models.loading import random_init_
     from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
@@ -459,7 +461,7 @@ def _nccl_checks(ctx):
 def _nccl_graph_checks(ctx, num_layers=2):
     """The denoise loop with the collectives inside a CUDA graph (ctx: NCCL; on one GPU a one-rank group that still
     communicates, `always_communicate`): the replays equal the eager loop under the same context, exact and fp8."""
-    from fastremover.fast.denoise import FastDenoiser
+    from fastremover.engine.denoise import FastDenoiser
     from fastremover.fast.transformer_fast import FastTransformer
     from fastremover.models.loading import random_init_
     from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig

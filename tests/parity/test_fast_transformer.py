@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from fastremover.config import TransformerOptions
-from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
-from fastremover.fast.engine import build_denoiser, resolve_mode
-from fastremover.fast.fp8 import Fp8Linear
+from fastremover.engine.denoise import EagerDenoiser, FastDenoiser
+from fastremover.engine.build import build_denoiser, resolve_mode
+from fastremover.ops.linear.fp8_rowwise import Fp8Linear
 from fastremover.fast.transformer_fast import FastTransformer
 from fastremover.models.transformer import RemoverTransformerConfig
 from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG
@@ -291,7 +291,7 @@ def test_modes_fall_back_on_cpu_with_a_note():
 
 def test_attention_backend_choice_and_errors_on_cpu():
     from fastremover.errors import FastRemoverError
-    from fastremover.fast.engine import resolve_attention
+    from fastremover.engine.build import resolve_attention
     from fastremover.ops.attention import available as available_backends
     from fastremover.ops.attention import unavailable_reason
 
@@ -466,7 +466,7 @@ def test_gpu_concurrent_branches_equal_the_serial_order(real_model, attention):
     side stream (the defaults on CUDA) run the same kernels on the same inputs as one stream after another:
     torch.equal at W1's token count, for a calibrating first step and a later one, eagerly and as a captured graph.
     Without the split, close."""
-    from fastremover.fast.engine import resolve_attention
+    from fastremover.engine.build import resolve_attention
 
     backend = resolve_attention(attention, "fast", torch.device("cuda"))[0]
     x = inputs(21, (1, 48, 10, 54, 54), "cuda", torch.float16)  # 7290 tokens
@@ -503,7 +503,7 @@ def test_gpu_fast_mode_defaults_to_the_fastest_fp8_attention():
     """On a Hopper GPU the fast mode's `auto` attention is FlashAttention-3's `fp8-flash3` where it is built, else
     cuDNN's `fp8` (both with K and V centred: W2 48.6 dB, docs/performance.md); exact takes FlashInfer's FA3 when it
     can run, else SDPA."""
-    from fastremover.fast.engine import resolve_attention
+    from fastremover.engine.build import resolve_attention
 
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev) < (9, 0):
@@ -544,7 +544,7 @@ def test_fused_ffn1_switch_says_when_it_cannot_run(monkeypatch):
     """FASTREMOVER_FUSED_FFN1=1 where the fused GEMM cannot run (no sm_90 GPU / no Triton ops): the two-pass FFN
     runs, with a note; unset (the default: fused where it runs) or 0, no note; any other value is an error."""
     from fastremover.errors import FastRemoverError
-    from fastremover.fast.engine import build_denoiser
+    from fastremover.engine.build import build_denoiser
 
     model = tiny_model(3)
     monkeypatch.setenv("FASTREMOVER_FUSED_FFN1", "1")

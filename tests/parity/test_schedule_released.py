@@ -127,7 +127,7 @@ class _Inner:
 
 def test_the_schedule_reaches_every_rank():
     # Rank 0's denoiser announces the schedule with the stage; a following rank runs the one it is told.
-    from fastremover.parallel.engine import ParallelEngine
+    from fastremover.engine.parallel import ParallelEngine
 
     x = torch.zeros(1)
     vae = types.SimpleNamespace(config=None, device=torch.device("cpu"), dtype=torch.float32)  # decodes on rank 0

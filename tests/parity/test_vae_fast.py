@@ -969,7 +969,7 @@ def test_build_vae_and_pipeline_wiring():
     from fastremover.pipeline import RemovalPipeline
 
     vae = WanVAE(WanVAEConfig(base_dim=8, num_res_blocks=1))
-    from fastremover.vae_api import EagerVideoVAE
+    from fastremover.engine.vae import EagerVideoVAE
 
     got, desc = build_vae(vae, "eager", torch.device("cpu"), F32)  # the eager module behind the VideoVAE interface
     assert isinstance(got, EagerVideoVAE) and got.module is vae and desc == "eager"

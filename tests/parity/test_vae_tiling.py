@@ -1,4 +1,4 @@
-"""Spatial tiling of the Wan VAE (fastremover.fast.vae_tiling): tile layout, blending weights, tiled vs untiled calls,
+"""Spatial tiling of the Wan VAE (fastremover.engine.tiling): tile layout, blending weights, tiled vs untiled calls,
 the memory model against measured live tensor bytes, automatic tile choice, and the 1080p capped GPU check."""
 
 import json
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fastremover.errors import FastRemoverError
-from fastremover.fast import vae_tiling as vt
+from fastremover.engine import tiling as vt
 from fastremover.models.loading import PRESETS, random_init_
 from fastremover.models.vae import WanVAE, WanVAEConfig
 from helpers import load_tool

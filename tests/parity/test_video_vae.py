@@ -1,4 +1,4 @@
-"""The VideoVAE interface (fastremover/vae_api.py): both VAEs implement it, each with its own memory model, decode
+"""The VideoVAE interface (fastremover/engine/vae.py): both VAEs implement it, each with its own memory model, decode
 chunk by chunk equals the whole decode bit for bit, and the pipeline reaches its VAE only through it."""
 
 import inspect
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from fastremover.config import FastVAEOptions
-from fastremover.fast import vae_tiling as vt
+from fastremover.engine import tiling as vt
 from fastremover.fast.vae import FastWanVAE, build_vae
 from fastremover.models.loading import PRESETS, random_init_
 from fastremover.models.vae import WanVAE, WanVAEConfig
-from fastremover.vae_api import EagerVideoVAE, VideoVAE
+from fastremover.engine.vae import EagerVideoVAE, VideoVAE
 from helpers import load_tool
 
 lab = load_tool("vae_tiling_check")  # the live-tensor-byte counter and the GPU check (lab code, tools/)
@@ -98,7 +98,7 @@ def test_normalize_is_wanvaes(tiny, dtype):
 
 def test_tiled_calls_follow_the_vaes_memory_budget(tiny, monkeypatch):
     """A budget too small for one call: encode_removal and decode_latents_iter run in tiles (the same tiles and
-    numbers as vae_tiling's functions), and the tiled decode still comes as one chunk per latent frame."""
+    numbers as engine/tiling.py's functions), and the tiled decode still comes as one chunk per latent frame."""
     eager = EagerVideoVAE(tiny)
     frames, mask = _video(9, 144, 208), _mask(9, 144, 208)
     untiled = eager.memory_bytes("encode", 9, 144, 208)
@@ -192,5 +192,5 @@ def test_pipeline_reaches_the_vae_only_through_the_interface():
 
     for name in ("encode", "decode", "decode_iter", "finish_chunk", "_fill_window", "_run_window"):
         source = inspect.getsource(getattr(RemovalPipeline, name))
-        for banned in ("hasattr(", "device.type", "vae_tiling", "encode_tiled", "decode_auto", "FastWanVAE"):
+        for banned in ("hasattr(", "device.type", "tiling", "encode_tiled", "decode_auto", "FastWanVAE"):
             assert banned not in source, (name, banned)

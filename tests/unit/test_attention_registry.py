@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastremover.errors import FastRemoverError
-from fastremover.fast.engine import build_denoiser, resolve_attention
+from fastremover.engine.build import build_denoiser, resolve_attention
 from fastremover.fast.transformer_fast import FastTransformer
 from fastremover.models.loading import random_init_
 from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig

@@ -60,7 +60,7 @@ def test_gpu_graph_cache_is_bounded_and_recaptures_exactly():
     """Three shapes, each called twice (the second call runs eagerly and records: denoise.capture_pays), through a
     denoiser that keeps two graphs: the first is evicted, its shape recorded again on return, and the replay equals
     the first (eager) run bit for bit."""
-    from fastremover.fast.denoise import FastDenoiser
+    from fastremover.engine.denoise import FastDenoiser
     from fastremover.fast.transformer_fast import FastTransformer
     from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fastremover import cache as cache_mod
 from fastremover.cache import PersistentCache, environment
-from fastremover.config import cache_dir
+from fastremover.env import cache_dir
 from helpers import REPO
 
 ENV = {"gpu": "NVIDIA H200", "driver": "13.0", "torch": "2.13.0", "triton": "3.9.0", "cudnn": 91900}

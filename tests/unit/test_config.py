@@ -1,5 +1,5 @@
-"""EngineConfig (fastremover/config.py): the typed, frozen input; its flags and environment overrides read in one place;
-its resolution on a device (fastremover/fast/engine.py) into a plan and, built, a ResolvedEngine that records the input
+"""EngineConfig (fastremover/config.py): the typed, frozen input; its flags from one definition, the environment read in env.py;
+its resolution on a device (fastremover/engine/build.py) into a plan and, built, a ResolvedEngine that records the input
 it came from."""
 
 import argparse
@@ -15,12 +15,12 @@ from fastremover.config import ModelSource
 from fastremover.config import (
     AttentionOptions,
     EngineConfig,
-    KernelTuning,
     LinearOptions,
     ParallelOptions,
     ResolvedEngine,
     option_table,
 )
+from fastremover.env import KernelTuning
 from fastremover.errors import FastRemoverError
 from helpers import REPO
 
@@ -139,22 +139,26 @@ def test_the_kernels_read_their_switches_through_the_config(monkeypatch):
         conv3d_fp8._tuning_enabled()
 
 
-def test_environment_variables_are_read_only_in_config_py():
+def test_environment_variables_are_read_only_in_env_py():
     """One place: no other package module reads the environment (os.environ / os.getenv; setting a variable for a
-    child process is not reading it). torchrun's variables are read there too (config.torchrun_env)."""
+    child process is not reading it). torchrun's variables are read there too (env.torchrun_env). config.py takes
+    the mapping env.variables() gives it (its `environ` parameters), but never os.environ itself."""
     readers = []
     for path in sorted((REPO / "fastremover").rglob("*.py")):
-        if path.name == "config.py" and path.parent.name == "fastremover":
+        if path.name == "env.py" and path.parent.name == "fastremover":
             continue
+        names = ("os.environ", "os.getenv")
+        if not (path.name == "config.py" and path.parent.name == "fastremover"):
+            names += ("environ", "getenv")
         tree = ast.parse(path.read_text())
         written = {id(n.value) for n in ast.walk(tree)
                    if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del))}
         for node in ast.walk(tree):
             text = ast.unparse(node) if isinstance(node, (ast.Attribute, ast.Name)) else ""
-            if text in ("os.environ", "os.getenv", "environ", "getenv") and id(node) not in written:
+            if text in names and id(node) not in written:
                 readers.append(f"{path.relative_to(REPO)}:{node.lineno} {text}")
     assert not readers, readers
-    from fastremover.config import torchrun_env
+    from fastremover.env import torchrun_env
 
     assert torchrun_env({}) is None and torchrun_env({"WORLD_SIZE": "1"}) is None
     env = torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"})
@@ -178,7 +182,7 @@ def test_option_table_lists_every_option_once():
 def test_choice_lists_are_defined_once():
     """The engine, the registry, the parallel package and the fast VAE use config.py's lists themselves."""
     from fastremover import config
-    from fastremover.fast import engine
+    from fastremover.engine import build as engine
     from fastremover.fast.vae import model as vae_model
     from fastremover.ops.attention import registry
     from fastremover.parallel import context
@@ -193,7 +197,7 @@ def test_choice_lists_are_defined_once():
 
 
 def test_resolve_on_the_cpu_falls_back_with_notes():
-    from fastremover.fast.engine import resolve
+    from fastremover.engine.build import resolve
 
     plan = resolve(EngineConfig(mode="fast"), CPU)
     assert plan.mode == "eager" and plan.attention == "sdpa" and not plan.cuda_graphs and not plan.fused_ffn1
@@ -207,7 +211,7 @@ def test_resolve_on_the_cpu_falls_back_with_notes():
 
 def test_plan_switches_follow_the_config(monkeypatch):
     """The fused-FFN and CUDA-graph switches of a plan (the device check itself is fp8_supported's: faked here)."""
-    from fastremover.fast import engine
+    from fastremover.engine import build as engine
 
     monkeypatch.setattr(engine, "resolve_mode", lambda mode, device: (mode, []))  # a device that runs every mode
     monkeypatch.setattr(engine, "resolve_attention", lambda attention, mode, device: ("sdpa", []))
@@ -221,7 +225,7 @@ def test_plan_switches_follow_the_config(monkeypatch):
 
 
 def test_build_records_what_runs_and_the_input():
-    from fastremover.fast.engine import build
+    from fastremover.engine.build import build
     from fastremover.models.loading import random_models
 
     config = EngineConfig(mode="exact", device="cpu")
@@ -254,7 +258,7 @@ def test_resolved_engine_keeps_every_field_of_the_pipelines_record():
 def test_build_denoiser_keeps_its_signature_and_reads_the_environment(monkeypatch):
     """The old entry point (mode already resolved, attention by name) still works; without a config it takes the
     environment's overrides, with one it takes the config's."""
-    from fastremover.fast.engine import build_denoiser
+    from fastremover.engine.build import build_denoiser
     from fastremover.models.loading import random_models
     from fastremover.schedulers import DEFAULT_SCHEDULER_CONFIG
 
@@ -342,7 +346,7 @@ def test_model_source():
 
 
 def test_device_and_precision_are_resolved_in_the_engine():
-    from fastremover.fast.engine import resolve, resolve_device, resolve_precision
+    from fastremover.engine.build import resolve, resolve_device, resolve_precision
 
     assert resolve_device("cpu") == CPU and resolve_precision(None, CPU) == "fp32"
     assert resolve_precision(None, torch.device("cuda")) == "fp16" and resolve_precision("bf16", CPU) == "bf16"

@@ -1,4 +1,4 @@
-"""The linear-method seam (fastremover/fast/linear_methods.py): the registry, the typed FP8 activation, and the fast
+"""The linear-method seam (fastremover/ops/linear/registry.py): the registry, the typed FP8 activation, and the fast
 transformer running whatever method it is given (a test-registered dummy included) without knowing its name."""
 
 import gc
@@ -9,13 +9,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastremover.fast import linear_methods as lm
-from fastremover.fast.fp8 import Fp8Linear
 from fastremover.fast.kernels.quant import quant_fp8_rowwise_reference
-from fastremover.fast.nvfp4_linear import Nvfp4Linear, quantize_linears_nvfp4
 from fastremover.fast.transformer_fast import FastTransformer
 from fastremover.models.loading import random_init_
 from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
+from fastremover.ops.linear import registry as lm
+from fastremover.ops.linear.fp8_rowwise import Fp8Linear
+from fastremover.ops.linear.nvfp4 import Nvfp4Linear, quantize_linears_nvfp4
 
 TINY = RemoverTransformerConfig(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2, freq_dim=32)
 
@@ -179,3 +179,32 @@ def test_nvfp4_method_in_the_fast_transformer_matches_the_eager_nvfp4_model():
         q = tiny_model(7)
         quantize_linears_nvfp4(q)
         FastTransformer(q, use_triton=False, linear_method="nvfp4-w4a4")
+
+
+def test_weights_flag_chooses_the_registered_method_end_to_end(monkeypatch):
+    """`--weights nvfp4` -> the plan's linear method -> the registry's entry -> the engine's build -> the eager
+    transformer's block linears: the build asks the registry (a replaced entry is the one that runs) and the layers
+    it leaves are the method's."""
+    from fastremover.config import EngineConfig, LinearOptions
+    from fastremover.engine.build import build
+    from fastremover.models.loading import random_models
+
+    real = lm.get("nvfp4")
+    calls = []
+
+    def prepare(transformer):
+        calls.append(transformer)
+        return real.prepare_eager(transformer)
+
+    lm.register(lm.LinearMethod("nvfp4", real.activation, real.build, real.build_fused, quantized=True,
+                                prepare_eager=prepare, report_key=real.report_key), replace=True)
+    try:
+        models = random_models("tiny", 0)
+        engine = build(models, EngineConfig(device="cpu", linears=LinearOptions(weights="nvfp4")))
+    finally:
+        lm.register(real, replace=True)
+    assert calls == [models.transformer]
+    assert engine.resolved.linear_method == "nvfp4" and engine.resolved.mode == "eager"
+    block = models.transformer.blocks[0]
+    assert isinstance(block.attn1.to_q, Nvfp4Linear) and isinstance(block.ffn.net[2], Nvfp4Linear)
+    assert engine.resolved.nvfp4["layers"] == 6 * len(models.transformer.blocks)

@@ -1,5 +1,5 @@
 """Fewer run shapes and bounded per-shape state: the canonical sizes of crop boxes and last windows
-(fastremover/windows.py), the capture rule of the denoise loop (fast/denoise.capture_pays), and the LRU bounds of the
+(fastremover/windows.py), the capture rule of the denoise loop (engine/denoise.capture_pays), and the LRU bounds of the
 library caches (cuDNN attention graphs, cuBLASLt plans, cuDNN conv plans) with the objects a captured graph keeps."""
 
 import numpy as np
@@ -116,7 +116,7 @@ def test_shape_buckets_option_and_the_pipeline_runs_on_canonical_shapes():
 
 
 def test_capture_rule():
-    from fastremover.fast import denoise
+    from fastremover.engine import denoise
 
     assert not denoise.capture_pays(12, 1)  # a shape seen once is never recorded
     assert denoise.capture_pays(12, 2)  # (provisional constants) recorded on its second call
@@ -147,9 +147,9 @@ def test_held_while_collects_what_the_caches_hand_out():
 
 
 def test_cudnn_attention_graphs_are_bounded_and_a_recording_keeps_its_own(monkeypatch):
-    from fastremover.fast import cudnn_sdpa
+    from fastremover.ops.attention import cudnn_fp8
 
-    monkeypatch.setattr(cudnn_sdpa, "_graphs", LRUCache(2))
+    monkeypatch.setattr(cudnn_fp8, "_graphs", LRUCache(2))
     built = []
 
     class Graph:
@@ -158,17 +158,18 @@ def test_cudnn_attention_graphs_are_bounded_and_a_recording_keeps_its_own(monkey
             built.append(key)
 
     with held_while() as held:
-        g1 = cudnn_sdpa._cached(("s", 1), lambda: Graph(1))
-        assert cudnn_sdpa._cached(("s", 1), lambda: Graph(1)) is g1 and built == [1]  # a hit
+        g1 = cudnn_fp8._cached(("s", 1), lambda: Graph(1))
+        assert cudnn_fp8._cached(("s", 1), lambda: Graph(1)) is g1 and built == [1]  # a hit
     for k in (2, 3, 4):
-        cudnn_sdpa._cached(("s", k), lambda k=k: Graph(k))
-    assert len(cudnn_sdpa._graphs) == 2 and ("s", 1) not in cudnn_sdpa._graphs  # evicted from the cache...
+        cudnn_fp8._cached(("s", k), lambda k=k: Graph(k))
+    assert len(cudnn_fp8._graphs) == 2 and ("s", 1) not in cudnn_fp8._graphs  # evicted from the cache...
     assert held == [g1]  # ...but the recording that used it still holds it
-    assert cudnn_sdpa._cached(("s", 1), lambda: Graph(1)) is not g1 and built == [1, 2, 3, 4, 1]
+    assert cudnn_fp8._cached(("s", 1), lambda: Graph(1)) is not g1 and built == [1, 2, 3, 4, 1]
 
 
 def test_cublaslt_plans_and_conv_plans_are_lru_bounded(monkeypatch):
-    from fastremover.fast import cublaslt, cudnn_conv
+    from fastremover.fast import cudnn_conv
+    from fastremover.ops.linear import cublaslt
 
     assert isinstance(cublaslt._plans, LRUCache) and cublaslt._plans.max_items == cublaslt.MAX_PLANS
     assert isinstance(cudnn_sdpa_graphs(), LRUCache)
@@ -188,6 +189,6 @@ def test_cublaslt_plans_and_conv_plans_are_lru_bounded(monkeypatch):
 
 
 def cudnn_sdpa_graphs():
-    from fastremover.fast import cudnn_sdpa
+    from fastremover.ops.attention import cudnn_fp8
 
-    return cudnn_sdpa._graphs
+    return cudnn_fp8._graphs

@@ -48,7 +48,7 @@ def interpreting(kernel) -> bool:
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:  # pragma: no cover - very old triton
-        from fastremover.config import triton_interpret
+        from fastremover.env import triton_interpret
 
         return triton_interpret()
     return isinstance(kernel, InterpretedFunction)

@@ -116,7 +116,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastremover.config import kernel_tuning
+from fastremover.env import kernel_tuning
 from fastremover.fast.kernels._common import (
     FP8_MAX,
     PatchConfig,

@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastremover.fast import h3_nvfp4 as h3ref
 from fastremover.fast import nvfp4 as ref
 from fastremover.fast.kernels._common import interpreting, launch_options, load_f32, mul_rn, round_through, round_to
 from fastremover.fast.kernels.nvfp4 import nvfp4_tile, swizzled_offsets
@@ -49,6 +48,15 @@ ROWS = 4  # rows per program of the row kernels (GPU)
 ROWS_INTERPRETER = 256  # the interpreter pays per program: fewer, larger ones
 SWIGLU_BLOCK = (8, 64)  # rows x columns per swiglu program (GPU)
 SWIGLU_BLOCK_INTERPRETER = (256, 128)
+
+
+def norm_lanes(width: int) -> int:
+    """The lane count T of the fixed RMSNorm summation order for rows of `width` (a power-of-two lane count)."""
+    t = min(128, width // 4)
+    if width % 4 or t < 1 or t & (t - 1) or width % (4 * t):
+        raise ValueError(f"row width {width}: the RMSNorm order needs width = 4 * T * k with T = min(128, width / 4) "
+                         "a power of two")
+    return t
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -199,7 +207,7 @@ def residual_norm_quantize(h: torch.Tensor, residual=None, norm=None, *, recipro
     if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.dtype != torch.float32 or not h.is_contiguous():
         raise ValueError("h must be a contiguous fp32 [M, D] tensor")
     m, d = h.shape
-    t = h3ref.norm_lanes(d)
+    t = norm_lanes(d)
     approx = _check_reciprocal(reciprocal, _residual_norm_quantize_kernel)
     if residual is None and norm is None:
         return None

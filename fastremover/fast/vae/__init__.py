@@ -3,7 +3,7 @@
 `FastWanVAE(vae)` (model.py) runs the same math as `fastremover.models.vae.WanVAE` (whose weights it takes, converted once to
 channels-last on the target device/dtype), chunk by chunk exactly as the eager model does (encode: frame 0, then 4
 frames; decode: one latent frame, also as an iterator, `decode_iter`), behind the pipeline's
-`fastremover.vae_api.VideoVAE` interface with its own memory model (`memory_bytes`, which the tiling plan uses), with
+`fastremover.engine.vae.VideoVAE` interface with its own memory model (`memory_bytes`, which the tiling plan uses), with
 these changes:
 
 * Layout: every activation is channels-last ([B, C, T, H, W] with NDHWC memory; per-frame 2-D work on [B*T, C, H, W]

@@ -70,7 +70,7 @@ def load_conv_plans(device: torch.device, dtype: torch.dtype, conv_plans: bool |
     """The cuDNN plan chooser of the convs (fast/cudnn_conv.py: torch's bits, faster plans where cuDNN has them),
     or None: "auto" uses it where it can run (CUDA, fp16/bf16, cudnn-frontend) unless
     FASTREMOVER_CUDNN_CONV_PLANS=0; True raises where it cannot; False: torch's convs."""
-    from fastremover.config import kernel_tuning
+    from fastremover.env import kernel_tuning
     from fastremover.fast import cudnn_conv
 
     if conv_plans not in ("auto", True, False):

@@ -1,5 +1,5 @@
 """`FastWanVAE`: the fast Wan 2.1 VAE assembled from its parts (see the package docstring), behind the pipeline's
-`fastremover.vae_api.VideoVAE` interface, with its memory model (`memory_bytes`) and the policies that depend on the
+`fastremover.engine.vae.VideoVAE` interface, with its memory model (`memory_bytes`) and the policies that depend on the
 frame size (`frames_per_step`, `pair_fits`); `build_vae` picks it or the eager VAE for an engine mode.
 
     convert.py   the weights in the fast layout (channel padding, tap head, FP8 / sub-pixel weights)
@@ -32,7 +32,7 @@ from fastremover.fast.vae.convert import (
 from fastremover.fast.vae.decoder import Decoder
 from fastremover.fast.vae.encoder import Encoder, FrameSource, Progress, n_chunks
 from fastremover.models.vae import CACHE_T, ENCODE_CHUNK_FRAMES, Resample, ResidualBlock, WanVAE
-from fastremover.vae_api import VideoVAE
+from fastremover.engine.vae import VideoVAE
 
 KERNELS = ("auto", "triton", "torch")
 # decode_frames "auto" (the default): on CUDA, frames of at most SMALL_FRAME_PIXELS run the decoder's
@@ -60,7 +60,7 @@ def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, 
               options: FastVAEOptions = FastVAEOptions()):
     """The VideoVAE the pipeline runs for an (already resolved) engine mode: (vae, description).
 
-    eager mode, or no CUDA GPU: the eager `WanVAE` moved to device/dtype, as a `vae_api.EagerVideoVAE` ("eager");
+    eager mode, or no CUDA GPU: the eager `WanVAE` moved to device/dtype, as an `engine.vae.EagerVideoVAE` ("eager");
     exact/fast on CUDA: a `FastWanVAE` (its description, e.g. "fast-fp16"; the eager module stays where it is, so its
     weights are not held twice on the GPU; `options`: its switches). precision "fp8" needs the fast VAE: a clear
     error otherwise."""
@@ -72,7 +72,7 @@ def build_vae(vae: WanVAE, mode: str, device: torch.device, dtype: torch.dtype, 
             why = "the eager mode" if mode == "eager" else "no CUDA GPU"
             raise FastRemoverError(f"--vae-precision fp8 needs the fast VAE (a CUDA GPU and --mode exact or fast; "
                                    f"here: {why})")
-        from fastremover.vae_api import EagerVideoVAE
+        from fastremover.engine.vae import EagerVideoVAE
 
         eager = EagerVideoVAE(vae, device, dtype)
         return eager, eager.describe()
@@ -385,7 +385,7 @@ class FastWanVAE(VideoVAE):
                      one latent frame's chunk
         An upper bound checked against live tensor bytes of the torch-reference path (tests/parity/test_video_vae.py); not
         seen: cuDNN workspaces and the allocator's rounding, which `choose_tiling`'s margin is for."""
-        from fastremover.fast.vae_tiling import _cache_elements
+        from fastremover.engine.tiling import _cache_elements
 
         if op not in ("encode", "decode"):
             raise ValueError(f"op must be 'encode' or 'decode', got {op!r}")

@@ -1,4 +1,4 @@
-"""The sequence-parallel denoiser and VAE that the engine's build (fastremover/fast/engine.py) makes for a context of
+"""The sequence-parallel denoiser and VAE that the engine's build (fastremover/engine/build.py) makes for a context of
 several ranks.
 
     ParallelEngine(ctx, heads, denoiser, vae)    the transformer gets the context (Ulysses: `denoiser.parallelize`),
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from fastremover.parallel.context import ParallelContext, check_heads
+from fastremover.parallel.context import ParallelContext
+from fastremover.parallel.ulysses import check_heads
 from fastremover.schedulers import DEFAULT_SCHEDULE
-from fastremover.vae_api import VideoVAE
+from fastremover.engine.vae import VideoVAE
 
 
 class ParallelEngine:

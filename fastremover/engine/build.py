@@ -6,7 +6,7 @@ when the pipeline is built.
                                   fallback; `Plan.check_window` is the per-window rule of the plan (W4A4 on full frames)
     build(models, config, parallel=None) -> Engine(denoiser, vae, resolved: ResolvedEngine, plan)
                                   with a ParallelContext of several ranks, the sequence-parallel denoiser and the
-                                  parallel VAE (fastremover/parallel/engine.py) around them
+                                  parallel VAE (fastremover/engine/parallel.py) around them
 
 Modes:
 
@@ -19,7 +19,7 @@ Modes:
 A mode the device cannot run falls back to the next safer one with a note (never silently); an explicit attention
 backend that cannot run is an error with its validator's reasons (fastremover/ops/attention/registry.py).
 
-Linear methods (fast/linear_methods.py): the plan names the transformer's block-linear method - `dense` (exact),
+Linear methods (ops/linear/registry.py): the plan names the transformer's block-linear method - `dense` (exact),
 `fp8-rowwise` (fast), or `--weights` (`nvfp4`, `nvfp4-w4a4`: eager mode only, put into the eager transformer by the
 method's `prepare_eager`). The engine passes the `LinearMethod` itself to the modules it builds.
 
@@ -37,10 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fastremover.config import MODES, PRECISIONS, EngineConfig, ResolvedEngine, kernel_tuning
+from fastremover.config import MODES, PRECISIONS, EngineConfig, ResolvedEngine
+from fastremover.env import kernel_tuning
 from fastremover.errors import FastRemoverError
-from fastremover.fast import linear_methods
-from fastremover.fast.denoise import EagerDenoiser, FastDenoiser
+from fastremover.ops import linear
+from fastremover.engine.denoise import EagerDenoiser, FastDenoiser
 from fastremover.log import logger
 from fastremover.models.transformer import RemoverTransformer
 from fastremover.ops import attention as attention_backends
@@ -101,7 +102,7 @@ def resolve_attention(attention: str, mode: str, device: torch.device) -> tuple[
 
 
 def linear_method_for(mode: str, weights: str) -> str:
-    """The block linears' method (a fast/linear_methods.py registry name) of a resolved mode: the fast mode's FP8
+    """The block linears' method (an ops/linear/registry.py registry name) of a resolved mode: the fast mode's FP8
     linears, the exact mode's dense ones, or the eager mode's stored weights (`--weights`)."""
     return {"fast": "fp8-rowwise", "exact": "dense"}.get(mode, weights)
 
@@ -115,7 +116,7 @@ class Plan:
     precision: str  # fp16 | bf16 | fp32
     mode: str  # eager | exact | fast, after fallbacks
     attention: str  # canonical backend name
-    linear_method: str  # the transformer's block linears (fast/linear_methods.py)
+    linear_method: str  # the transformer's block linears (ops/linear/registry.py)
     fused_ffn1: bool  # asked for (fast mode and not switched off); whether it runs is the transformer's check
     cuda_graphs: bool
     mode_notes: tuple[str, ...] = ()
@@ -134,9 +135,21 @@ class Plan:
         frames, so it runs there only with `linears.force_w4a4` (a FastRemoverError otherwise). ``crop_mode``: the
         run's --crop, so that under --crop on a window whose box is the whole frame is told so, not to use --crop on."""
         if self.linear_method == "nvfp4-w4a4" and full_frame and not self.config.linears.force_w4a4:
-            from fastremover.fast.nvfp4_linear import W4A4_FULL_FRAME_REFUSAL, W4A4_WHOLE_CROP_REFUSAL
+            from fastremover.ops.linear.nvfp4 import W4A4_FULL_FRAME_REFUSAL, W4A4_WHOLE_CROP_REFUSAL
 
             raise FastRemoverError(W4A4_WHOLE_CROP_REFUSAL if crop_mode == "on" else W4A4_FULL_FRAME_REFUSAL)
+
+    def check_model(self, transformer_config) -> None:
+        """The plan's rule for the transformer it runs (its RemoverTransformerConfig): the attention backend must take
+        the model's heads as the mode hands them (e4m3 codes in the fast mode to a backend that takes codes; e.g. the
+        sparse kernel's FP8 dot needs head dim >= 32), a FastRemoverError otherwise. engine.build checks it before
+        it moves or builds anything; the eager mode runs its own attention."""
+        if self.mode == "eager":
+            return
+        attention_backends.runnable(
+            self.attention, self.device, dtype=self.dtype,
+            shape=(transformer_config.num_attention_heads, transformer_config.attention_head_dim),
+            fp8_activations=linear.get(self.linear_method).fp8_activations)
 
 
 def resolve(config: EngineConfig, device: torch.device | str | None = None) -> Plan:
@@ -166,7 +179,7 @@ def _denoiser(plan: Plan, transformer: RemoverTransformer, scheduler_config: dic
         return EagerDenoiser(transformer, scheduler_config), []
     from fastremover.fast.transformer_fast import FastTransformer  # needs Triton: only for the exact / fast modes
 
-    fast = FastTransformer(transformer, linear_method=linear_methods.get(plan.linear_method),
+    fast = FastTransformer(transformer, linear_method=linear.get(plan.linear_method),
                            attention=plan.attention, fused_ffn1=plan.fused_ffn1, options=plan.config.transformer,
                            attention_options=plan.config.attention)
     notes = []
@@ -199,7 +212,7 @@ class Engine:
     vae: object | None
     resolved: ResolvedEngine
     plan: Plan | None = None
-    parallel: object | None = None  # a ParallelEngine (fastremover/parallel/engine.py) or None
+    parallel: object | None = None  # a ParallelEngine (fastremover/engine/parallel.py) or None
 
     def follow(self) -> None:
         """A rank other than 0: run the stages rank 0 announces, until it stops."""
@@ -240,6 +253,7 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
                                   requested_mode=config.mode, vae="none", vae_precision=config.vae.precision,
                                   weights=config.linears.weights, tuning=tuning, config=config.describe())
         return Engine(None, None, resolved, plan)
+    plan.check_model(models.transformer.config)
     from fastremover.fast.vae import build_vae
     from fastremover.timing import phase
 
@@ -247,7 +261,7 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
     extra: dict = {}
     with phase("host_to_device"):  # a no-op where the weights were loaded on the device in the model dtype
         models.transformer.to(device).to_inference_dtype(dtype)
-    method = linear_methods.get(plan.linear_method)
+    method = linear.get(plan.linear_method)
     if plan.mode == "eager" and method.prepare_eager is not None:
         report = method.prepare_eager(models.transformer)
         notes.append(report.summary())
@@ -267,7 +281,7 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
     notes += [*plan.attention_notes, *denoiser_notes]
     engine_parallel = None
     if parallel is not None and parallel.is_parallel:
-        from fastremover.parallel.engine import ParallelEngine
+        from fastremover.engine.parallel import ParallelEngine
 
         engine_parallel = ParallelEngine(parallel, models.transformer.config.num_attention_heads, denoiser, vae)
         denoiser, vae = engine_parallel.denoiser, engine_parallel.vae

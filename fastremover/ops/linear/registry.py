@@ -1,4 +1,4 @@
-"""The linear-method seam: how the fast transformer's block linears are stored and what activation format they read.
+"""The linear-method registry: how the fast transformer's block linears are stored and what activation format they read.
 
 A *linear method* turns the eager model's `nn.Linear` layers into inference layers once, when the FastTransformer is
 built, and declares the activation format its layers consume. The transformer asks the method and its layers; it
@@ -19,12 +19,13 @@ never compares method names.
     layer.fused_gelu_quant_available(device), layer.gelu_quant(x, bias, amax)
                              optional: ff1 + GELU + its static-bound FP8 quantization in one kernel
 
-Registered: `dense` (F.linear on the model dtype), `fp8-rowwise` (fast/fp8.py: per-output-channel e4m3 weights,
-per-row e4m3 activations, cuBLASLt / _scaled_mm), `nvfp4` (fast/nvfp4_linear.py, W4A16) and `nvfp4-w4a4` (activations
-fake-quantized to NVFP4 too). `register(method)` adds one (a sharded linear is meant to be one more entry); the tests
-register a dummy.
+Registered (each method's module registers itself; `fastremover.ops.linear` imports them): `dense` (here: F.linear
+on the model dtype), `fp8-rowwise` (fp8_rowwise.py: per-output-channel e4m3 weights, per-row e4m3 activations,
+cuBLASLt / _scaled_mm), `nvfp4` (nvfp4.py, W4A16) and `nvfp4-w4a4` (activations fake-quantized to NVFP4 too). Adding a
+method is one file that calls `register(method)` plus its import in ops/linear/__init__.py (a sharded linear is meant to
+be one more entry); the tests register a dummy.
 
-The engine (fast/engine.py) picks the method for a plan (`fast`: fp8-rowwise, `exact`: dense, `eager`: the stored
+The engine (engine/build.py) picks the method for a plan (`fast`: fp8-rowwise, `exact`: dense, `eager`: the stored
 `--weights`) and passes it on: to the FastTransformer, which builds its layers with `build` / `fused`, or, in the eager
 mode, to `prepare_eager(transformer) -> report` (a method whose layers replace the eager model's block linears in
 place; the report's `summary()` is a note and its `describe()` goes into the ResolvedEngine under `report_key`).
@@ -236,38 +237,4 @@ def _dense(linear: nn.Linear, out_dtype: torch.dtype, gemm: str = "auto") -> Lin
     return DenseLinear(linear.weight, linear.bias)
 
 
-def _fp8_rowwise(linear: nn.Linear, out_dtype: torch.dtype, gemm: str = "auto") -> LinearLayer:
-    from fastremover.fast.fp8 import Fp8Linear
-
-    return Fp8Linear(linear, out_dtype, gemm)
-
-
-def _nvfp4(mode: str):
-    def build(linear: nn.Module, out_dtype: torch.dtype, gemm: str = "auto") -> LinearLayer:
-        from fastremover.fast.nvfp4_linear import Nvfp4Linear
-
-        if isinstance(linear, Nvfp4Linear):  # the eager model was quantized already: share its layer (no master)
-            if linear.mode != mode:
-                raise ValueError(f"linear method nvfp4 ({mode}): the model's layer is {linear.mode}")
-            return linear
-        return Nvfp4Linear(linear, mode, gemm="auto" if gemm in ("auto", "torch", "cublaslt") else gemm)
-
-    def build_fused(linears, out_dtype, gemm="auto") -> LinearLayer:
-        # one global scale per tensor: q, k and v keep their own (the eager NVFP4 model's numerics)
-        return ConcatLinear([build(l, out_dtype, gemm) for l in linears])
-
-    def prepare_eager(transformer: nn.Module):
-        from fastremover.fast.nvfp4_linear import quantize_linears_nvfp4
-
-        return quantize_linears_nvfp4(transformer, w4a4=mode == "w4a4")
-
-    return {"build": build, "build_fused": build_fused, "prepare_eager": prepare_eager, "report_key": "nvfp4"}
-
-
 register(LinearMethod("dense", ACT_16BIT, _dense, description="16-bit weights, F.linear / cuBLAS"))
-register(LinearMethod("fp8-rowwise", ACT_FP8_ROWWISE, _fp8_rowwise, quantized=True,
-                      description="e4m3 weights (per output channel) x e4m3 activations (per row), cuBLASLt"))
-register(LinearMethod("nvfp4", ACT_16BIT, **_nvfp4("w4a16"), quantized=True,
-                      description="NVFP4 weights (packed e2m1 + e4m3 block scales), 16-bit activations (W4A16)"))
-register(LinearMethod("nvfp4-w4a4", ACT_16BIT, **_nvfp4("w4a4"), quantized=True,
-                      description="NVFP4 weights and NVFP4-emulated activations (crop mode only)"))

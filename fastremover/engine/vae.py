@@ -12,11 +12,11 @@ Both are built on primitives each implementation provides (`encode`, `decode_ite
 override (`encode_removal_inputs`, the two removal encodes in one call). Each implementation owns its memory model:
 `memory_bytes(op, frames, height, width, batch)` is the peak tensor bytes of one untiled call, and
 `memory_budget()` the bytes a call may allocate now (None: memory is not planned, calls are never tiled). When the
-modelled peak does not fit, the calls run in spatial tiles (`fastremover.fast.vae_tiling`, the plan from that model);
+modelled peak does not fit, the calls run in spatial tiles (`fastremover.engine.tiling`, the plan from that model);
 a tiled decode has the whole video only after its last tile, so its chunks come at the end.
 
 Implementations: `EagerVideoVAE` (below: the eager `models.vae.WanVAE`, with the eager memory model of
-`vae_tiling.estimate_call_bytes`) and `fastremover.fast.vae.FastWanVAE` (its own model).
+`tiling.estimate_call_bytes`) and `fastremover.fast.vae.FastWanVAE` (its own model).
 
 Numerics: `decode_latents` is `torch.cat(list(decode_latents_iter(...)), dim=2)` bit for bit, and
 `decode_iter(z)` yields exactly the frames `decode(z)` returns (each implementation's decode is its decode_iter
@@ -78,11 +78,11 @@ class VideoVAE(ABC):
 
     def memory_budget(self) -> int | None:
         """Bytes a call may allocate now; None: memory is not planned (calls are never tiled). Default: 0.9 of what
-        a new allocation can still get on a CUDA device (`vae_tiling.default_budget_bytes`); None on other devices,
+        a new allocation can still get on a CUDA device (`tiling.default_budget_bytes`); None on other devices,
         whose host memory the VAE does not plan (calls there run untiled, as they always have)."""
         if self.device.type != "cuda":
             return None
-        from fastremover.fast.vae_tiling import default_budget_bytes
+        from fastremover.engine.tiling import default_budget_bytes
 
         return default_budget_bytes(self.device)
 
@@ -107,14 +107,14 @@ class VideoVAE(ABC):
     # -- what the pipeline calls -------------------------------------------------------------------------------------
 
     def tile_plan(self, op: str, frames: int, height: int, width: int, batch: int = 1):
-        """The spatial tiling an `op` call of this size needs under `memory_budget()` (a vae_tiling.TilePlan), or
+        """The spatial tiling an `op` call of this size needs under `memory_budget()` (a tiling.TilePlan), or
         None when it runs untiled. Uses this VAE's own `memory_bytes`."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         budget = self.memory_budget()
         if budget is None:
             return None
-        from fastremover.fast.vae_tiling import choose_tiling
+        from fastremover.engine.tiling import choose_tiling
 
         return choose_tiling(frames, height, width, self.dtype, budget, self.config, op=op, batch=batch,
                              call_bytes=lambda o, f, h, w: self.memory_bytes(o, f, h, w))
@@ -130,7 +130,7 @@ class VideoVAE(ABC):
         if plan is None:
             za, zb = self.encode_removal_inputs(frames, mask, progress)
         else:
-            from fastremover.fast.vae_tiling import encode_tiled
+            from fastremover.engine.tiling import encode_tiled
 
             def half(offset: int):
                 return (lambda done, total: progress(offset * total + done, 2 * total)) if progress else None
@@ -151,7 +151,7 @@ class VideoVAE(ABC):
         if plan is None:
             yield from self.decode_iter(z, progress)
             return
-        from fastremover.fast.vae_tiling import decode_tiled
+        from fastremover.engine.tiling import decode_tiled
 
         video = decode_tiled(self.decode, z, plan.tile_latent, plan.overlap_latent, progress)
         yield video[:, :, :1].clone()
@@ -169,7 +169,7 @@ class VideoVAE(ABC):
 
 class EagerVideoVAE(VideoVAE):
     """The eager `WanVAE` (reference-order modules) as a VideoVAE, with the eager memory model
-    (`vae_tiling.estimate_call_bytes`, validated against live tensor bytes in tests/parity/test_vae_tiling.py)."""
+    (`tiling.estimate_call_bytes`, validated against live tensor bytes in tests/parity/test_tiling.py)."""
 
     def __init__(self, vae: WanVAE, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         if device is not None or dtype is not None:
@@ -195,7 +195,7 @@ class EagerVideoVAE(VideoVAE):
         return self.module.decode_iter(z, progress=progress)
 
     def memory_bytes(self, op: str, frames: int, height: int, width: int, batch: int = 1) -> int:
-        from fastremover.fast.vae_tiling import estimate_call_bytes
+        from fastremover.engine.tiling import estimate_call_bytes
 
         return batch * estimate_call_bytes(op, frames, height, width, self.dtype, self.config).total
 

@@ -24,8 +24,8 @@ import functools
 import torch
 import torch.nn as nn
 
-from fastremover.fast import cublaslt
-from fastremover.fast.linear_methods import Fp8Activation, LinearLayer
+from fastremover.ops.linear import cublaslt
+from fastremover.ops.linear.registry import ACT_FP8_ROWWISE, Fp8Activation, LinearLayer, LinearMethod, register
 
 FP8 = torch.float8_e4m3fn
 
@@ -46,7 +46,7 @@ def scaled_mm_out_dtype(device_type: str, device_index: int | None, want: torch.
 
 class Fp8Linear(LinearLayer):
     """A frozen nn.Linear in e4m3 with per-output-channel scales; takes pre-quantized activations (the
-    `fp8-rowwise` linear method of fast/linear_methods.py)."""
+    `fp8-rowwise` linear method of ops/linear/registry.py)."""
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype, gemm: str = "auto"):
         """gemm: "cublaslt" (cublaslt.scaled_mm; an error where it cannot run), "torch" (torch._scaled_mm) or "auto"
@@ -123,3 +123,11 @@ class Fp8Linear(LinearLayer):
 
         x = Fp8Activation.of(x)
         return Fp8Activation.of(gemm_fp8_gelu_quant(x.codes, x.row_scale, self.codes, self.scale, bias, amax))
+
+
+def _build(linear: nn.Linear, out_dtype: torch.dtype, gemm: str = "auto") -> LinearLayer:
+    return Fp8Linear(linear, out_dtype, gemm)
+
+
+METHOD = register(LinearMethod("fp8-rowwise", ACT_FP8_ROWWISE, _build, quantized=True,
+                               description="e4m3 weights (per output channel) x e4m3 activations (per row), cuBLASLt"))

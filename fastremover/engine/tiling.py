@@ -48,7 +48,7 @@ mid-block attention runs at 1/64 of the pixels, between the full-resolution peak
 `margin` (1.15) for those, and tools/vae_tiling_check.py's `gpu_check` reports the allocator's measured / modelled
 ratio. On the CPU, `WanVAE`'s conv3d adds layout copies (channels-last / per-tap): measured 1.24x (encode) and 1.16x
 (decode) the model at the tiny preset in fp32. This model is the eager one; another implementation passes its own to
-`choose_tiling` / `estimate_tiled_bytes` (`call_bytes`: the fast VAE's `FastWanVAE.memory_bytes`; see fastremover.vae_api).
+`choose_tiling` / `estimate_tiled_bytes` (`call_bytes`: the fast VAE's `FastWanVAE.memory_bytes`; see fastremover.engine.vae).
 Real config (base_dim 96), per full-resolution pixel, fp16: encode 9009 B (1404 cached + 8 * 384 working elements),
 decode 11720 B at 9 frames (2364.5 cached + 9 * 384 working + outputs). Untiled 81 x 1088 x 1920 therefore needs
 17.5 GiB to encode and 23.7 GiB to decode (1.0 GiB of it the output video), plus inputs and weights: 1080p needs tiles

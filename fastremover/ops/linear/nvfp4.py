@@ -10,7 +10,7 @@ the GEMM's load path, 16-bit MMAs - not FP4 speed. docs/nvfp4.md has the numbers
                        math in torch (nvfp4.w4a16_linear_reference: fp32, W_unit dequantized per call)
         mode "w4a4"    activations quantized to NVFP4 too (per-16 block scales along K, a dynamic per-tensor global
                        scale) and dequantized before the same GEMM: an emulation of an FP4 x FP4 GEMM's numerics
-                       (FlashRT's transformer path), not a speed path. Crop mode only (fast/engine.py's
+                       (FlashRT's transformer path), not a speed path. Crop mode only (engine/build.py's
                        Plan.check_window refuses full frames unless --force-w4a4).
     quantize_linears_nvfp4(transformer, w4a4=False) -> Nvfp4Report
                                     replaces to_q / to_k / to_v / to_out.0 / ffn.net.0.proj / ffn.net.2 of every block
@@ -29,8 +29,8 @@ import torch.nn as nn
 
 from fastremover.errors import FastRemoverError
 from fastremover.fast import nvfp4 as ref
-from fastremover.fast.linear_methods import LinearLayer
 from fastremover.models.transformer import RemoverTransformerConfig
+from fastremover.ops.linear.registry import ACT_16BIT, ConcatLinear, LinearLayer, LinearMethod, register
 
 MODES = ("w4a16", "w4a4")
 GEMMS = ("auto", "dequant", "triton")
@@ -58,7 +58,7 @@ def _on_triton_gpu(t: torch.Tensor) -> bool:
 
 class Nvfp4Linear(LinearLayer):
     """A frozen nn.Linear stored as NVFP4 (see the module docstring). Input [..., in_features] -> [..., out_features]
-    in the input's dtype. The `nvfp4` / `nvfp4-w4a4` linear methods of fast/linear_methods.py."""
+    in the input's dtype. The `nvfp4` / `nvfp4-w4a4` linear methods of ops/linear/registry.py."""
 
     def __init__(self, linear: nn.Linear, mode: str = "w4a16", gemm: str = "auto"):
         """gemm (sm_90, fp16/bf16 inputs): "dequant" = the exact unit weight dequantized into a transient buffer per
@@ -280,3 +280,33 @@ def format_memory_estimate(est: dict) -> str:
         f"(block linears {est['nvfp4_linear_bytes'] / gib:.3f} GiB, {est['linear_ratio']:.2f}x smaller; "
         f"total {est['total_ratio']:.2f}x)"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The linear methods (ops/linear/registry.py)
+
+
+def _method(mode: str) -> dict:
+    """build / build_fused / prepare_eager of the NVFP4 method in `mode` ("w4a16" or "w4a4")."""
+
+    def build(linear: nn.Module, out_dtype: torch.dtype, gemm: str = "auto") -> LinearLayer:
+        if isinstance(linear, Nvfp4Linear):  # the eager model was quantized already: share its layer (no master)
+            if linear.mode != mode:
+                raise ValueError(f"linear method nvfp4 ({mode}): the model's layer is {linear.mode}")
+            return linear
+        return Nvfp4Linear(linear, mode, gemm="auto" if gemm in ("auto", "torch", "cublaslt") else gemm)
+
+    def build_fused(linears, out_dtype, gemm="auto") -> LinearLayer:
+        # one global scale per tensor: q, k and v keep their own (the eager NVFP4 model's numerics)
+        return ConcatLinear([build(l, out_dtype, gemm) for l in linears])
+
+    def prepare_eager(transformer: nn.Module) -> Nvfp4Report:
+        return quantize_linears_nvfp4(transformer, w4a4=mode == "w4a4")
+
+    return {"build": build, "build_fused": build_fused, "prepare_eager": prepare_eager, "report_key": "nvfp4"}
+
+
+W4A16 = register(LinearMethod("nvfp4", ACT_16BIT, **_method("w4a16"), quantized=True,
+                              description="NVFP4 weights (packed e2m1 + e4m3 block scales), 16-bit activations (W4A16)"))
+W4A4 = register(LinearMethod("nvfp4-w4a4", ACT_16BIT, **_method("w4a4"), quantized=True,
+                             description="NVFP4 weights and NVFP4-emulated activations (crop mode only)"))
