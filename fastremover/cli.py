@@ -400,8 +400,9 @@ def cmd_remove(args) -> int:
                     return 0
             else:
                 worker = RemovalWorker(source, config)
-                # the output path, the inputs and their decoded size: before the load. Counted as "imports": a bad
-                # path fails before torch is imported, a good run imports torch and the engine on the way
+                # the output path, the inputs and their decoded size: before the load, and before torch is imported
+                # (a refusal here imports neither torch nor the engine; the worker's load counts their import as
+                # "imports" too)
                 with phase("imports"):
                     target = worker.check(job)
                 _announce_model(args)

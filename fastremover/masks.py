@@ -1,12 +1,12 @@
 """Mask operations: thresholding, dilation, bounding boxes and compositing.
 
-Pure NumPy + OpenCV (no SciPy at runtime: SciPy is only the test oracle for :func:`dilate_masks`).
+Pure NumPy + OpenCV (no SciPy at runtime: SciPy is only the test oracle for :func:`dilate_masks`). OpenCV is imported
+by the functions that use it, so importing this module (the window and crop math does) loads no OpenCV.
 Masks are ``bool`` arrays shaped ``[F, H, W]`` (a single ``[H, W]`` mask is accepted where noted).
 """
 
 from __future__ import annotations
 
-import cv2
 import numpy as np
 
 __all__ = ["threshold_mask", "dilate_masks", "mask_bbox", "composite", "feather_alpha"]
@@ -14,7 +14,7 @@ __all__ = ["threshold_mask", "dilate_masks", "mask_bbox", "composite", "feather_
 # Above this many iterations one distance transform (cost independent of the radius) beats repeated
 # 3x3 dilations (cost grows with the radius); both give the same, exact result.
 _DISTANCE_TRANSFORM_FROM = 32
-_CROSS = cv2.getStructuringElement(cv2.MORPH_CROSS, (3, 3))
+_CROSS = np.array([[0, 1, 0], [1, 1, 1], [0, 1, 0]], np.uint8)  # cv2.getStructuringElement(cv2.MORPH_CROSS, (3, 3))
 
 
 def threshold_mask(frames_u8: np.ndarray, threshold: int = 20) -> np.ndarray:
@@ -48,6 +48,8 @@ def dilate_masks(mask: np.ndarray, iterations: int) -> np.ndarray:
     exact L1 distance transform for large ones; both are exact and far faster than SciPy.
     Accepts ``[F, H, W]`` or ``[H, W]``; returns a new ``bool`` array of the same shape.
     """
+    import cv2
+
     mask = np.asarray(mask, dtype=bool)
     if iterations < 0:
         raise ValueError(f"iterations must be >= 0, got {iterations}")
@@ -97,6 +99,8 @@ def feather_alpha(mask: np.ndarray, feather: int) -> np.ndarray:
     nearest unmasked one (``d >= 1`` on the mask's edge).  The frame border does not count as "unmasked", so
     a mask touching the border is not faded there (there is no original content beyond it to fade to).
     """
+    import cv2
+
     mask = np.asarray(mask, dtype=bool)
     if feather <= 0:
         return mask.astype(np.float32)
@@ -129,6 +133,8 @@ def composite(
     mask = np.broadcast_to(mask, original.shape[:3]) if mask.ndim == 2 else mask
     if mask.shape != original.shape[:3]:
         raise ValueError(f"mask must be [F, H, W] = {original.shape[:3]}, got {mask.shape}")
+
+    import cv2
 
     out = original.copy()
     for i in range(out.shape[0]):  # per frame: OpenCV's masked copy is ~20x faster than np.where here

@@ -3,7 +3,7 @@
 Everything the package reads or writes as media goes through here, so the rules are in one place:
 
 * Frames are ``uint8`` RGB arrays shaped ``[F, H, W, 3]``; masks are ``bool`` arrays shaped ``[F, H, W]``.
-* Video files are decoded with PyAV (FFmpeg), images with OpenCV.  Display rotation stored in a video
+* Video files are decoded with PyAV (FFmpeg), images with OpenCV (imported where an image is read or written).  Display rotation stored in a video
   (phones record portrait video as rotated landscape) is applied, so frames are in the orientation a
   player shows.  Colour conversion honours the stream's colour matrix and range tags.
 * Output is written atomically: to a temporary file next to the target, then renamed over it, so a crash
@@ -30,7 +30,6 @@ from fractions import Fraction
 from pathlib import Path
 
 import av
-import cv2
 import numpy as np
 
 from fastremover import outputs
@@ -235,6 +234,8 @@ def _read_image_rgb(path: Path) -> np.ndarray:
     the EXIF orientation, so images and masks from the same camera line up.  ``np.fromfile`` + ``imdecode``
     rather than ``imread`` so non-ASCII paths work on every platform.
     """
+    import cv2
+
     try:
         data = np.fromfile(str(path), dtype=np.uint8)
     except OSError as exc:
@@ -525,6 +526,8 @@ def match_mask_to_video(mask: np.ndarray, video: Video) -> np.ndarray:
             f"(or a single image to use for every frame)"
         )
     if mask.shape[1:] != (video.height, video.width):
+        import cv2
+
         size = (video.width, video.height)
         mask = np.stack([cv2.resize(m.view(np.uint8), size, interpolation=cv2.INTER_NEAREST) for m in mask]) > 0
     if count == 1 and n != 1:
@@ -602,6 +605,8 @@ def _check_frames(frames: np.ndarray) -> np.ndarray:
 
 
 def _encode_image(path: Path, frame: np.ndarray) -> bytes:
+    import cv2
+
     ext = path.suffix.lower()
     params: list[int] = []
     if ext in (".jpg", ".jpeg"):
@@ -1107,6 +1112,8 @@ def synthetic_clip(
         raise ValueError("object_fraction must be in (0, 0.6) so the ellipse fits inside the frame")
     if not 0 < travel <= 1:
         raise ValueError("travel must be in (0, 1]")
+    import cv2
+
     rng = np.random.default_rng(seed)
     pan = int(rng.integers(2, 5))  # px per frame, horizontal
     drift = int(rng.integers(-1, 2))  # px per frame, vertical

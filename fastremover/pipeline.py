@@ -36,7 +36,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fastremover.classic import classic_remove
 from fastremover.config import EngineConfig, ModelSource, ResolvedEngine
 from fastremover.errors import FastRemoverError
 from fastremover.engine.build import DTYPES, build, resolve_device, resolve_precision
@@ -47,14 +46,13 @@ from fastremover.options import SIZE_MULTIPLE, RunOptions, parse_size
 from fastremover.schedulers import DEFAULT_SCHEDULE
 from fastremover.timing import StageTimer, finished_work
 from fastremover.windows import (
-    STREAM_PREFETCH,
     Box,
     Window,
     ceil_4k1,
     choose_crop,
     crossfade_weights,
-    default_overlap,
     plan_windows,
+    stream_prefetch,
     usable_window_length,
 )
 
@@ -97,16 +95,6 @@ def crop_feather(dilate: int) -> int:
     the Euclidean distance the ramp uses; the ramp is fully opaque from feather + 1 on.
     """
     return max(0, min(CROP_FEATHER, math.floor((dilate + 1) / math.sqrt(2) - 1)))
-
-
-def stream_prefetch(options: RunOptions, model: bool) -> int:
-    """Frames `remove_stream` reads (decoded, masks dilated) ahead of the windows by default: with a model, one
-    window's new frames, so the next window's input is ready when the current one ends; for the classic fill (which
-    is CPU-bound itself) at most STREAM_PREFETCH."""
-    usable = usable_window_length(options.window)
-    overlap = default_overlap(options.window) if options.overlap is None else options.overlap
-    new = max(1, usable - overlap)
-    return new if model else min(STREAM_PREFETCH, new)
 
 
 @dataclass
@@ -584,6 +572,8 @@ class RemovalPipeline:
             sink(start, part)
 
         if self.models is None:
+            from fastremover.classic import classic_remove  # not imported by model runs
+
             with timer.stage("classic"):
                 part = classic_remove(frames_in, mask_in)
             hand(0, paste(0, part))

@@ -18,6 +18,7 @@ This module imports torch only where a CUDA call needs it, so the CLI can mark i
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -261,12 +262,32 @@ def mark(name: str) -> None:
 
 
 _triton_timed = False
+_triton_wanted = False
 
 
 def time_triton_compiles() -> bool:
     """Count Triton's kernel compiles (or loads from its on-disk cache) as the phase "triton_compile" from now on
-    (wraps JITFunction._do_compile once per process). False where this Triton has no such method (older releases):
-    the compiles then count to whatever phase encloses them."""
+    (wraps JITFunction._do_compile once per process). Where Triton is not imported yet this does not import it (a run
+    that compiles no Triton kernel, the eager mode, need not): the package's kernel modules call `triton_imported`
+    when they import it, which wraps it then. False where this Triton has no such method (older releases): the
+    compiles then count to whatever phase encloses them."""
+    global _triton_wanted
+    if _triton_timed:
+        return True
+    if "triton" not in sys.modules:
+        _triton_wanted = True
+        return True
+    return _wrap_triton_compile()
+
+
+def triton_imported() -> None:
+    """Called by fastremover/fast/kernels/_common.py (which every Triton kernel of the package imports) once Triton is
+    imported: starts counting the compiles if `time_triton_compiles` was asked for before."""
+    if _triton_wanted:
+        _wrap_triton_compile()
+
+
+def _wrap_triton_compile() -> bool:
     global _triton_timed
     if _triton_timed:
         return True

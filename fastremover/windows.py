@@ -18,7 +18,7 @@ from fastremover.errors import FastRemoverError
 from fastremover.masks import mask_bbox
 
 __all__ = [
-    "Window", "plan_windows", "next_window", "window_lookahead", "ceil_4k1", "usable_window_length", "default_overlap", "validate_windows", "crossfade_weights",
+    "Window", "plan_windows", "next_window", "window_lookahead", "ceil_4k1", "usable_window_length", "default_overlap", "stream_prefetch", "validate_windows", "crossfade_weights",
     "seam_transitions", "seam_metric",
     "Box", "CROP_MODES", "expand_box", "snap_box", "crop_box", "choose_crop",
     "SHAPE_BUCKETS", "bucket_side", "bucket_length", "run_shapes",
@@ -66,6 +66,16 @@ def default_overlap(window: int) -> int:
     """
     later_latents = (usable_window_length(max(window, MIN_WINDOW)) - 1) // 4
     return 4 * int(later_latents / 5 + 0.5) + 1
+
+
+def stream_prefetch(options, model: bool) -> int:
+    """Frames `RemovalPipeline.remove_stream` reads (decoded, masks dilated) ahead of the windows by default (options:
+    a RunOptions): with a model, one window's new frames, so the next window's input is ready when the current one
+    ends; for the classic fill (which is CPU-bound itself) at most STREAM_PREFETCH."""
+    usable = usable_window_length(options.window)
+    overlap = default_overlap(options.window) if options.overlap is None else options.overlap
+    new = max(1, usable - overlap)
+    return new if model else min(STREAM_PREFETCH, new)
 
 
 def validate_windows(window: int, overlap: int | None) -> None:

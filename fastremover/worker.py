@@ -81,7 +81,10 @@ class RemovalWorker:
     @property
     def pipeline(self):
         if self._pipeline is None:
-            from fastremover.pipeline import RemovalPipeline
+            from fastremover.timing import phase
+
+            with phase("imports"):  # torch and the engine: the checks before this (`check`) import neither
+                from fastremover.pipeline import RemovalPipeline
 
             self._pipeline = RemovalPipeline.from_model(self.source, config=self.config)
         return self._pipeline
@@ -190,9 +193,9 @@ BYTES_PER_PREFETCHED_PIXEL = 3 + 1
 
 def streaming_frames(num_frames: int, options: RunOptions, model: bool = False) -> int:
     """Frames held at a time while streaming a clip of `num_frames` (0: unknown) with `options`: the window plus
-    one frame of look-ahead, the read-ahead (`pipeline.stream_prefetch`: one window's new frames with a model, at most
+    one frame of look-ahead, the read-ahead (`windows.stream_prefetch`: one window's new frames with a model, at most
     STREAM_PREFETCH for the classic fill) and the writer's queue; never more than the clip plus the queue."""
-    from fastremover.pipeline import stream_prefetch
+    from fastremover.windows import stream_prefetch
 
     held = options.window + 1 + stream_prefetch(options, model) + WRITER_DEPTH
     return min(held, num_frames + WRITER_DEPTH) if num_frames > 0 else held
@@ -202,8 +205,7 @@ def streaming_bytes(num_frames: int, height: int, width: int, options: RunOption
     """An upper estimate of the host memory the frames held while streaming take (model memory not included): each
     held frame at BYTES_PER_HELD_PIXEL, except the read-ahead beyond STREAM_PREFETCH (model runs) at
     BYTES_PER_PREFETCHED_PIXEL."""
-    from fastremover.pipeline import stream_prefetch
-    from fastremover.windows import STREAM_PREFETCH
+    from fastremover.windows import STREAM_PREFETCH, stream_prefetch
 
     frames = streaming_frames(num_frames, options, model)
     deep = min(frames, max(0, stream_prefetch(options, model) - STREAM_PREFETCH))

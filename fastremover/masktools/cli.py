@@ -140,13 +140,13 @@ def box_mask_file(args, folder) -> str | None:
     as PNG frames under ``folder`` (a temporary folder the caller owns); returns that frame folder's path for the
     removal job, or ``None`` when no box or point was given.  Checks ``args.output`` first, so a bad output path
     fails before any decoding; honours ``args.max_decoded_gib`` when the parser has it."""
+    if not (getattr(args, "box", None) or getattr(args, "point", None) or getattr(args, "sam2", None)):
+        return None  # (before the imports: a --mask run imports the media readers only for its own checks)
     from pathlib import Path
 
     from fastremover import media
     from fastremover.outputs import Wanted, check_outputs
 
-    if not (getattr(args, "box", None) or getattr(args, "point", None) or getattr(args, "sam2", None)):
-        return None
     if getattr(args, "mask", None):
         raise FastRemoverError("give either --mask MASK or --box X,Y,W,H, not both")
     check_outputs([Wanted("-o", args.output), Wanted("--preview-mask", getattr(args, "preview_mask", None))],

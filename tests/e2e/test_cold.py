@@ -95,6 +95,56 @@ def test_timings_json_of_a_remove_run(clip, tmp_path, capsys):
     assert "--timings-json" in capsys.readouterr().err and video.read_bytes() == before
 
 
+#: What a model run from a local checkpoint folder (eager, CPU) must not import: the reference's and the service's
+#: libraries, the Hub client (the model is a folder), Triton (no kernel runs in the eager mode), torch's compiler, the
+#: classic fill, the box-mask trackers, the H3 decoder, and the front ends other than `remove`.
+NOT_IMPORTED_BY_A_MODEL_RUN = ("diffusers", "scipy", "huggingface_hub", "fastapi", "uvicorn", "ray", "triton",
+                               "torch._dynamo", "torch._inductor", "fastremover.bench", "fastremover.classic",
+                               "fastremover.masktools.build", "fastremover.masktools.track",
+                               "fastremover.models.h3_decoder", "fastremover.fast.h3_nvfp4", "fastremover.serve.app",
+                               "fastremover.batch.driver", "fastremover.parallel.launch")
+
+RUN_THEN_LIST_MODULES = ("import json, sys\nfrom fastremover.cli import main\nrc = main(sys.argv[2:])\n"
+                         "open(sys.argv[1], 'w').write(json.dumps(sorted(n for n, m in sys.modules.items() "
+                         "if m is not None)))\nsys.exit(rc)\n")
+
+
+def test_a_model_run_imports_only_what_it_runs(clip, tmp_path):
+    """`remove` with a checkpoint folder (tiny, eager, CPU) in a fresh process: the modules it must not import are
+    absent at the end (every one of them is installed here, or the check would be empty: see the skip)."""
+    from importlib.util import find_spec
+
+    from fastremover.models import loading
+
+    absent = [n for n in ("diffusers", "scipy", "huggingface_hub", "fastapi", "ray", "triton") if not find_spec(n)]
+    if absent:
+        pytest.skip(f"not installed, so not importing them proves nothing: {absent}")
+    video, mask = clip
+    ckpt = loading.save_checkpoint(loading.random_models("tiny", 1), tmp_path / "ck")
+    listing, out = tmp_path / "modules.json", tmp_path / "o.mp4"
+    argv = ["remove", str(video), "--mask", str(mask), "-o", str(out), "--model", str(ckpt), "--mode", "eager",
+            "--device", "cpu", "--steps", "1", "--quiet"]
+    proc = subprocess.run([sys.executable, "-c", RUN_THEN_LIST_MODULES, str(listing), *argv], capture_output=True,
+                          text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "mode eager" in proc.stdout and media.read_video(out).num_frames == 5
+    loaded = set(json.loads(listing.read_text()))
+    assert {"torch", "fastremover.pipeline", "safetensors"} <= loaded  # it did run the model from the folder
+    assert not [n for n in NOT_IMPORTED_BY_A_MODEL_RUN if n in loaded]
+
+
+def test_triton_compiles_are_timed_from_the_first_kernel_import_not_before():
+    """`time_triton_compiles` (the engine's build calls it on a GPU) does not import Triton; the first kernel module
+    that does starts the timing."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    code = ("import sys\nfrom fastremover import timing\nassert timing.time_triton_compiles()\n"
+            "assert 'triton' not in sys.modules, 'triton imported'\n"
+            "import fastremover.fast.kernels._common\nfrom triton.runtime.jit import JITFunction\n"
+            "assert timing._triton_timed and JITFunction._do_compile.__module__ == 'fastremover.timing'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Timers and progress
 

@@ -229,12 +229,17 @@ def test_option_ranges_are_checked_before_anything_runs(clip, capsys, flags, wor
     assert snapshot(root) == before
 
 
-def test_a_bad_flag_is_reported_without_importing_torch(clip):
+def test_a_bad_flag_or_path_is_reported_without_importing_torch(clip):
+    """A refusal before the run (a flag, the output path, a missing input) imports neither torch nor OpenCV."""
     root, v, m = clip
     code = ("import sys; from fastremover.cli import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
-    for flags in (["--seed", "-5"], ["-o", str(root / "x")], ["-o", str(v)]):
-        argv = ["remove", str(v), "--mask", str(m), "-o", str(root / "o.mp4"), *flags]
+            "loaded = [n for n in ('torch', 'cv2') if sys.modules.get(n) is not None]; "
+            "assert not loaded, f'imported: {loaded}'; sys.exit(rc)")
+    missing = str(root / "missing.mp4")
+    for inputs, flags in (((v, m), ["--seed", "-5"]), ((v, m), ["-o", str(root / "x")]), ((v, m), ["-o", str(v)]),
+                          ((missing, m), ["--model", "random", "--preset", "tiny"]),
+                          ((v, missing), ["--model", "random", "--preset", "tiny"])):
+        argv = ["remove", str(inputs[0]), "--mask", str(inputs[1]), "-o", str(root / "o.mp4"), *flags]
         proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and "fastremover: error:" in proc.stderr

@@ -237,10 +237,9 @@ def test_classic_without_conditioning_shows_seams(long_clip, monkeypatch):
     """The check can fail: windows that share no frame (so nothing to continue from) leave a visible jump. Shown with
     the first classic remover (nearest visible pixel): the flow-guided one fills this clip so consistently that
     independent windows hardly differ (seam ratio about 1.5)."""
-    from fastremover import pipeline
-    from fastremover.classic import classic_remove_v1
+    from fastremover import classic
 
-    monkeypatch.setattr(pipeline, "classic_remove", classic_remove_v1)
+    monkeypatch.setattr(classic, "classic_remove", classic.classic_remove_v1)  # the pipeline imports it at the call
     frames, mask = long_clip
     result = RemovalPipeline(None, EngineConfig(device="cpu")).remove(frames, mask, RunOptions(overlap=0))
     assert seams_of(result)["seam_ratio"] > 3
