@@ -4,6 +4,11 @@
 # the commit):
 #   rm -rf .devrun && mkdir .devrun && git clone -q --depth 1 file://$PWD .devrun/src && cp -r .whl .fi .devrun/src/
 # and run with carry [".devrun"]:  cd .devrun/src && bash tools/gpu_session.sh tests kernels "bench:--workload w1 ..."
+# Lighter (session 21): carry only the .git of a depth-1 clone WITH its checkout (a --no-checkout clone has an empty
+# index, so every run reads "-dirty"): `git clone -q --depth 1 file://$PWD /tmp/s && mkdir .devrun && cp -r /tmp/s/.git
+# .devrun/dotgit`, carry [".devrun", ".whl"], and begin the command with `rm -rf .git && mv .devrun/dotgit .git` (the
+# device's copy may hold a .git of the session's start: moving into it would leave the old commit in the JSON).
+# The `tests` phase needs a call of its own now (more than 4 minutes).
 # Phases:
 #   tests            pytest -m gpu (~2.5 min)
 #   kernels          kernel micro-benchmarks: fused elementwise, attention backends, FP8 conv3d, fast VAE, profiles
