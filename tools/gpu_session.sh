@@ -10,7 +10,7 @@
 # device's copy may hold a .git of the session's start: moving into it would leave the old commit in the JSON).
 # The `tests` phase needs a call of its own now (more than 4 minutes).
 # Phases:
-#   tests            pytest -m gpu (~2.5 min)
+#   tests            pytest -m gpu (over 4 min since session 21: give it its own call)
 #   kernels          kernel micro-benchmarks: fused elementwise, attention backends, FP8 conv3d, fast VAE, profiles
 #   bench:ARGS       one `fastremover bench ARGS` (each mode's JSON is written as soon as that mode finishes)
 #   conv:ARGS        the FP8 conv3d kernel bench (`tools/bench_conv3d_fp8.py --bench ARGS`, JSON in $OUT/conv3d.json)
