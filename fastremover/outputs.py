@@ -445,6 +445,12 @@ def resume_path(output: str | os.PathLike) -> Path:
     return path.with_name(f".{path.name}.fastremover-resume")
 
 
+def temp_target(name: str) -> str | None:
+    """The name a temporary file or folder of a write (:func:`temp_name`) stands in for; None for any other name."""
+    m = _TEMP.match(name)
+    return m["name"] if m else None
+
+
 def is_ours_by_name(name: str) -> bool:
     """Whether a file name is one fastremover gives its transient files beside an output: a temporary file or
     folder of a write (:func:`temp_name`) or a resume store (``.<name>.fastremover-resume``)."""

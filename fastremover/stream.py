@@ -35,6 +35,7 @@ import cv2
 import numpy as np
 
 from fastremover.errors import FastRemoverError
+from fastremover.outputs import atomic_path, resume_path, temp_target
 
 __all__ = ["Clip", "open_clip", "Prefetch", "OrderedWriter", "ResumeStore", "fingerprint_frames", "resume_dir"]
 
@@ -280,8 +281,6 @@ STORE_VERSION = 1
 def resume_dir(output: str | os.PathLike) -> Path:
     """The resume store of an output path: ``.<name>.fastremover-resume`` beside it (not a name that
     `fastremover.outputs.remove_stale_temps` matches, so a new run's cleanup leaves it for --resume)."""
-    from fastremover.outputs import resume_path
-
     return resume_path(output)
 
 
@@ -405,11 +404,13 @@ class ResumeStore:
             raise FastRemoverError(f"{self.folder} is in the way of the resume state (a file, not fastremover's "
                                    "folder); move it away") from None
         name = _window_name(index)
-        _write_replace(self.folder / name, lambda f: np.savez_compressed(f, boxes=boxes, pixels=pixels))
+        with atomic_path(self.folder / name) as tmp, open(tmp, "wb") as f:
+            np.savez_compressed(f, boxes=boxes, pixels=pixels)
         state = {"version": STORE_VERSION, "identity": self.identity, "first_frames": self.first_frames,
                  "windows": [*self.windows, record]}
         text = (json.dumps(state, indent=1, sort_keys=True) + "\n").encode()
-        _write_replace(self.folder / STATE_NAME, lambda f: f.write(text))
+        with atomic_path(self.folder / STATE_NAME) as tmp:
+            tmp.write_bytes(text)
         self.windows.append(record)
 
     def load(self, index: int, inputs: np.ndarray) -> np.ndarray:
@@ -434,32 +435,14 @@ class ResumeStore:
         if not self.folder.is_dir():
             return
         for entry in os.scandir(self.folder):
-            name = entry.name
-            ours = name in (STATE_NAME, STATE_NAME + ".part") or (
-                name.startswith("window_") and (name.endswith(".npz") or name.endswith(".npz.part")))
+            name = temp_target(entry.name) or entry.name  # a write's temporary file counts as its target
+            name = name.removesuffix(".part")  # the temporary names of earlier releases
+            ours = name == STATE_NAME or (name.startswith("window_") and name.endswith(".npz"))
             if ours and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
         with contextlib.suppress(OSError):
             self.folder.rmdir()
-
-
-def _write_replace(path: Path, write: Callable) -> None:
-    """`write(file)` into ``path``.part, then rename it over ``path``; the part file never outlives an error (a full
-    disk, an interruption), which is said in one line naming ``path``."""
-    tmp = path.with_name(path.name + ".part")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        from fastremover.outputs import USER_ERRNOS, write_error
-
-        if isinstance(exc, OSError) and exc.errno in USER_ERRNOS:
-            raise write_error(path, exc) from None
-        raise
 
 
 def _valid_record(record) -> bool:
