@@ -743,10 +743,12 @@ def cmd_verify(args) -> int:
 
         check_outputs([Wanted("--json", args.json, endings=(".json",))], inputs=[args.video, args.mask])
     if args.attention_keeps is not None:
-        return _verify_sparse(args)
-    inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
-    results = _compare(args, inputs, repeats=0, hash_repeats=0)
-    print(format_table(results))
+        table, results = _verify_sparse(args)
+    else:
+        inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
+        results = _compare(args, inputs, repeats=0, hash_repeats=0)
+        table = format_table(results)
+    print(table)
     if args.json:
         from fastremover.outputs import write_text
 
@@ -755,8 +757,9 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def _verify_sparse(args) -> int:
-    """`verify --attention-keeps`: fastremover.bench.sparse_fidelity (flags checked before the model loads)."""
+def _verify_sparse(args) -> tuple[str, list[dict]]:
+    """`verify --attention-keeps`: fastremover.bench.sparse_fidelity (flags checked before the model loads); its table
+    and rows."""
     from fastremover.bench.harness import file_inputs
     from fastremover.bench.sparse_fidelity import format_sparse_table, parse_keeps, sparse_fidelity
     from fastremover.engine.build import resolve_device, resolve_mode
@@ -779,13 +782,7 @@ def _verify_sparse(args) -> int:
     inputs = file_inputs(args.video, args.mask, max_frames=args.max_frames)
     rows = sparse_fidelity(load_source(source), inputs, config, modes=modes, keeps=keeps, steps=args.steps,
                            seed=args.seed)
-    print(format_sparse_table(rows))
-    if args.json:
-        from fastremover.outputs import write_text
-
-        write_text(args.json, json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return format_sparse_table(rows), rows
 
 
 def cmd_download(args) -> int:
