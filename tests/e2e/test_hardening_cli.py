@@ -27,22 +27,7 @@ import pytest
 from fastremover import media, outputs, stream
 from fastremover.cli import main
 from fastremover.errors import FastRemoverError
-from helpers import REPO
-
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file under root (hidden ones too) -> sha256 of its bytes; symlinks by their target; folders as such."""
-    state = {}
-    for path in sorted(root.rglob("*")):
-        rel = os.fsdecode(path.relative_to(root))
-        if path.is_symlink():
-            state[rel] = "link:" + os.readlink(path)
-        elif path.is_file():
-            state[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-        elif path.is_dir():
-            state[rel] = "dir"
-    return state
+from helpers import REPO, snapshot
 
 
 def leftovers(root: Path) -> list[str]:

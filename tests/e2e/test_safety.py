@@ -6,7 +6,6 @@ byte-identical afterwards (and that nothing new was left behind).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -23,21 +22,8 @@ from fastremover import media, outputs
 from fastremover.cli import main
 from fastremover.models.loading import random_models, save_checkpoint
 
+from helpers import snapshot
 from helpers.av_clips import write_av_clip
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file under root (hidden ones too) -> sha256 of its bytes; symlinks by their target."""
-    state = {}
-    for path in sorted(root.rglob("*")):
-        rel = str(path.relative_to(root))
-        if path.is_symlink():
-            state[rel] = "link:" + os.readlink(path)
-        elif path.is_file():
-            state[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-        elif path.is_dir():
-            state[rel] = "dir"
-    return state
 
 
 def make_clip(folder: Path, frames: int = 9, h: int = 48, w: int = 64) -> tuple[Path, Path]:

@@ -3,6 +3,7 @@ because pyproject's pytest config puts tests/ on sys.path (`pythonpath`)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -77,6 +78,20 @@ def tiny_transformer(seed: int, cfg: RemoverTransformerConfig = TINY_TRANSFORMER
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The service (serve/test_serve*.py)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under root (hidden ones too) -> sha256 of its bytes; symlinks by their target; folders as "dir"."""
+    state = {}
+    for path in sorted(root.rglob("*")):
+        rel = os.fsdecode(path.relative_to(root))
+        if path.is_symlink():
+            state[rel] = "link:" + os.readlink(path)
+        elif path.is_file():
+            state[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        elif path.is_dir():
+            state[rel] = "dir"
+    return state
 
 
 def write_clip(folder: Path, frames: int = 9, height: int = 48, width: int = 64, seed: int = 0) -> tuple[Path, Path]:
