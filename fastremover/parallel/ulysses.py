@@ -22,15 +22,25 @@ The degree must divide H (check_heads); the sequence need not divide N (uneven a
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from fastremover.errors import FastRemoverError
 from fastremover.parallel import transport
 
-if TYPE_CHECKING:
-    from fastremover.parallel.context import ParallelContext
+
+class UlyssesGroup(Protocol):
+    """What the all-to-all reads and updates of the ranks' context (fastremover.parallel.context.ParallelContext,
+    which calls it; named here as a protocol so this module does not import that one)."""
+
+    world_size: int
+    head_groups: int
+    transport: str
+    group: Any
+    comm_seconds: float
+
+    def token_sizes(self, local: int) -> list[int]: ...
 
 
 def check_heads(heads: int, world_size: int) -> None:
@@ -43,7 +53,7 @@ def check_heads(heads: int, world_size: int) -> None:
         )
 
 
-def _send_qkv(ctx: ParallelContext, qkv: torch.Tensor, groups: int, g: int) -> torch.Tensor:
+def _send_qkv(ctx: UlyssesGroup, qkv: torch.Tensor, groups: int, g: int) -> torch.Tensor:
     """qkv [3, B, s_r, H, D] -> group g's send buffer [N, B, s_r, 3, hg, W] on the wire (W = D, or D + 4 for fp8)."""
     n = ctx.world_size
     three, b, s_r, h, d = qkv.shape
@@ -53,7 +63,7 @@ def _send_qkv(ctx: ParallelContext, qkv: torch.Tensor, groups: int, g: int) -> t
     return transport.encode(x.contiguous(), ctx.transport).contiguous()
 
 
-def _exchange(ctx: ParallelContext, send: torch.Tensor, in_rows: list[int], out_rows: list[int], row_elems: int,
+def _exchange(ctx: UlyssesGroup, send: torch.Tensor, in_rows: list[int], out_rows: list[int], row_elems: int,
               async_op: bool):
     """all_to_all_single of a flat buffer: in_rows[i] token rows (of row_elems values) go to rank i, out_rows[i]
     come from rank i. Returns (receive buffer, work or None)."""
@@ -65,7 +75,7 @@ def _exchange(ctx: ParallelContext, send: torch.Tensor, in_rows: list[int], out_
     return recv, work
 
 
-def ulysses_attention(ctx: ParallelContext, fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def ulysses_attention(ctx: UlyssesGroup, fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """fn over the whole sequence; q/k/v [B, s_r, H, D] (this rank's tokens) -> [B, s_r, H, D] (module docstring)."""
     n, groups = ctx.world_size, ctx.head_groups
     b, s_r, h, d = q.shape
