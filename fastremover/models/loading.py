@@ -182,7 +182,9 @@ def _on_device(cls, cfg, device: torch.device, dtype: torch.dtype) -> nn.Module:
         module.to_inference_dtype(dtype)
     else:
         module.to(dtype)
-    return module.to_empty(device=device)
+    # module.to_empty(device=device) without its torch.empty_like of meta tensors: a Python decomposition whose first
+    # use imports sympy (seconds in a fresh GPU process); the meta parameters are contiguous, so this is the same
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def random_init_(module: nn.Module, seed: int) -> nn.Module:

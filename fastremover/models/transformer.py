@@ -230,13 +230,22 @@ def layer_norm_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
 
 
+def modulation_table(rows: int, dim: int) -> nn.Parameter:
+    """The learned [1, rows, dim] shift / scale / gate table, drawn N(0, 1 / dim) like diffusers' init. Built on the
+    meta device (the checkpoint load), only its shape: a draw or a division on meta runs torch's Python
+    decompositions, whose first use imports torch._dynamo (~1 s on a CPU, seconds in a fresh GPU process)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Parameter(torch.empty(1, rows, dim))
+    return nn.Parameter(torch.randn(1, rows, dim) / dim**0.5)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, heads: int, eps: float):
         super().__init__()
         self.eps = eps
         self.attn1 = SelfAttention(dim, heads, eps)
         self.ffn = FeedForward(dim, ffn_dim)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.scale_shift_table = modulation_table(6, dim)
 
     def modulation(self, timestep_proj: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(shift, scale, gate, c_shift, c_scale, c_gate), each [B, 1, dim] fp32."""
@@ -296,7 +305,7 @@ class RemoverTransformer(nn.Module):
             [TransformerBlock(dim, config.ffn_dim, config.num_attention_heads, config.eps) for _ in range(config.num_layers)]
         )
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.scale_shift_table = modulation_table(2, dim)
         # per (grid, device), the most recent ROPE_CACHE_SIZE (a captured graph keeps its own tables referenced)
         self._rope_cache: LRUCache[tuple[torch.Tensor, torch.Tensor]] = LRUCache(ROPE_CACHE_SIZE)
 

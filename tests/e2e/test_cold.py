@@ -254,6 +254,24 @@ def test_weights_built_in_place_equal_the_fp32_path_cast(tmp_path):
         RemoverTransformer, old.transformer.config, torch.device("cpu"), torch.float16).state_dict().values())
 
 
+def test_building_in_place_imports_no_sympy_or_dynamo():
+    """The meta-device build of both models (what a CUDA load does before it copies the weights in) runs no Python
+    decomposition: a draw, a division or an empty_like of a meta tensor imports sympy / torch._dynamo on its first
+    use (seconds in a fresh GPU process). Fresh process; CPU as the target device."""
+    code = ("import sys, torch\n"
+            "from fastremover.models import loading\n"
+            "from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig\n"
+            "from fastremover.models.vae import WanVAE, WanVAEConfig\n"
+            "assert 'sympy' not in sys.modules\n"
+            "for cls, cfg in ((RemoverTransformer, RemoverTransformerConfig()), (WanVAE, WanVAEConfig())):\n"
+            "    m = loading._on_device(cls, cfg, torch.device('cpu'), torch.float16)\n"
+            "    assert all(p.is_contiguous() and p.device.type == 'cpu' for p in m.parameters())\n"
+            "bad = [n for n in ('sympy', 'torch._dynamo', 'torch.fx.experimental.symbolic_shapes') if n in sys.modules]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_a_checkpoint_that_does_not_match_is_one_clear_error_in_place(tmp_path):
     from fastremover.errors import FastRemoverError
     from fastremover.models import loading
