@@ -18,6 +18,7 @@ This module imports torch only where a CUDA call needs it, so the CLI can mark i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -279,6 +280,9 @@ def time_triton_compiles() -> bool:
         return False
 
     def _do_compile(self, *args, **kwargs):
+        # which kernel and specialization (debug log, `-v`): what tools/triton_variants.py predicts offline
+        logging.getLogger("fastremover").debug("triton compile: %s %s", getattr(self, "__name__", "?"),
+                                               args[0] if args else "")
         with phase("triton_compile"):
             return original(self, *args, **kwargs)
 
