@@ -280,10 +280,10 @@ def format_table(rows: list[dict]) -> str:
 # Offline codegen (no GPU): every config compiled for sm_90
 
 
-def compile_sm90(name: str, dtype: str, tile: int, grid=SHAPES["W2"]):
+def compile_sm90(name: str, dtype: str, tile: int, grid=SHAPES["W2"], head_dim: int = HEAD_DIM):
     """The kernel compiled for sm_90 with the specialization a real launch at `grid` gets (token-major q/k/[v] rows of
     H*D, VSA's contiguous lists, the count broadcast; integers equal to 1 become constants, multiples of 16 are
-    marked so): Triton's CompiledKernel."""
+    marked so): Triton's CompiledKernel. `head_dim`: D (the model's 128 by default)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -293,7 +293,7 @@ def compile_sm90(name: str, dtype: str, tile: int, grid=SHAPES["W2"]):
     cfg = bsa.BlockSparseConfig.parse(name)
     kern = bsa._block_sparse_attn_kernel
     names = list(kern.arg_names)
-    S, H, D = math.prod(grid), HEADS, HEAD_DIM
+    S, H, D = math.prod(grid), HEADS, head_dim
     nq = -(-S // tile)
     fp8 = dtype == "fp8"
     v_t = fp8 and cfg.v_t

@@ -21,6 +21,7 @@ from fastremover.bench.harness import BenchInputs, run_engine
 from fastremover.bench.metrics import fidelity
 from fastremover.config import AttentionOptions, EngineConfig
 from fastremover.errors import FastRemoverError
+from fastremover.fast.engine import resolve
 from fastremover.masks import dilate_masks
 from fastremover.models.loading import RemoverModels
 from fastremover.pipeline import RemovalPipeline
@@ -44,15 +45,18 @@ def sparse_fidelity(models: RemoverModels, inputs: BenchInputs, config: EngineCo
     docstring), with both runs' denoise and total seconds, the layout's kept fraction and window. `config`: the
     engine config with the sparse backend (and sparse-sta's window, if any); each mode runs it at each keep rate, and
     with the default attention (auto) for the dense run."""
+    backend = config.attention.backend
+    for mode in modes:  # what a mode cannot run is refused before any mode runs
+        ran = resolve(config.with_(mode=mode, attention=AttentionOptions())).mode
+        if ran not in ("exact", "fast"):
+            raise FastRemoverError(f"--attention {backend} runs in the exact and fast modes only; mode {mode} runs "
+                                   f"{ran} here")
+        resolve(config.with_(mode=mode)).check_model(models.transformer.config)
     rows = []
     mask = torch.from_numpy(dilate_masks(inputs.mask, 6))
-    backend = config.attention.backend
     with tempfile.TemporaryDirectory(prefix="fastremover-sparse-") as workdir:
         for mode in modes:
             dense_pipe = RemovalPipeline(models, config.with_(mode=mode, attention=AttentionOptions()))
-            if dense_pipe.config.mode not in ("exact", "fast"):
-                raise FastRemoverError(f"--attention {backend} runs in the exact and fast modes only; mode "
-                                       f"{mode} runs {dense_pipe.config.mode} here")
             dense = run_engine(dense_pipe, inputs, steps, seed, 0, workdir)
             dense_attention = dense_pipe.config.attention
             del dense_pipe

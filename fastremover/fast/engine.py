@@ -138,6 +138,18 @@ class Plan:
 
             raise FastRemoverError(W4A4_WHOLE_CROP_REFUSAL if crop_mode == "on" else W4A4_FULL_FRAME_REFUSAL)
 
+    def check_model(self, transformer_config) -> None:
+        """The plan's rule for the transformer it runs (its RemoverTransformerConfig): the attention backend must take
+        the model's heads as the mode hands them (e4m3 codes in the fast mode to a backend that takes codes; e.g. the
+        sparse kernel's FP8 dot needs head dim >= 32), a FastRemoverError otherwise. engine.build checks it before
+        it moves or builds anything; the eager mode runs its own attention."""
+        if self.mode == "eager":
+            return
+        attention_backends.runnable(
+            self.attention, self.device, dtype=self.dtype,
+            shape=(transformer_config.num_attention_heads, transformer_config.attention_head_dim),
+            fp8_activations=linear_methods.get(self.linear_method).fp8_activations)
+
 
 def resolve(config: EngineConfig, device: torch.device | str | None = None) -> Plan:
     """The plan of `config` on `device` (default: the config's own device, resolved; an explicit device is taken
@@ -240,6 +252,7 @@ def build(models, config: EngineConfig, parallel=None) -> Engine:
                                   requested_mode=config.mode, vae="none", vae_precision=config.vae.precision,
                                   weights=config.linears.weights, tuning=tuning, config=config.describe())
         return Engine(None, None, resolved, plan)
+    plan.check_model(models.transformer.config)
     from fastremover.fast.vae import build_vae
     from fastremover.timing import phase
 

@@ -185,9 +185,9 @@ class FastTransformer(nn.Module):
         self.use_triton = device.type == "cuda" if use_triton is None else use_triton
         self.ops = kernel_ops(self.use_triton)
         heads, head_dim = self.config.num_attention_heads, self.config.attention_head_dim
-        # (dtype: the activations a 16-bit call gets; the fast mode hands e4m3 codes to a backend that takes them)
-        self.backend = attention_backends.runnable(attention, device, dtype=None if fp8 else self.dtype,
-                                                   shape=(heads, head_dim))
+        # (the fast mode hands e4m3 codes to a backend that takes them; engine.build checked this before building)
+        self.backend = attention_backends.runnable(attention, device, dtype=self.dtype, shape=(heads, head_dim),
+                                                   fp8_activations=fp8)
         # a sparse backend: the tokens run in its layout's order (cube order) from the patch embedding to proj_out,
         # one layout per grid (`_token_layout`), passed to every attention call
         self.attention_options = attention_options

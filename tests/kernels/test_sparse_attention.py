@@ -53,6 +53,12 @@ def qkv(shape, dtype, gen, scale=0.05):
     return tuple(t.to(dtype).to(DEV) for t in (q, k, v)), None
 
 
+def small(dtype, head_dim=16, tile=16):
+    """(head dim, tile) of a small test: e4m3 codes need both >= 32 (Triton's FP8 dot takes K >= 32: K is the head
+    dim in q @ k^T, BLOCK_N, which divides the tile, in P @ V)."""
+    return (max(head_dim, 32), max(tile, 32)) if dtype == FP8 else (head_dim, tile)
+
+
 def check_against_reference(q, k, v, idx, cnt, tile_q, tile_k, scales, config=None):
     m = bsa()
     m.check_lists(idx, cnt, -(-q.shape[1] // tile_k))
@@ -77,29 +83,29 @@ DTYPES = [torch.float16, torch.bfloat16, FP8]
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp8"])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 def test_kernel_random_lists_with_a_ragged_edge(dtype, tma):
-    """Random per-(batch, head) lists, S = 100 with 16-token tiles: the last key tile has 4 tokens."""
+    """Random per-(batch, head) lists, S = 100 with 16-token tiles (32 for codes): the last key tile has 4 tokens."""
     m = bsa()
     gen = torch.Generator().manual_seed(1)
-    B, S, H, D, tile = 2, 100, 2, 16, 16
+    (D, tile), B, S, H = small(dtype), 2, 100, 2
     (q, k, v), scales = qkv((B, S, H, D), dtype, gen)
     nq = nk = -(-S // tile)
     idx, cnt = random_lists(B, H, nq, nk, 0.4, gen)
-    cfg = m.BlockSparseConfig(16, 16, 4, 2, tma=tma, v_t=True)
+    cfg = m.BlockSparseConfig(tile, tile, 4, 2, tma=tma, v_t=True)
     check_against_reference(q, k, v, idx.to(DEV), cnt.to(DEV), tile, tile, scales, cfg)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp8"])
 def test_kernel_tiles_wider_than_its_blocks_and_shared_lists(dtype):
-    """32-token tiles walked in 16-key blocks (two per tile; the short last tile's second block is skipped), one list
-    shared by every batch and head (stride-0 views), query blocks of half a tile."""
+    """32-token tiles walked in 16-key blocks (codes: 64 and 32; two per tile; the short last tile's second block is
+    skipped), one list shared by every batch and head (stride-0 views), query blocks of half a tile."""
     m = bsa()
     gen = torch.Generator().manual_seed(2)
-    B, S, H, D, tile = 2, 150, 3, 32, 32
+    B, S, H, D, tile = 2, 150, 3, 32, 64 if dtype == FP8 else 32
     (q, k, v), scales = qkv((B, S, H, D), dtype, gen)
     nq = nk = -(-S // tile)
     idx, cnt = random_lists(1, 1, nq, nk, 0.5, gen)
     idx, cnt = idx.to(DEV).expand(B, H, nq, -1), cnt.to(DEV).expand(B, H, nq)
-    cfg = m.BlockSparseConfig(16, 16, 4, 2, tma=True, v_t=False)
+    cfg = m.BlockSparseConfig(tile // 2, tile // 2, 4, 2, tma=True, v_t=False)
     check_against_reference(q, k, v, idx, cnt, tile, tile, scales, cfg)
 
 
@@ -109,7 +115,7 @@ def test_every_tile_kept_is_dense_attention(dtype):
     the kernel's bound."""
     m = bsa()
     gen = torch.Generator().manual_seed(3)
-    B, S, H, D, tile = 1, 90, 2, 16, 16
+    (D, tile), B, S, H = small(dtype), 1, 90, 2
     (q, k, v), scales = qkv((B, S, H, D), dtype, gen)
     nq = nk = -(-S // tile)
     idx = torch.arange(nk, dtype=torch.int32, device=DEV).expand(B, H, nq, nk)
@@ -127,7 +133,7 @@ def test_one_tile_per_row_is_attention_within_the_tile(dtype):
     """Each query tile attends to its own tile only: block-diagonal attention, computed here tile by tile."""
     m = bsa()
     gen = torch.Generator().manual_seed(4)
-    B, S, H, D, tile = 1, 70, 2, 16, 16
+    (D, tile), B, S, H = small(dtype), 1, 70, 2
     (q, k, v), scales = qkv((B, S, H, D), dtype, gen)
     nq = -(-S // tile)
     idx = torch.arange(nq, dtype=torch.int32, device=DEV).view(1, 1, nq, 1).expand(B, H, nq, 1)
@@ -164,13 +170,19 @@ def test_kernel_refuses_bad_inputs(raise_value_errors):
     cnt = torch.ones(1, 2, 2, dtype=torch.int32, device=DEV)
     call = m.block_sparse_attention
     q8 = q.to(FP8)
+    w8 = torch.zeros(1, 64, 2, 32, device=DEV).to(FP8)  # codes at the smallest head dim and tile they compile for
+    sc = tuple(torch.ones(1, device=DEV) for _ in range(3))
     raise_value_errors([
         (lambda: call(q.float(), q.float(), q.float(), idx, cnt, tile_q=16, tile_k=16), "fp16"),
         (lambda: call(q[..., :12], q[..., :12], q[..., :12], idx, cnt, tile_q=16, tile_k=16), "head dim"),
         (lambda: call(q, q, q, idx, cnt, tile_q=24, tile_k=16), "power of two"),
         (lambda: call(q, q, q, idx.long(), cnt, tile_q=16, tile_k=16), "int32"),
         (lambda: call(q, q, q, idx[:, :, :1], cnt, tile_q=16, tile_k=16), "NQ"),
-        (lambda: call(q8, q8, q8, idx, cnt, tile_q=16, tile_k=16), "scales"),
+        (lambda: call(q8, q8, q8, idx, cnt, tile_q=16, tile_k=16), "for e4m3 codes, got 16"),
+        (lambda: call(w8, w8, w8, idx, cnt, tile_q=32, tile_k=16), "tile_k >= 32"),
+        (lambda: call(w8, w8, w8, idx, cnt, tile_q=32, tile_k=32), "scales"),
+        (lambda: call(w8, w8, w8, idx, cnt, tile_q=32, tile_k=32, scales=sc, config="m32n16w4s2t1ws0vt1"),
+         "BLOCK_M / BLOCK_N must be >= 16 / 32 (e4m3 codes)"),
         (lambda: call(q, q, q, idx, cnt, tile_q=16, tile_k=16, config="m32n16w4s2t1ws0vt0"), "divide"),
         (lambda: m.BlockSparseConfig.parse("fast"), "config"),
         (lambda: m.check_lists(torch.tensor([[[[1, 0]]]]), torch.tensor([[[2]]]), 2), "ascending"),
@@ -398,6 +410,41 @@ def test_validator_reasons():
     reasons = backend.validate(torch.device(DEV), dtype=torch.float32, shape=(12, 96))
     assert any("fp16 or bf16" in r for r in reasons) and any("head dim" in r for r in reasons)
     assert backend.validate(torch.device(DEV), dtype=torch.float16, shape=(12, 128)) == []
+    # the fast mode hands it e4m3 codes: the FP8 dot needs head dim >= 32; 16 bits run 16
+    (why,) = backend.validate(torch.device(DEV), dtype=FP8, shape=(2, 16))
+    assert why.startswith("sparse-vsa needs a head dim >= 32 for the fast mode's e4m3 codes") and "has 16" in why
+    assert backend.validate(torch.device(DEV), dtype=FP8, shape=(2, 32)) == []
+    assert backend.validate(torch.device(DEV), dtype=torch.float16, shape=(2, 16)) == []
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the kernel (GPU or interpreter)")
+def test_a_head_dim_the_fp8_kernel_cannot_compile_is_refused_before_any_work(monkeypatch):
+    """The tiny preset (head dim 16) in the fast mode: the engine's build refuses sparse-vsa in one line before it
+    moves or builds anything (the GPU run got a Triton CompilationError at the first attention call), and `verify
+    --attention-keeps` refuses it before its first mode runs; the exact mode (16-bit operands) passes the check."""
+    from fastremover.bench import sparse_fidelity
+    from fastremover.config import AttentionOptions, EngineConfig
+    from fastremover.fast import engine
+    from fastremover.models.loading import random_models
+
+    monkeypatch.setattr(engine, "resolve_mode", lambda mode, device: (mode, []))  # fast / exact on the CPU
+    config = EngineConfig(device=DEV, precision="fp16", attention=AttentionOptions("sparse-vsa"))
+    models = random_models("tiny", 0)
+    assert models.transformer.config.attention_head_dim == 16
+    expected = "attention backend 'sparse-vsa' cannot run here: sparse-vsa needs a head dim >= 32 for the fast mode"
+    with pytest.raises(FastRemoverError, match=expected) as info:
+        engine.build(models, config.with_(mode="fast"))
+    assert "\n" not in str(info.value) and "this model has 16 (--mode exact" in str(info.value)
+    assert next(models.transformer.parameters()).dtype == torch.float32  # nothing was moved or cast
+    engine.resolve(config.with_(mode="exact")).check_model(models.transformer.config)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a mode ran before the refusal")
+
+    monkeypatch.setattr(sparse_fidelity, "run_engine", no_work)
+    monkeypatch.setattr(sparse_fidelity, "RemovalPipeline", no_work)
+    with pytest.raises(FastRemoverError, match=expected):  # (no inputs are read before the checks)
+        sparse_fidelity.sparse_fidelity(models, None, config, modes=["exact", "fast"], keeps=[1.0])
 
 
 def test_auto_never_picks_a_sparse_backend():
@@ -410,11 +457,12 @@ def test_auto_never_picks_a_sparse_backend():
 TINY_SPARSE = dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=1, freq_dim=32)
 
 
-def _tiny(dtype, seed=11):
+def _tiny(dtype, seed=11, head_dim=16):
     from fastremover.models.loading import random_init_
     from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
 
-    model = random_init_(RemoverTransformer(RemoverTransformerConfig(**TINY_SPARSE)), seed).eval()
+    config = RemoverTransformerConfig(**{**TINY_SPARSE, "attention_head_dim": head_dim})
+    model = random_init_(RemoverTransformer(config), seed).eval()
     return model.to(DEV).to_inference_dtype(dtype)
 
 
@@ -452,7 +500,7 @@ def test_fast_transformer_fast_mode_feeds_sparse_codes_to_the_fp8_o_projection()
     from fastremover.fast.transformer_fast import FastTransformer
     from helpers import attention_fakes
 
-    model = _tiny(torch.float32)
+    model = _tiny(torch.float32, head_dim=32)  # the smallest head dim the kernel's FP8 dot compiles for
     gen = torch.Generator().manual_seed(13)
     x = torch.randn(1, 48, 9, 8, 16, generator=gen).to(DEV)  # grid 9 x 4 x 8: 4 cubes + 2 edge cubes in 5 tiles
     with attention_fakes.registered("test-fp8-dense", codes_call=attention_fakes.fake_cudnn_codes, output="fp8-codes"):
@@ -488,6 +536,48 @@ def test_kernel_compiles_for_sm90_offline():
     assert r.returncode == 0 and len(rows) == 2, r.stdout[-2000:] + r.stderr[-2000:]
     for row in rows:
         assert row["QGMMA"] > 0 and row["UTMALDG"] > 0 and row["LDL/STL"] == 0, row
+
+
+def test_the_kernels_shape_limits_are_the_sm90_compilers():
+    """The wrapper's smallest head dim and BLOCK_N per input kind (what it and the registry accept) compile for sm_90
+    offline, and one size below them Triton refuses (its tl.dot K limit: 32 for e4m3, 16 for 16 bits), what the
+    interpreter never checks. Subprocess: this one imported the kernels for the interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend")
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(TOOLS)!r})
+from bench_sparse_attention import compile_sm90
+from fastremover.fast.kernels import block_sparse_attention as bsa
+for dtype in ("fp16", "fp8"):
+    fp8 = dtype == "fp8"
+    d, n = bsa.head_dims(fp8)[0], bsa.MIN_DOT_K[fp8]
+    for D, N in ((d, n), (d // 2, 64), (d, n // 2)):
+        try:
+            compile_sm90(f"m64n{{N}}w4s2t0ws0vt{{int(fp8)}}", dtype, 64, grid=(2, 8, 8), head_dim=D)
+            error = None
+        except Exception as e:  # the CompilationError; the dot's assertion is in its chain of causes
+            error, cause = [], e
+            while cause is not None:
+                error, cause = error + [str(cause)], cause.__cause__
+        print(json.dumps({{"dtype": dtype, "D": D, "N": N, "error": error}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas available for an offline sm_90 compile")
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0 and len(rows) == 6, r.stdout[-2000:] + r.stderr[-2000:]
+    for row in rows:
+        limit = 32 if row["dtype"] == "fp8" else 16
+        if row["D"] >= limit and row["N"] >= limit:
+            assert row["error"] is None, row
+        else:
+            assert row["error"] is not None and any(f"K >= {limit}" in e for e in row["error"]), row
+    assert [(r["D"], r["N"]) for r in rows] == [(16, 16), (8, 64), (16, 8), (32, 32), (16, 64), (32, 16)]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -547,18 +637,24 @@ def test_gpu_selection_and_kernel_capture_in_a_cuda_graph(graph_replays_new_inpu
 
 
 @pytest.mark.gpu
-def test_gpu_verify_reports_psnr_per_keep_rate(tmp_path, capsys):
+def test_gpu_verify_reports_psnr_per_keep_rate(tmp_path, capsys, monkeypatch):
     """`verify --attention-keeps` end to end on a tiny random model: one row per (mode, keep) with PSNR against the
-    same mode's dense run (token grid 5 x 16 x 16: 20 tiles); keep 1.0 (every tile) is closer to dense than 0.25."""
+    same mode's dense run (token grid 5 x 16 x 16: 20 tiles); keep 1.0 (every tile) is closer to dense than 0.25.
+    The tiny preset with head dim 32, the smallest the fast mode's FP8 kernel compiles for (tiny's 16 is refused)."""
     import json
 
     from fastremover.cli import main
+    from fastremover.models import loading
+
+    tiny = loading.PRESETS["tiny"]
+    monkeypatch.setitem(loading.PRESETS, "tiny-hd32", {**tiny, "transformer": {**tiny["transformer"],
+                                                                                "attention_head_dim": 32}})
 
     assert main(["demo", "-o", str(tmp_path / "d"), "--frames", "17", "--width", "256", "--height", "256",
                  "--quiet"]) == 0
     out = tmp_path / "sparse.json"
     rc = main(["verify", str(tmp_path / "d" / "input.mp4"), "--mask", str(tmp_path / "d" / "mask.mp4"), "--model",
-               "random", "--preset", "tiny", "--steps", "2", "--modes", "exact,fast", "--attention", "sparse-vsa",
+               "random", "--preset", "tiny-hd32", "--steps", "2", "--modes", "exact,fast", "--attention", "sparse-vsa",
                "--attention-keeps", "1,0.25", "--json", str(out)])
     assert rc == 0, capsys.readouterr().err
     rows = json.loads(out.read_text())

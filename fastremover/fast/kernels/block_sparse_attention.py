@@ -4,15 +4,15 @@
     o8 = block_sparse_attention(q8, k8, v8, kv_idx, kv_cnt, tile_q=64, tile_k=64,
                                 scales=(sq, sk, sv))                                       e4m3 codes -> codes
 
-Layout: q, k, v [B, S, H, D] (any strides with unit stride along D; D a power of two, 16..256), tokens already in
-the order whose consecutive runs of `tile_q` (queries) and `tile_k` (keys) tokens are the tiles (the last tile of
-the sequence may be short). Query tile i of (b, h) attends to the key tiles kv_idx[b, h, i, :kv_cnt[b, h, i]]:
-int32 tensors [B, H, NQ, J] and [B, H, NQ] (NQ = cdiv(S, tile_q); any strides, 0 for a list shared by every batch or
-head). Contract on the lists (what the mask builders in fastremover/ops/attention/sparse_layout.py produce; the
-kernel does not check it, `check_lists` does on the host): every row has at least one tile, its tiles in ascending
-order without repeats, so the sequence's last key tile (the only one that may be short) is the row's last entry.
-Rows are attended in that order: with every tile kept the kernel walks the keys exactly as a dense flash kernel
-with the same block sizes does.
+Layout: q, k, v [B, S, H, D] (any strides with unit stride along D; D a power of two, 16..256, 32..256 for e4m3
+codes: see Shapes), tokens already in the order whose consecutive runs of `tile_q` (queries) and `tile_k` (keys)
+tokens are the tiles (the last tile of the sequence may be short). Query tile i of (b, h) attends to the key tiles
+kv_idx[b, h, i, :kv_cnt[b, h, i]]: int32 tensors [B, H, NQ, J] and [B, H, NQ] (NQ = cdiv(S, tile_q); any strides, 0
+for a list shared by every batch or head). Contract on the lists (what the mask builders in
+fastremover/ops/attention/sparse_layout.py produce; the kernel does not check it, `check_lists` does on the host):
+every row has at least one tile, its tiles in ascending order without repeats, so the sequence's last key tile (the
+only one that may be short) is the row's last entry. Rows are attended in that order: with every tile kept the kernel
+walks the keys exactly as a dense flash kernel with the same block sizes does.
 
 Numerics (non-causal softmax(q k^T * sm_scale) v, sm_scale = 1/sqrt(D) by default):
   * logits: tensor-core products accumulated in fp32 (fp8 x fp8 products are exact in fp32), times
@@ -35,6 +35,15 @@ in fp32 on the same, dequantized inputs), per element, with vmax[b, h, d] = max_
     units below that (subnormal codes; l >= 256, so <= 2^-18 vmax per key), the output's e4m3 rounding <= 2^-4 |o|
     (normal) or 2^-10 sv (subnormal).
 (tests/kernels/test_sparse_attention.py asserts these on the CPU interpreter and, `gpu`, on an H200 at the real shapes.)
+
+Shapes: Triton's tensor-core `tl.dot` on NVIDIA takes K >= 16 for 16-bit operands and K >= 32 for 8-bit ones
+(`MIN_DOT_K`); K is D in q @ k^T and BLOCK_N in P @ V, so e4m3 codes need D >= 32 and BLOCK_N >= 32 (hence
+tile_k >= 32). The wrapper refuses smaller shapes on every device, the interpreter included (it would run them and
+hide what the GPU compiler rejects); tests/kernels/test_sparse_attention.py compiles both sides of each limit for
+sm_90 offline. Refused, not padded: zero-padding D to 32 would be exact (zero columns change neither q . k nor the
+output's first D columns) but costs a copy of q, k, v and o per call, for head dims no released model has (the
+Remover's is 128). The sparse backends' registry validators (fastremover/ops/attention/sparse.py) refuse such a
+model when the engine is built, before any work.
 
 Kernel (one program per BLOCK_M query rows x (batch, head); grid axis 0 runs over one head's query blocks, so
 programs running together share that head's key tiles in L2): the query tile's list is walked as one flat loop over
@@ -73,6 +82,7 @@ FP8 = torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
 P_SHIFT = tl.constexpr(8)  # codes: p = exp2(x - m + 8) in [0, 256], rounded to e4m3
 HEAD_DIMS = (16, 32, 64, 128, 256)
+MIN_DOT_K = {False: 16, True: 32}  # Triton's smallest K of a tensor-core tl.dot on NVIDIA: 16-bit, e4m3 operands
 SEQ_ALIGN = 16  # the sequence-contiguous V copy's row length is padded to 16 elements (TMA's 16-byte strides)
 
 
@@ -120,6 +130,11 @@ def config_for(tile_q: int, tile_k: int, fp8: bool) -> BlockSparseConfig:
     block_n = min(tile_k, 64)
     return BlockSparseConfig(block_m=block_m, block_n=block_n, num_warps=8 if block_m >= 128 else 4,
                              num_stages=2 if block_m >= 128 else 3, tma=True, warp_spec=False, v_t=fp8)
+
+
+def head_dims(fp8: bool) -> tuple[int, ...]:
+    """The head dims the kernel compiles for: 16-bit q/k/v, or (fp8) e4m3 codes (D is the K of q @ k^T)."""
+    return tuple(d for d in HEAD_DIMS if d >= MIN_DOT_K[fp8])
 
 
 INTERPRET_BLOCK = 32  # the interpreter's largest block sizes (numpy runs a few large steps faster than many small)
@@ -346,8 +361,9 @@ def block_sparse_attention(
 
     q, k, v: [B, S, H, D], fp16 / bf16, or float8_e4m3fn codes with `scales` = (sq, sk, sv), one-element fp32
     device tensors (real = code * scale; nothing syncs with the host). tile_q / tile_k: tokens per query / key tile
-    (powers of two). out_dtype: 16-bit inputs: their dtype; codes: float8_e4m3fn (codes of o / sv, the default) or
-    fp16 / bf16 (o). Returns a new contiguous [B, S, H, D] tensor."""
+    (powers of two; tile_k >= 32 for codes). D: `head_dims(fp8)` (see Shapes in the module docstring). out_dtype:
+    16-bit inputs: their dtype; codes: float8_e4m3fn (codes of o / sv, the default) or fp16 / bf16 (o). Returns a
+    new contiguous [B, S, H, D] tensor."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         raise ValueError("q, k, v must be 4-D tensors [B, S, H, D]")
     if not (q.shape == k.shape == v.shape):
@@ -360,8 +376,9 @@ def block_sparse_attention(
                          f"{v.dtype}")
     if not fp8 and not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {D}")
+    if D not in head_dims(fp8):
+        raise ValueError(f"head dim must be one of {head_dims(fp8)} for {'e4m3 codes' if fp8 else '16-bit inputs'}, "
+                         f"got {D}" + (" (Triton's FP8 tl.dot needs K >= 32; K is D in q @ k^T)" if fp8 else ""))
     if min(B, S, H) < 1:
         raise ValueError(f"empty attention input, shape {tuple(q.shape)}")
     for name, t in (("q", q), ("k", k)):
@@ -372,6 +389,9 @@ def block_sparse_attention(
     for name, tile in (("tile_q", tile_q), ("tile_k", tile_k)):
         if not isinstance(tile, int) or tile < 16 or tile & (tile - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {tile!r}")
+    if fp8 and tile_k < MIN_DOT_K[True]:
+        raise ValueError(f"e4m3 codes need tile_k >= {MIN_DOT_K[True]} (BLOCK_N, the K of P @ V, divides it; "
+                         f"Triton's FP8 tl.dot needs K >= 32), got {tile_k}")
     if fp8:
         if scales is None or len(scales) != 3:
             raise ValueError("e4m3 codes need scales=(sq, sk, sv)")
@@ -402,8 +422,9 @@ def block_sparse_attention(
     if interp and config is None:
         cfg = dataclasses.replace(cfg, block_m=min(INTERPRET_BLOCK, tile_q), block_n=min(INTERPRET_BLOCK, tile_k),
                                   warp_spec=False)
-    if tile_q % cfg.block_m or tile_k % cfg.block_n or cfg.block_m < 16 or cfg.block_n < 16:
-        raise ValueError(f"config {cfg.name}: BLOCK_M / BLOCK_N must be >= 16 and divide tile_q / tile_k "
+    if tile_q % cfg.block_m or tile_k % cfg.block_n or cfg.block_m < 16 or cfg.block_n < MIN_DOT_K[fp8]:
+        raise ValueError(f"config {cfg.name}: BLOCK_M / BLOCK_N must be >= 16 / {MIN_DOT_K[fp8]} "
+                         f"({'e4m3 codes' if fp8 else '16-bit inputs'}) and divide tile_q / tile_k "
                          f"({tile_q} / {tile_k})")
 
     v_t = v.stride(1) == 1 and v.stride(3) != 1

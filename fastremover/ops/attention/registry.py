@@ -5,7 +5,9 @@ that file plus its import in `fastremover/ops/attention/__init__.py`). The recor
 
 * `call(q, k, v) -> o`: the stand-alone attention, q/k/v/o as [B, S, H, D] 16-bit tensors (any strides with a unit
   stride in D and rows of H*D contiguous values);
-* `validate(device, dtype=None, shape=None) -> list[str]`: why it cannot run there (empty: it can);
+* `validate(device, dtype=None, shape=None) -> list[str]`: why it cannot run there (empty: it can), for the operands
+  it is handed when given (dtype: the model's 16-bit dtype, or torch.float8_e4m3fn where the fast mode hands it
+  e4m3 codes; shape: the model's (heads, head_dim)); the engine checks the model's before it builds anything;
 * its capabilities, which the fast transformer reads instead of comparing names:
   - `takes_codes`: in the fast mode the transformer hands it e4m3 codes it quantized itself (q and k with static
     bounds, K and V centred) and `codes_call(q8, k8, v8, sq, sk, sv, out_dtype)` runs the kernel on them;
@@ -112,10 +114,17 @@ def available(device: "torch.device") -> list[str]:
     return [name for name in _BACKENDS if unavailable_reason(name, device) is None]
 
 
-def runnable(name: str, device: "torch.device", dtype=None, shape=None) -> AttentionBackend:
-    """The backend, or FastRemoverError with its validator's reasons (for this dtype and (heads, head_dim) when
-    given)."""
+def runnable(name: str, device: "torch.device", dtype=None, shape=None, *,
+             fp8_activations: bool = False) -> AttentionBackend:
+    """The backend, or FastRemoverError with its validator's reasons for the operands it gets when given: `dtype` the
+    model's (16-bit) activations, `shape` its (heads, head_dim); `fp8_activations` (the fast mode's FP8 linears): a
+    backend that takes codes is handed e4m3 codes (validated with dtype float8_e4m3fn), any other one 16-bit values
+    (their dtype is not checked)."""
     backend = get(name)
+    if fp8_activations:
+        import torch
+
+        dtype = torch.float8_e4m3fn if backend.takes_codes else None
     reasons = backend.validate(device, dtype=dtype, shape=shape) if (dtype, shape) != (None, None) else \
         backend.validate(device)
     why = "; ".join(reasons) if reasons else None

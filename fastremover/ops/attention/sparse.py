@@ -16,6 +16,8 @@ codes; the output is e4m3 codes of (o - c) / sv, straight into the FP8 O project
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastremover.config import parse_window
 from fastremover.errors import FastRemoverError
 from fastremover.ops.attention.registry import AttentionBackend, register
@@ -42,10 +44,13 @@ def check_options(backend: str, keep, window) -> None:
         parse_window(window)
 
 
-def validate(device, dtype=None, shape=None) -> list[str]:
+def validate(device, dtype=None, shape=None, *, name: str = "sparse attention") -> list[str]:
     """Reasons it cannot run: the Triton kernel needs a CUDA GPU with Triton (or, on the CPU, Triton's interpreter:
-    TRITON_INTERPRET=1 when the kernel module was imported; tests), fp16 / bf16 activations, and a power-of-two head
-    dim 16..256 (shape: (heads, head_dim))."""
+    TRITON_INTERPRET=1 when the kernel module was imported; tests), fp16 / bf16 activations or (dtype
+    float8_e4m3fn) the fast mode's e4m3 codes, and a head dim the kernel compiles for (shape: (heads, head_dim)):
+    a power of two 16..256, 32..256 for codes (Triton's FP8 tensor-core dot takes K >= 32; the kernel refuses
+    smaller head dims instead of zero-padding them, see its module docstring). `name`: the backend, for the
+    reasons."""
     reasons = []
     try:
         from fastremover.fast.kernels import block_sparse_attention as bsa
@@ -59,13 +64,20 @@ def validate(device, dtype=None, shape=None) -> list[str]:
             reasons.append("sparse attention needs an sm_80 or newer GPU")
     elif not interpreting(bsa._block_sparse_attn_kernel):
         reasons.append("sparse attention needs a CUDA GPU (its Triton kernel)")
-    if dtype is not None:
+    codes = dtype == bsa.FP8
+    if dtype is not None and not codes:
         import torch
 
         if dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"sparse attention runs fp16 or bf16 models, not {str(dtype).replace('torch.', '')}")
-    if shape is not None and shape[-1] not in bsa.HEAD_DIMS:
-        reasons.append(f"sparse attention needs a head dim in {bsa.HEAD_DIMS}, got {shape[-1]}")
+    if shape is not None and shape[-1] not in bsa.head_dims(codes):
+        head_dim = shape[-1]
+        if codes and head_dim in bsa.head_dims(False):
+            reasons.append(f"{name} needs a head dim >= {bsa.MIN_DOT_K[True]} for the fast mode's e4m3 codes "
+                           f"(Triton's FP8 tensor-core dot takes K >= {bsa.MIN_DOT_K[True]}); this model has "
+                           f"{head_dim} (--mode exact runs it in 16 bits)")
+        else:
+            reasons.append(f"{name} needs a head dim in {bsa.head_dims(codes)}; this model has {head_dim}")
     return reasons
 
 
@@ -109,12 +121,14 @@ def sparse_codes(q8, k8, v8, sq, sk, sv, out_dtype=None, *, layout=None):
 
 
 STA = register(AttentionBackend(
-    name="sparse-sta", label="sliding-tile sparse attention", call=sparse_call, validate=validate,
+    name="sparse-sta", label="sliding-tile sparse attention", call=sparse_call,
+    validate=partial(validate, name="sparse-sta"),
     priority={"exact": -100, "fast": -100}, precision="8bit", takes_codes=True, codes_call=sparse_codes,
     output="fp8-codes", token_layout=_layout_for("sta"), announce_if_skipped=False,
 ))
 VSA = register(AttentionBackend(
-    name="sparse-vsa", label="VSA-style top-k sparse attention", call=sparse_call, validate=validate,
+    name="sparse-vsa", label="VSA-style top-k sparse attention", call=sparse_call,
+    validate=partial(validate, name="sparse-vsa"),
     priority={"exact": -100, "fast": -100}, precision="8bit", takes_codes=True, codes_call=sparse_codes,
     output="fp8-codes", token_layout=_layout_for("vsa-topk"), announce_if_skipped=False,
 ))
