@@ -92,7 +92,7 @@ def gelu_tanh_approx_device(x, INTERPRET: tl.constexpr):
     return tl.fma(h, t, h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M: tile count and row masks only (TMA clips the edges)
 def _gemm_gelu_quant_kernel(
     a_desc, b_desc, c_desc, SA, SW, BIAS, AMAX, RS, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -154,7 +154,7 @@ def gelu_tanh_f32(h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.
     return _launch_rows("h", h, gelu=True, quant=False, out=out, out_scale=None)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M only masks rows (vectors run along N)
 def _static_quant_kernel(X, AMAX, Q, RS, M, N, amax_mult, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -205,7 +205,7 @@ def _tile_values(X, MEAN, M, N, S, stride_x, HAS_MEAN: tl.constexpr, BLOCK_M: tl
     return rows, cols, mask, y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "S"])  # rows only: masks and the batch index
 def _tensor_amax_kernel(X, MEAN, AMAX, M, N, S, stride_x, HAS_MEAN: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     _, _, mask, y = _tile_values(X, MEAN, M, N, S, stride_x, HAS_MEAN, BLOCK_M, BLOCK_N, INTERPRET)
@@ -213,7 +213,7 @@ def _tensor_amax_kernel(X, MEAN, AMAX, M, N, S, stride_x, HAS_MEAN: tl.constexpr
     tl.atomic_max(AMAX, tile_max)  # max is order-free: the result does not depend on the programs' order
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "S"])
 def _tensor_quant_kernel(X, MEAN, AMAX, Q, SCALE, M, N, S, stride_x, HAS_MEAN: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, N_AMAX: tl.constexpr = 1,
                          AMAX_BLOCK: tl.constexpr = 1):
@@ -263,7 +263,7 @@ def quant_fp8_tensorwise(
     return q, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "NBLK", "ROWS_PER_BLK"])  # row counts: masks and loop bounds only
 def _column_stats_kernel(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, ROWS_PER_BLK, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     _column_partials(X, PSUM, PMAX, PMIN, S, N, stride_x, NBLK, ROWS_PER_BLK, BLOCK_M, BLOCK_N, INTERPRET)
@@ -327,7 +327,7 @@ def _column_final(PSUM, PMAX, PMIN, MEAN, AMAX, b, pid_n, num_n, N, NBLK, s_f, B
     tl.store(AMAX + b * num_n + pid_n, tl.max(tl.where(cmask, col_amax, 0.0), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NBLK"])
 def _column_finalize_kernel(PSUM, PMAX, PMIN, MEAN, AMAX, N, NBLK, s_f, BLOCK_B: tl.constexpr,
                             BLOCK_N: tl.constexpr):
     """`_column_final` for column block program_id(0) of batch program_id(1) (no atomics, no zeroed buffer)."""
@@ -335,7 +335,7 @@ def _column_finalize_kernel(PSUM, PMAX, PMIN, MEAN, AMAX, N, NBLK, s_f, BLOCK_B:
                   BLOCK_B, BLOCK_N, "")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "NBLK", "ROWS_PER_BLK"])
 def _column_stats_final_kernel(X, PSUM, PMAX, PMIN, MEAN, AMAX, COUNT, S, N, stride_x, NBLK, ROWS_PER_BLK, s_f,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
                                INTERPRET: tl.constexpr):

@@ -41,7 +41,7 @@ from fastremover.fast.kernels.vae_norm import _check_frame_dense
 from fastremover.fast.kernels.vae_norm import add_bias  # the one eager "conv bias add" (fp32 opmath, one rounding)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "S"])  # rows only: masks and the batch index
 def _gate_residual_kernel(
     X, BR, G, Y, M, D, S,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
@@ -138,7 +138,7 @@ def gate_residual_reference(
 # more than 2p+2 bits for both, so rounding through fp32 first never changes the result.)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H"])  # index math only; ROW and the strides stay specialized (vector loads)
 def _add_rows_kernel(
     Y, S, O, BIAS, ROW, T, H,
     syb, syt, syh, ssb, sst, ssh, sob, sot, soh,
@@ -282,7 +282,7 @@ def add_bias_reference_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 # program writes BLOCK_W whole pixels (C lanes, the last C - C' zero) of one (b, t, h) row. A pure copy: bit-exact.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H", "W", "SHIFT", "TS"])  # index math and the pixel mask only
 def _pad_copy_kernel(
     S, D, T, H, W, SHIFT, TS,
     ssb, sst, ssh, sdb, sdt, sdh,

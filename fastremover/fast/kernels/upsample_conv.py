@@ -259,7 +259,8 @@ def upsample_conv2x(x: torch.Tensor, w_phase: torch.Tensor, bias: torch.Tensor |
     if config is None:
         m = nf * h * w * 4
         cands = candidate_configs(cin, cout, w, m)
-        key = (cin, cout, w, 1 << max(0, (m - 1).bit_length()), x.dtype, bias is not None, x.device)
+        # the candidates depend on w only through its tile width: widths of one tile width share a tuning
+        key = (cin, cout, tile_width(w), 1 << max(0, (m - 1).bit_length()), x.dtype, bias is not None, x.device)
         tune = not interp and kernel_tuning().upconv_tune  # FASTREMOVER_UPCONV_TUNE
         config = autotune(_TUNED, key, cands, launch, tune, "upsample_conv2x", device=x.device)
     launch(config)
