@@ -461,7 +461,7 @@ def _nccl_checks(ctx):
 def _nccl_graph_checks(ctx, num_layers=2):
     """The denoise loop with the collectives inside a CUDA graph (ctx: NCCL; on one GPU a one-rank group that still
     communicates, `always_communicate`): the replays equal the eager loop under the same context, exact and fp8."""
-    from fastremover.engine.denoise import FastDenoiser
+    from fastremover.engine.denoise import FastDenoiser, capture_pays
     from fastremover.fast.transformer_fast import FastTransformer
     from fastremover.models.loading import random_init_
     from fastremover.models.transformer import RemoverTransformer, RemoverTransformerConfig
