@@ -246,3 +246,44 @@ print("HOOK", pipe.engine.precompiles(), pipe.engine.precompile([(5, 32, 48)]))
 print("IMPORTED", "fastremover.fast.precompile" in sys.modules)
 """, tmp_path)
     assert "HOOK False None" in out and "IMPORTED False" in out, out
+
+
+GPU_RUN = """
+import hashlib, json, sys
+import numpy as np
+import torch
+from fastremover import EngineConfig, RemovalPipeline, RunOptions, media
+from fastremover.timing import PHASES
+pipe = RemovalPipeline.from_model("random", preset=sys.argv[1], config=EngineConfig(mode="fast"))
+video, mask = media.synthetic_clip(33, 240, 432, seed=0, object_fraction=0.1)
+before = dict(PHASES.counts)
+result = pipe.remove(video.frames, mask, RunOptions(steps=2, crop="off"))
+lazy = PHASES.counts.get("triton_compile", 0) - before.get("triton_compile", 0)
+print("RESULT", json.dumps({"sha": hashlib.sha256(result.frames.tobytes()).hexdigest(), "lazy": lazy,
+                            "precompiled": PHASES.counts.get("precompile", 0)}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "minimax-remover"])
+def test_gpu_a_precompiled_run_compiles_nothing_lazily_and_gives_the_same_bytes(tmp_path, preset):
+    import json
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    results = {}
+    for switch in ("0", "1"):
+        script = tmp_path / "run.py"
+        script.write_text(GPU_RUN)
+        env = {**os.environ, "FASTREMOVER_PRECOMPILE": switch, "TRITON_CACHE_DIR": str(tmp_path / f"triton{switch}"),
+               "FASTREMOVER_CACHE_DIR": str(tmp_path / f"cache{switch}")}
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        r = subprocess.run([sys.executable, str(script), preset], env=env, capture_output=True, text=True,
+                           timeout=1200)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        results[switch] = json.loads(r.stdout.split("RESULT", 1)[1])
+    assert results["0"]["lazy"] > 0 and results["0"]["precompiled"] == 0
+    assert results["1"]["precompiled"] >= 1
+    assert results["1"]["lazy"] == 0, results  # every kernel of the window was compiled ahead
+    assert results["1"]["sha"] == results["0"]["sha"]  # the same kernels: the same bytes
