@@ -320,6 +320,9 @@ def test_bench_cold_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert record["reference"]["frames"] == 5 and record["reference"]["size"] == "64x48"
     assert {"buckets_0", "buckets_4", "time_ratio", "pixel_ratio"} <= set(record["padding_cost"])
     assert record["engine_first"]["cache"]["enabled"]
+    at = record["engine_second"]["milestones_s"]  # in the order they happen, from the spawn
+    assert list(at)[:3] == ["main", "engine_ready", "request_start"] and "first_frame" in at
+    assert 0 < at["main"] < at["engine_ready"] <= at["request_start"] < at["first_frame"]
     assert "CUDA" in record["capture_costs"]["skipped"]  # a GPU step of the harness: a flag, skipped here with why
     assert "engine first run" in capsys.readouterr().out
 

@@ -333,7 +333,7 @@ def test_a_full_disk_while_saving_a_window_leaves_no_part_file(tmp_path, monkeyp
         file.write(b"PK partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(np, "savez_compressed", full_disk)
+    monkeypatch.setattr(stream, "_write_npz", full_disk)
     record = {"start": 0, "stop": 5, "overlap": 0, "box": None, "run_hw": None, "ran": True}
     with pytest.raises(FastRemoverError, match="window_00000.npz: No space left"):
         store.save(0, record, frames + 1, frames)

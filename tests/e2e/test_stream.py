@@ -279,6 +279,32 @@ def test_resume_store_round_trip_is_lossless():
     assert pixels.size < output.size // 10
 
 
+def test_diff_boxes_equal_the_per_pixel_definition():
+    """The byte-view boxes equal the per-pixel ones (any channel differs) on random edits, including a change in the
+    last channel of the last column only, in the first channel of the first column only, and no change."""
+    rng = np.random.default_rng(5)
+    inputs = rng.integers(0, 256, (40, 17, 23, 3), dtype=np.uint8)
+    output = inputs.copy()
+    for i in range(1, 38):
+        y0, x0 = rng.integers(0, 17), rng.integers(0, 23)
+        y1, x1 = rng.integers(y0 + 1, 18), rng.integers(x0 + 1, 24)
+        ch = rng.integers(0, 3)
+        output[i, y0:y1, x0:x1, ch] ^= np.uint8(1 + rng.integers(0, 255))
+    output[38, 16, 22, 2] ^= 1
+    output[39, 0, 0, 0] ^= 128
+    boxes, pixels = stream._diff_boxes(output, inputs)
+    parts = []
+    for i in range(40):
+        differs = np.any(output[i] != inputs[i], axis=-1)
+        ys, xs = np.flatnonzero(differs.any(axis=1)), np.flatnonzero(differs.any(axis=0))
+        want = [0, 0, 0, 0] if not ys.size else [ys[0], ys[-1] + 1, xs[0], xs[-1] + 1]
+        assert boxes[i].tolist() == want, i
+        if ys.size:
+            parts.append(output[i, want[0]:want[1], want[2]:want[3]].reshape(-1))
+    assert boxes[0].tolist() == [0, 0, 0, 0] and boxes[38].tolist() == [16, 17, 22, 23]
+    assert np.array_equal(pixels, np.concatenate(parts))
+
+
 def test_store_load_rebuilds_the_window(tmp_path):
     rng = np.random.default_rng(1)
     inputs = rng.integers(0, 256, (5, 20, 24, 3), dtype=np.uint8)

@@ -596,7 +596,14 @@ def test_gpu_qk_norm_rope_fp8_codes_at_real_shape():
     u = ulp_distance(got, expect)  # in e4m3 steps
     print(f"seed {seed}: qk fp8 codes off the fp16 output's quantization by one step: {int((u > 0).sum())} of "
           f"{u.numel()}")
-    assert float((u > 0).float().mean()) < 1e-4 and int(u.max()) <= 1, f"seed {seed}"
+    assert float((u > 0).float().mean()) < 1e-4, f"seed {seed}"
+    # Beyond one step only where the fp16 rounding of y (which the reference quantizes and the kernel does not) is
+    # itself near a step: K is centred, so (y - centre) can be much smaller than y (seen on the H200: 2 steps, once
+    # in 3.9e7 codes). Bound per code, scaled domain: one e4m3 spacing + 2^-10 |y| (fp16's rounding and r's ulp).
+    gf, ef = got.float(), expect.float()
+    spacing = torch.exp2(torch.floor(torch.log2(torch.maximum(gf.abs(), ef.abs()).clamp_min(2.0**-6))) - 3)
+    y_scaled = y.float().abs() * (448.0 / amax)
+    assert bool(((gf - ef).abs() <= spacing + 2.0**-10 * y_scaled).all()), f"seed {seed}"
     deq = ((got.float() * (amax / 448.0)).view(B_REAL, S_REAL, d) + centre[:, None]).view(M_REAL, d)
     c = torch.nn.functional.cosine_similarity(deq.flatten(), y.float().flatten(), dim=0).item()
     print(f"seed {seed}: qk fp8 codes (static bound scale) cos vs fp16 {c:.6f}")
