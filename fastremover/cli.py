@@ -496,9 +496,12 @@ def cmd_warmup(args) -> int:
     store = cache.default_cache()
     if pipe.device.type != "cuda":
         warn("warmup on the CPU: nothing is compiled or tuned there; the runs only check the model")
+    run = dataclasses.replace(options, size="native", crop="off")
+    # every size's Triton kernels in one concurrent batch first (a no-op off the fast CUDA paths)
+    pipe.engine.precompile([shape for width, height in sizes
+                            for shape in pipe.planned_shapes(args.frames, height, width, run)])
     for width, height in sizes:
         video, mask = media.synthetic_clip(args.frames, height, width, seed=0, object_fraction=0.1)
-        run = dataclasses.replace(options, size="native", crop="off")
         before = store.stats()
         t = time.perf_counter()
         bars = _Bars(enabled=not args.quiet)

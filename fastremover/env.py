@@ -67,6 +67,9 @@ class KernelTuning:
     # the block-sparse attention kernel's config by name, e.g. m64n64w4s3t1ws0vt1 (BlockSparseConfig in
     # fast/kernels/block_sparse_attention.py; unset: the default for the tile size)
     sparse_attn_config: str | None = _switch(None, "FASTREMOVER_SPARSE_ATTN_CONFIG")
+    # compile a window's Triton kernels concurrently before its VAE encode (fastremover/fast/precompile.py; off:
+    # each kernel compiles at its first launch)
+    precompile: bool = _switch(True, "FASTREMOVER_PRECOMPILE", _ON_OFF)
     # the persistent cache of warm-up results (fastremover/cache.py: Triton's kernels, cuDNN plan choices, autotune
     # results, FlashInfer's modules): a folder; "" = the platform's user cache folder (`cache_dir`); "off" = none
     cache_dir: str = _switch("", "FASTREMOVER_CACHE_DIR")

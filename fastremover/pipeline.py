@@ -360,6 +360,17 @@ class RemovalPipeline:
             x = x[..., : prep.source_hw[0], : prep.source_hw[1]]
         return _to_uint8_async(x, prep.rounding)
 
+    def planned_shapes(self, num_frames: int, height: int, width: int, options: RunOptions) -> list[tuple]:
+        """The run shapes (frames after the padding to 4k+1, height, width of the model's input) of the windows of a
+        num_frames x height x width clip run on the whole frame (no crop), as `prepare` fits them."""
+        size = parse_size(options.size)
+        if size is None:
+            hw = (-(-height // SIZE_MULTIPLE) * SIZE_MULTIPLE, -(-width // SIZE_MULTIPLE) * SIZE_MULTIPLE)
+        else:
+            hw = (size[1], size[0])
+        wins = plan_windows(num_frames, options.window, options.overlap, options.shape_buckets)
+        return list(dict.fromkeys((ceil_4k1(w.stop - w.start), *hw) for w in wins))
+
     # ------------------------------------------------------------------------------------------------------------------
     # The whole request
 
@@ -582,6 +593,9 @@ class RemovalPipeline:
             with timer.stage("preprocess"):
                 prep = self.prepare(frames_in, mask_in, size)
                 prep.rounding = options.rounding
+            # this run shape's Triton kernels, compiled concurrently before their first launch (a no-op off the fast
+            # CUDA paths, and for a shape compiled before)
+            self.engine.precompile([(prep.frames.shape[2], *prep.run_hw)])
             with timer.stage("vae_encode"):
                 masked_latents, mask_latents = self.encode(prep, progress)
             with timer.stage("denoise"):
@@ -874,6 +888,11 @@ class WindowScheduler:
                     break
                 if index == 0:
                     finished = self._first_window(win)
+                    if self.crop_mode == "off" and self.total_frames > 0 and self.pipe.models is not None:
+                        # every window's run shape is known: compile all their kernels in one batch
+                        height, width = self.inputs[0].shape[:2]
+                        self.pipe.engine.precompile(self.pipe.planned_shapes(self.total_frames, height, width,
+                                                                             options))
                 self._release(win.start)
                 result.windows.append(self._window(index, win, finished))
                 index += 1

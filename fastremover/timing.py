@@ -264,6 +264,20 @@ def mark(name: str) -> None:
 
 _triton_timed = False
 _triton_wanted = False
+_precompiling = threading.local()
+
+
+@contextmanager
+def precompiling():
+    """Within (this thread): Triton compiles are submitted ahead of their launches (fastremover/fast/precompile.py):
+    logged as "triton precompile" and counted in the enclosing phase ("precompile"), not as "triton_compile" (whose
+    count stays the number of lazy compiles)."""
+    old = getattr(_precompiling, "on", False)
+    _precompiling.on = True
+    try:
+        yield
+    finally:
+        _precompiling.on = old
 
 
 def time_triton_compiles() -> bool:
@@ -302,8 +316,11 @@ def _wrap_triton_compile() -> bool:
 
     def _do_compile(self, *args, **kwargs):
         # which kernel and specialization (debug log, `-v`): what tools/triton_variants.py predicts offline
-        logging.getLogger("fastremover").debug("triton compile: %s %s", getattr(self, "__name__", "?"),
-                                               args[0] if args else "")
+        ahead = getattr(_precompiling, "on", False)
+        logging.getLogger("fastremover").debug("triton %s: %s %s", "precompile" if ahead else "compile",
+                                               getattr(self, "__name__", "?"), args[0] if args else "")
+        if ahead:
+            return original(self, *args, **kwargs)
         with phase("triton_compile"):
             return original(self, *args, **kwargs)
 

@@ -213,6 +213,33 @@ class Engine:
     resolved: ResolvedEngine
     plan: Plan | None = None
     parallel: object | None = None  # a ParallelEngine (fastremover/engine/parallel.py) or None
+    precompiler: object | None = None  # a fast.precompile.Precompiler, made at the first `precompile` that needs it
+
+    def precompiles(self) -> bool:
+        """Whether `precompile` does anything: the fused Triton paths on CUDA (exact / fast mode, the fast VAE), one
+        process, FASTREMOVER_PRECOMPILE not 0."""
+        plan = self.plan
+        return (plan is not None and self.denoiser is not None and plan.mode in ("exact", "fast")
+                and plan.device.type == "cuda" and self.parallel is None
+                and getattr(self.vae, "kernels", None) == "triton" and kernel_tuning().precompile)
+
+    def precompile(self, shapes) -> dict | None:
+        """Compile, concurrently, the Triton kernels the fast VAE and the fast transformer will launch for windows of
+        these run shapes ((frames, height, width) of the VAE input: the padded crop) that earlier calls did not
+        (fastremover/fast/precompile.py); timed as the phase "precompile". A no-op (None) where `precompiles` is
+        False. Never an error: a kernel that was not compiled here compiles at its launch."""
+        if not self.precompiles():
+            return None
+        from fastremover.timing import phase
+
+        with phase("precompile"):
+            if self.precompiler is None:
+                from fastremover.fast.precompile import Precompiler
+
+                fast = getattr(self.denoiser, "fast", None)
+                self.precompiler = Precompiler(self.plan.device, vae=self.vae,
+                                               transformer=fast if getattr(fast, "use_triton", False) else None)
+            return self.precompiler.shapes(shapes).describe()
 
     def follow(self) -> None:
         """A rank other than 0: run the stages rank 0 announces, until it stops."""

@@ -304,15 +304,18 @@ class FastTransformer(nn.Module):
         """quant_centred's keyword options for layer `index`: the fused finalize and this layer's counter."""
         if not self.fused_v_stats:
             return {}
-        from fastremover.fast.kernels.quant import centred_counter_size
-
         key = (v.device, b, s, v.shape[1])
         counters = self._v_counters.get(key)
         if counters is None:
-            size = centred_counter_size(s, v.shape[1], b)
-            counters = torch.zeros(len(self.model.blocks), size, dtype=torch.int32, device=v.device)
+            counters = self._new_v_counters(v, b, s)
             self._v_counters.put(key, counters)
         return {"fused_finalize": True, "counter": counters[index]}
+
+    def _new_v_counters(self, v: torch.Tensor, b: int, s: int, make=torch.zeros) -> torch.Tensor:
+        from fastremover.fast.kernels.quant import centred_counter_size
+
+        size = centred_counter_size(s, v.shape[1], b)
+        return make((len(self.model.blocks), size), dtype=torch.int32, device=v.device)
 
     def shape_state(self, hidden_shape: tuple, device: torch.device) -> tuple:
         """The per-shape tensors a step of this input shape reads from this module's caches (RoPE tables, V's
@@ -376,12 +379,14 @@ class FastTransformer(nn.Module):
             if not create:
                 raise RuntimeError("FastTransformer: 8-bit attention calibration missing - a run's first step "
                                    "(forward_step with step 0) calibrates the K/V centres for the later steps")
-            n, d = len(self.model.blocks), self.config.num_attention_heads * self.config.attention_head_dim
-            f32 = dict(dtype=torch.float32, device=device)
-            cal = AttentionCalibration(torch.zeros(n, b, d, **f32), torch.zeros(n, 1, **f32),
-                                       torch.zeros(n, 1, **f32), torch.full((), 448.0, **f32))
-            self._calibrations[key] = cal
+            cal = self._calibrations[key] = self._new_calibration(b, device)
         return cal
+
+    def _new_calibration(self, b: int, device: torch.device, make=torch.zeros) -> AttentionCalibration:
+        n, d = len(self.model.blocks), self.config.num_attention_heads * self.config.attention_head_dim
+        f32 = dict(dtype=torch.float32, device=device)
+        return AttentionCalibration(make((n, b, d), **f32), make((n, 1), **f32), make((n, 1), **f32),
+                                    torch.full((), 448.0, **f32))
 
     def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool, x: torch.Tensor, mods: torch.Tensor,
                        next_mods: tuple, ffn_amax: torch.Tensor):
@@ -573,3 +578,95 @@ class FastTransformer(nn.Module):
         if layout is not None:
             out = layout.restore(out)
         return model.unpatchify(self.parallel.gather_tokens(out, s_all), grid)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # The step's kernel launches, for compiling them ahead (fastremover/fast/precompile.py)
+
+    @torch.no_grad()
+    def launch_kernels(self, hidden_shape: tuple, device: torch.device) -> None:
+        """Call each fused-kernel op (`self.ops`, the fused FFN1 GEMM) that `forward_step` of a [B, in, T, H, W] input
+        calls at its first step (which also calibrates K's centre), with tensors of the same shapes, dtypes, strides
+        and storage offsets on `device` (the meta device: nothing is computed), and nothing else (no GEMM, no
+        attention, no torch op). fastremover/fast/precompile.py records these launches to compile them before the
+        run; tests/kernels/test_precompile.py checks the calls against forward_step's. Keep the two in step.
+        Nothing for a sequence-parallel run or a sparse backend (their launches compile when they run)."""
+        if self.parallel.is_parallel or self.backend.token_layout is not None:
+            return
+        ops, cfg, eps = self.ops, self.config, self.config.eps
+        grid = self.model.post_patch_grid(hidden_shape)
+        b, s = hidden_shape[0], grid[0] * grid[1] * grid[2]
+        heads, d, n_blocks = cfg.num_attention_heads, cfg.num_attention_heads * cfg.attention_head_dim, len(
+            self.model.blocks)
+
+        def empty(*shape, dtype=self.dtype):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        def like(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+        f32 = torch.float32
+        rope = (empty(s, cfg.attention_head_dim // 2, dtype=f32), empty(s, cfg.attention_head_dim // 2, dtype=f32))
+        x = empty(b * s, d)
+        mods_all, final = empty(1, n_blocks, 6, b, d, dtype=f32)[0], empty(1, 2, b, d, dtype=f32)[0]
+        ffn_amax = empty(1, n_blocks, 1, dtype=f32)[0] if self.fp8 else None
+        cal = self._new_calibration(b, device, make=torch.empty) if self.fp8_attention else None
+        counters = None
+        n = ops.adaln_modulate(x, mods_all[0][0], mods_all[0][1], s, eps, fp8=self.fp8)
+        for i in range(n_blocks):
+            mods = mods_all[i]
+            next_mods = (mods_all[i + 1][0], mods_all[i + 1][1], self.fp8) if i + 1 < n_blocks else (
+                final[0], final[1], False)
+            attn = self.model.blocks[i].attn1
+            q, k, v = empty(b * s, 3 * d).chunk(3, dim=1)
+            amax_i = None if ffn_amax is None else ffn_amax[i]
+            if not self.fp8_attention:
+                ops.qk_norm_rope(q, like(attn.norm_q.weight), *rope, s, heads, eps)
+                ops.qk_norm_rope(k, like(attn.norm_k.weight), *rope, s, heads, eps)
+                self.linear_method.prepare(empty(b * s, d), ops)  # the O projection's input
+                self._launch_rowwise_rest(i, x, mods, next_mods, amax_i, s, empty)
+                continue
+            v_options = {}
+            if self.fused_v_stats:
+                if counters is None:
+                    counters = self._new_v_counters(v, b, s, make=torch.empty)
+                v_options = {"fused_finalize": True, "counter": counters[i]}
+            _, sv, _ = ops.quant_centred(v, s, **v_options)
+            ops.qk_norm_rope(k, like(attn.norm_k.weight), *rope, s, heads, eps)  # K's centre (the first step)
+            ops.qk_norm_rope(k, like(attn.norm_k.weight), *rope, s, heads, eps, fp8_amax=cal.k_amax[i],
+                             centre=cal.k_centre[i])
+            ops.qk_norm_rope(q, like(attn.norm_q.weight), *rope, s, heads, eps, fp8_amax=like(self.q_amax[i]))
+            rows_a = self.split_rows(b, s, heads)
+            if rows_a is not None:  # _attention_tail_overlap
+                out = (empty(b * s, d, dtype=torch.float8_e4m3fn), empty(b * s, 1, dtype=f32)) if next_mods[2] \
+                    else empty(b * s, d)
+                for rows in (slice(0, rows_a), slice(rows_a, b * s)):
+                    m = rows.stop - rows.start
+                    ops.quant_static(empty(m, d), sv, O_AMAX_PER_V_SCALE)
+                    rows_out = (out[0][rows], out[1][rows]) if next_mods[2] else out[rows]
+                    self._launch_rowwise_rest(i, x[rows], mods, next_mods, amax_i, m, empty, out=rows_out)
+                continue
+            if self.fp8_attention_requant:
+                ops.quant_static(empty(b * s, d), sv, O_AMAX_PER_V_SCALE)
+            self._launch_rowwise_rest(i, x, mods, next_mods, amax_i, s, empty)
+
+    def _launch_rowwise_rest(self, index: int, x, mods, next_mods, ffn_amax, s: int, empty, out=None) -> None:
+        """`_rowwise_rest`'s fused-kernel calls (see launch_kernels); the GEMMs' outputs are `empty` tensors."""
+        ops, eps = self.ops, self.config.eps
+        m, d = x.shape
+        ops.gate_residual_adaln(x, empty(m, d), mods[2], mods[3], mods[4], s, eps, fp8=self.fp8)
+        if self.fp8:
+            lin = self.linears[index]["ff1"]
+            if self.fused_ffn1:  # Fp8Linear.gelu_quant's kernel call
+                from fastremover.fast.kernels.gemm_fp8 import gemm_fp8_gelu_quant
+
+                meta = x.device
+                gemm_fp8_gelu_quant(empty(m, d, dtype=torch.float8_e4m3fn), empty(m, 1, dtype=torch.float32),
+                                    torch.empty(lin.codes.shape, dtype=lin.codes.dtype, device=meta),
+                                    torch.empty(lin.scale.shape, dtype=lin.scale.dtype, device=meta),
+                                    torch.empty(self.ff1_bias[index].shape, dtype=self.ff1_bias[index].dtype,
+                                                device=meta), ffn_amax)
+            else:
+                ops.quant_static(empty(m, lin.out_features), ffn_amax, gelu=True)
+        next_shift, next_scale, next_fp8 = next_mods
+        kw = {} if out is None else ({"out": out[0], "out_scale": out[1]} if next_fp8 else {"out": out})
+        ops.gate_residual_adaln(x, empty(m, d), mods[5], next_shift, next_scale, s, eps, fp8=next_fp8, **kw)

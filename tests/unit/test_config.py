@@ -176,7 +176,8 @@ def test_option_table_lists_every_option_once():
             "parallel.world_size", "tuning.conv3d_fp8_tune"} <= set(names)
     assert {r["env"] for r in rows if r["env"]} == {"FASTREMOVER_FUSED_FFN1", "FASTREMOVER_CONV3D_FP8_TUNE",
                                                     "FASTREMOVER_UPCONV_TUNE", "FASTREMOVER_CUDNN_CONV_PLANS",
-                                                    "FASTREMOVER_SPARSE_ATTN_CONFIG", "FASTREMOVER_CACHE_DIR"}
+                                                    "FASTREMOVER_SPARSE_ATTN_CONFIG", "FASTREMOVER_CACHE_DIR",
+                                                    "FASTREMOVER_PRECOMPILE"}
 
 
 def test_choice_lists_are_defined_once():
