@@ -434,7 +434,11 @@ class Precompiler:
             return report
         t1 = time.perf_counter()
         report.recorded, report.distinct = len(rec.launches), len(pending)
-        report.submitted, report.failed = compile_launches([launch for _, launch in pending], self.threads)
+        try:
+            report.submitted, report.failed = compile_launches([launch for _, launch in pending], self.threads)
+        except Exception as e:  # noqa: BLE001 (e.g. another Triton's AsyncCompileMode: the run compiles lazily)
+            log.debug("precompile: compiling %s failed: %s: %s", new, type(e).__name__, e)
+            report.failed = len(pending)
         self.keys.update(k for k, _ in pending)
         self.done.update(new)
         report.record_s, report.compile_s = t1 - t0, time.perf_counter() - t1
