@@ -7,18 +7,23 @@ worker that dies (a crash in a decoder, the kernel's OOM killer) costs the clip 
 is started again; a worker that cannot load the model stops the batch with its error. Workers also stop, between
 clips, when the driver is gone.
 
+Each worker process talks to the driver over its own pipe, and the driver hands out the clips: nothing is shared
+between workers, so a worker killed at any moment (holding a queue's lock, half-way through a message) takes only
+its own pipe with it and can never block the others or its replacement.
+
 One slot runs in the driver's own process (no spawn, same results).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 import traceback
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -51,38 +56,41 @@ def _on_sigterm(signum, frame):
     raise _Stopped()
 
 
-def _worker_main(slot: int, gpu: str | None, source: ModelSource, config: EngineConfig, tasks, events,
-                 parent: int) -> None:
-    """A worker process: load the model, then run clips from ``tasks`` until its end marker. CUDA_VISIBLE_DEVICES
-    is already ``gpu`` (set in the environment the process was spawned with). Its notes go to stderr (the package
-    logger's CLI handler). SIGTERM stops it cleanly."""
+def _worker_main(slot: int, gpu: str | None, source: ModelSource, config: EngineConfig, conn, parent: int) -> None:
+    """A worker process: load the model, then run the clips the driver sends over ``conn`` until its end marker
+    (None) or the driver is gone. CUDA_VISIBLE_DEVICES is already ``gpu`` (set in the environment the process was
+    spawned with). Its notes go to stderr (the package logger's CLI handler). SIGTERM stops it cleanly."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's: it stops the workers
     signal.signal(signal.SIGTERM, _on_sigterm)
     setup_cli(0)
     try:
-        _serve(slot, gpu, source, config, tasks, events, parent)
-    except _Stopped:
+        _serve(slot, gpu, source, config, conn, parent)
+    except (_Stopped, EOFError, BrokenPipeError):  # stopped, or the driver's end of the pipe is closed
         pass
+    finally:
+        conn.close()
 
 
-def _serve(slot: int, gpu: str | None, source: ModelSource, config: EngineConfig, tasks, events, parent: int) -> None:
+def _serve(slot: int, gpu: str | None, source: ModelSource, config: EngineConfig, conn, parent: int) -> None:
     try:
         worker = RemovalWorker(source, slot_config(config, gpu))
         worker.pipeline  # noqa: B018 - one model load per worker, before the first clip
     except FastRemoverError as exc:
-        events.put(("init_failed", slot, str(exc), True))
+        conn.send(("init_failed", slot, str(exc), True))
         return
     except Exception:  # noqa: BLE001 - reported to the driver with its traceback
-        events.put(("init_failed", slot, traceback.format_exc(), False))
+        conn.send(("init_failed", slot, traceback.format_exc(), False))
         return
-    events.put(("ready", slot, where()))
-    while True:
-        task = tasks.get()
-        if task is None or os.getppid() != parent:  # the queue is done, or the driver is gone
-            break
-        events.put(("start", slot, task.index, where()))
-        events.put(("done", slot, task.index, run_clip(worker, task)))
-    worker.close()
+    try:
+        conn.send(("ready", slot, where()))
+        while True:
+            task = conn.recv()
+            if task is None or os.getppid() != parent:  # the driver is done, or gone
+                break
+            conn.send(("start", slot, task.index, where()))
+            conn.send(("done", slot, task.index, run_clip(worker, task)))
+    finally:
+        worker.close()
 
 
 @contextlib.contextmanager
@@ -146,21 +154,27 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
         return
     gpus = [None if s is None else visible_gpu_ids([int(s)])[0] for s in slots]
     ctx = mp.get_context("spawn")
-    task_q, events = ctx.Queue(), ctx.Queue()
     by_index = {task.index: task for task in tasks}
-    for task in tasks:
-        task_q.put(task)
-    for _ in slots:
-        task_q.put(None)
+    queued = collections.deque(tasks)  # handed out in this order, one clip per idle worker
     parent = os.getpid()
     procs: dict[int, mp.process.BaseProcess] = {}
+    conns: dict[int, Connection] = {}  # slot -> the driver's end of its current process's pipe
 
     def start(slot: int) -> None:
-        proc = ctx.Process(target=_worker_main, args=(slot, gpus[slot], source, config, task_q, events, parent),
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(slot, gpus[slot], source, config, theirs, parent),
                            name=f"fastremover-batch-{slot}")
         with _cuda_visible(gpus[slot]):  # inherited from the start: nothing the child imports can see other GPUs
             proc.start()
-        procs[slot] = proc
+        theirs.close()  # the child holds its end: when it exits, ours reads EOF
+        procs[slot], conns[slot] = proc, ours
+
+    def hand_out(slot: int) -> None:
+        """The next clip to an idle worker, or its end marker when none are left."""
+        try:
+            conns[slot].send(queued.popleft() if queued else None)
+        except OSError:  # it died meanwhile: the check below reports it
+            pass
 
     for slot in range(len(slots)):
         start(slot)
@@ -175,6 +189,7 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
             _raise_init_error(event[2], event[3])
         elif kind == "ready":
             ready.add(slot)
+            hand_out(slot)
         elif kind == "start":
             running[slot] = event[2]
             if on_start:
@@ -184,25 +199,37 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
             if event[2] in remaining:
                 remaining.discard(event[2])
                 on_done(by_index[event[2]], event[3])
+            hand_out(slot)
+
+    def drain(slot: int) -> None:
+        """Every message of ``slot``'s process that has arrived; its end of the pipe is closed once it is gone."""
+        conn = conns.get(slot)
+        while conn is not None and not conn.closed:
+            try:
+                if not conn.poll():
+                    return
+                event = conn.recv()
+            except (EOFError, OSError):  # the process exited (maybe half-way through a message)
+                conn.close()
+                return
+            handle(event)
 
     checked = time.monotonic()
     try:
         while remaining:
-            try:
-                handle(events.get(timeout=POLL_S))
-            except queue.Empty:
-                pass
+            live = [conn for conn in conns.values() if not conn.closed]
+            for conn in wait(live, timeout=POLL_S) if live else ():
+                drain(next(slot for slot, c in conns.items() if c is conn))
+            if not live:
+                time.sleep(POLL_S)
             if time.monotonic() - checked < POLL_S:
                 continue
             checked = time.monotonic()
             for slot, proc in list(procs.items()):
                 if proc.is_alive():
                     continue
-                while True:  # messages the worker sent before it exited come first
-                    try:
-                        handle(events.get_nowait())
-                    except queue.Empty:
-                        break
+                drain(slot)  # messages the worker sent before it exited come first
+                conns.pop(slot).close()
                 index = running.pop(slot, None)
                 if index is not None and index in remaining:
                     remaining.discard(index)
@@ -213,12 +240,12 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
                     raise RuntimeError(f"a batch worker exited (code {proc.exitcode}) before it loaded the model; "
                                        "its error is above")
                 ready.discard(slot)
-                if proc.exitcode != 0 and remaining and restarts < len(by_index):
+                if proc.exitcode != 0 and queued and restarts < len(by_index):
                     restarts += 1
                     start(slot)
             if remaining and not procs:
                 raise RuntimeError(f"every batch worker exited with {len(remaining)} clips left")
-        for proc in procs.values():  # each took its end-of-queue marker and is closing its worker
+        for proc in procs.values():  # each got its end marker and is closing its worker
             proc.join(timeout=30)
     finally:
         for proc in procs.values():
@@ -229,10 +256,8 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        task_q.close()
-        events.close()
-        task_q.cancel_join_thread()
-        events.cancel_join_thread()
+        for conn in conns.values():
+            conn.close()
         remove_leftovers(tasks)
 
 
