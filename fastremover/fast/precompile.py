@@ -377,7 +377,10 @@ def compile_launches(launches: list[Launch], threads: int | None = None) -> tupl
             submitted = len(mode.raw_futures)
             futures = list(mode.raw_futures)
         # (leaving the mode waited for every compile; ignore_errors: a failed one stays uncompiled)
-    failed += sum(1 for f in futures if f.exception() is not None)
+    for f in futures:
+        if f.exception() is not None:
+            failed += 1
+            log.debug("precompile: a compile failed: %s: %s", type(f.exception()).__name__, f.exception())
     return submitted, failed
 
 
