@@ -127,6 +127,19 @@ def _live_key(key: tuple, device: torch.device) -> tuple:
     return tuple(device if isinstance(k, torch.device) and k.type == "meta" else k for k in key)
 
 
+class _Props:
+    """`torch.cuda.get_device_properties` within a recording: the recorded device's own properties (name, capability:
+    the persistent cache's keys read them) with `multi_processor_count` as given; on the meta device only that."""
+
+    def __init__(self, live, sm_count: int):
+        self._live, self.multi_processor_count = live, sm_count
+
+    def __getattr__(self, name):
+        if self._live is None:
+            raise AttributeError(f"a meta-device recording has no GPU property {name!r}")
+        return getattr(self._live, name)
+
+
 @contextlib.contextmanager
 def recording(device: torch.device | None = None, *, sm_count: int | None = None, upconv: bool = True):
     """Within: a JITFunction launch is recorded in the yielded `Recording` and does nothing else; the kernel
@@ -166,10 +179,10 @@ def recording(device: torch.device | None = None, *, sm_count: int | None = None
         return cands[0]
 
     device_ = device
+    live_props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
     if sm_count is None:
-        props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-        sm_count = props.multi_processor_count if props is not None else 132
-    props_stub = type("_Props", (), {"multi_processor_count": sm_count})()
+        sm_count = live_props.multi_processor_count if live_props is not None else 132
+    props_stub = _Props(live_props, sm_count)
 
     patches = []
 

@@ -231,6 +231,51 @@ def test_launch_kernels_calls_what_forward_step_calls():
     assert {"quant_centred", "qk_norm_rope", "gate_residual_adaln", "adaln_modulate"} <= {c[0] for c in real}
 
 
+def test_a_recording_on_a_gpu_answers_with_that_gpus_properties(monkeypatch):
+    """Within a recording, get_device_properties keeps the recorded GPU's own properties (the persistent cache's keys
+    read its name and capability: the H100 run lost the whole VAE recording to a stub without them); only the SM
+    count may be set."""
+    import types
+
+    import torch
+
+    from fastremover.fast import precompile
+
+    live = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: live)
+    with precompile.recording(torch.device("cuda", 0)):
+        props = torch.cuda.get_device_properties(0)
+        assert (props.name, props.major, props.multi_processor_count) == ("NVIDIA H100 80GB HBM3", 9, 132)
+    with precompile.recording(torch.device("cuda", 0), sm_count=78):
+        assert torch.cuda.get_device_properties(0).multi_processor_count == 78
+    with precompile.recording():  # the meta device: the SM count alone
+        props = torch.cuda.get_device_properties(0)
+        assert props.multi_processor_count == 132
+        with pytest.raises(AttributeError, match="name"):
+            props.name  # noqa: B018
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5])
+def test_every_steps_ffn_bound_has_the_first_steps_alignment(blocks):
+    """The fused FFN1 GEMM specializes on its bound's pointer alignment: block i's bound is 16-byte aligned alike at
+    every step (the precompile records the first step only; the H100 run compiled a second variant at step 2)."""
+    import dataclasses
+
+    import torch
+
+    from helpers import TINY_TRANSFORMER, tiny_transformer
+
+    from fastremover.fast.transformer_fast import FastTransformer
+
+    cfg = dataclasses.replace(TINY_TRANSFORMER, num_layers=blocks)
+    fast = FastTransformer(tiny_transformer(0, cfg), linear_method="fp8-rowwise", use_triton=False)
+    amax = fast.conditioning(torch.tensor([999.0, 700.0, 400.0, 100.0]), 1).ffn_amax
+    assert amax.shape == (4, blocks, 1)
+    for step in range(4):
+        for i in range(blocks):
+            assert amax[step, i].storage_offset() * 4 % 16 == amax[0, i].storage_offset() * 4 % 16, (step, i)
+
+
 def test_the_hook_does_nothing_on_the_cpu(tmp_path):
     """A CPU run (eager mode) neither precompiles nor imports the precompile machinery or Triton's compiler."""
     out = _run("""
