@@ -9,6 +9,9 @@
 # .devrun/dotgit`, carry [".devrun", ".whl"], and begin the command with `rm -rf .git && mv .devrun/dotgit .git` (the
 # device's copy may hold a .git of the session's start: moving into it would leave the old commit in the JSON).
 # The `tests` phase needs a call of its own now (more than 4 minutes).
+# The image sets PYTHONDONTWRITEBYTECODE=1 and ships torch / sympy without .pyc files, so every fresh process there
+# compiles their sources again (seconds; a pip-installed user has the .pyc): the script unsets it and keeps the .pyc
+# under /tmp/pyc, so cold-start figures (`bench --cold`) count what a user's second process pays (session 22).
 # Phases:
 #   tests            pytest -m gpu (over 4 min since session 21: give it its own call)
 #   kernels          kernel micro-benchmarks: fused elementwise, attention backends, FP8 conv3d, fast VAE, profiles
@@ -17,6 +20,8 @@
 #   vae:ARGS         the fast VAE bench (tools/bench_vae.py; ARGS as for it, JSON in $OUT/vae.json)
 #   pytest:ARGS      pytest ARGS (log appended to $OUT/pytest.log)
 #   py:SCRIPT ARGS   python3 SCRIPT ARGS (experiments; write JSON to $OUT yourself via --out)
+#   precompile       tools/precompile_check.py for the tiny and the real config: every Triton compile of a
+#                    fast run, ahead (precompiled) or lazy; none should be lazy
 #   flash3-variants  experiments/flash3_variants.py for the stock build (.fa3) and each carried variant build
 #                    .fa3-<name> (tools/build_flash3.sh variant <name> <mode>; kept in the checkout's ignored
 #                    .fa3variants/<name>: copy them to .devrun/src/.fa3-<name>), each in its own process, two rounds
@@ -39,6 +44,8 @@ fi
 vae_bench() { python3 tools/bench_vae.py --bench "$@"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=/tmp/pyc
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
 git log --oneline -1
 for phase in "$@"; do
@@ -63,6 +70,11 @@ for phase in "$@"; do
     flash3)  # FlashAttention-3 built by tools/build_flash3.sh, carried as .fa3 (its out/ folder)
       export PYTHONPATH=$PWD/.fa3:$PYTHONPATH
       python3 -c "import torch, flash_attn_interface; print('flash_attn_interface OK')" 2>&1 | tail -3 ;;
+    precompile)
+      for preset in tiny minimax-remover; do
+        python3 tools/precompile_check.py --preset "$preset" --json "$OUT/precompile-check-$preset.json" 2>&1 \
+          | grep -E "^(precompile|compiles|LAZY)" | cut -c1-300 | head -12
+      done ;;
     py:*)
       # shellcheck disable=SC2086
       python3 ${phase#py:} 2>&1 | tail -60 ;;
