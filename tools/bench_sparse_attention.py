@@ -251,11 +251,35 @@ def table_rows(best: dict, shapes: dict, keeps, dtypes) -> list[dict]:
                         forced, counts = layout._forced, layout._cnt[0, 0]
                         row["selection_ms"] = round(cuda_time_ms(
                             lambda: vsa_lists(q, k, layout.tile, counts, layout.count, forced), iters=10), 4)
+                        row["selection_parts_ms"] = selection_parts_ms(q, k, layout)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             del q, k, v
             torch.cuda.empty_cache()
     return rows
+
+
+def selection_parts_ms(q, k, layout) -> dict:
+    """VSA's selection (sparse_layout.vsa_lists) stage by stage, each timed alone on its own inputs: the pooling of q
+    and of k, the coarse scores, the forced tiles + order-preserving keys, the top-k, the final sort."""
+    import torch
+
+    from fastremover.ops.attention.sparse_layout import ordered_keys, tile_means
+    from fastremover.timing import cuda_time_ms
+
+    tile, width, counts, forced = layout.tile, layout.count, layout._cnt[0, 0], layout._forced
+    qm = tile_means(q, tile).permute(0, 2, 1, 3)
+    km = tile_means(k, tile).permute(0, 2, 3, 1)
+    scores = torch.matmul(qm, km)
+    keys = ordered_keys(scores.masked_fill(forced, float("inf")))
+    top = torch.topk(keys, width, dim=-1, sorted=True).indices
+    used = torch.arange(width, device=q.device) < counts.unsqueeze(-1)
+    parts = {"pool_q": lambda: tile_means(q, tile), "pool_k": lambda: tile_means(k, tile),
+             "scores": lambda: torch.matmul(qm, km),
+             "keys": lambda: ordered_keys(scores.masked_fill(forced, float("inf"))),
+             "topk": lambda: torch.topk(keys, width, dim=-1, sorted=True),
+             "sort": lambda: torch.sort(torch.where(used, top, scores.shape[-1]), dim=-1).values.to(torch.int32)}
+    return {name: round(cuda_time_ms(fn, iters=10), 4) for name, fn in parts.items()}
 
 
 def format_table(rows: list[dict]) -> str:
