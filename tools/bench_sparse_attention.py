@@ -261,10 +261,11 @@ def table_rows(best: dict, shapes: dict, keeps, dtypes) -> list[dict]:
 
 def selection_parts_ms(q, k, layout) -> dict:
     """VSA's selection (sparse_layout.vsa_lists) stage by stage, each timed alone on its own inputs: the pooling of q
-    and of k, the coarse scores, the forced tiles + order-preserving keys, the top-k, the final sort."""
+    and of k (codes: the one-pass kernel, and the torch path it replaces), the coarse scores, the forced tiles +
+    order-preserving keys, the top-k (torch's top-k, and a full sort: the same indices), the final sort."""
     import torch
 
-    from fastremover.ops.attention.sparse_layout import ordered_keys, tile_means
+    from fastremover.ops.attention.sparse_layout import ordered_keys, tile_means, top_indices
     from fastremover.timing import cuda_time_ms
 
     tile, width, counts, forced = layout.tile, layout.count, layout._cnt[0, 0], layout._forced
@@ -277,8 +278,11 @@ def selection_parts_ms(q, k, layout) -> dict:
     parts = {"pool_q": lambda: tile_means(q, tile), "pool_k": lambda: tile_means(k, tile),
              "scores": lambda: torch.matmul(qm, km),
              "keys": lambda: ordered_keys(scores.masked_fill(forced, float("inf"))),
-             "topk": lambda: torch.topk(keys, width, dim=-1, sorted=True),
+             "topk": lambda: top_indices(keys, width, "topk"), "topk_by_sort": lambda: top_indices(keys, width, "sort"),
              "sort": lambda: torch.sort(torch.where(used, top, scores.shape[-1]), dim=-1).values.to(torch.int32)}
+    if q.dtype == torch.float8_e4m3fn:
+        parts["pool_q_torch"] = lambda: q.to(torch.float16)[:, :q.shape[1] // tile * tile].reshape(
+            q.shape[0], -1, tile, *q.shape[2:]).sum(2, dtype=torch.float32)
     return {name: round(cuda_time_ms(fn, iters=10), 4) for name, fn in parts.items()}
 
 

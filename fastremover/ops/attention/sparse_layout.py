@@ -163,6 +163,13 @@ def tile_means(x: torch.Tensor, tile: int) -> torch.Tensor:
     last tile averages its own tokens)."""
     B, S, H, D = x.shape
     if x.dtype == torch.float8_e4m3fn:
+        if x.is_cuda:  # one pass over the codes, the same bits (fastremover/fast/kernels/tile_pool.py)
+            try:
+                from fastremover.fast.kernels import tile_pool
+            except ImportError:  # no Triton
+                tile_pool = None
+            if tile_pool is not None and tile_pool.available(x, tile):
+                return tile_pool.tile_means_fp8(x, tile)
         x = x.to(torch.float16)  # exact: every e4m3 value is an fp16 value
     n_full = S // tile
     parts = []
@@ -183,6 +190,20 @@ def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
     return ordered * (1 << 32) + tie
 
 
+TOP_METHODS = ("topk", "sort")
+
+
+def top_indices(keys: torch.Tensor, width: int, method: str = "topk") -> torch.Tensor:
+    """The indices of the `width` largest of distinct int64 keys along the last dim, largest first. "topk": torch's
+    top-k (a radix select); "sort": a full descending sort, cut to `width`. With distinct keys both give the same
+    indices in the same order (tools/bench_sparse_attention.py times both)."""
+    if method == "topk":
+        return torch.topk(keys, width, dim=-1, sorted=True).indices
+    if method == "sort":
+        return torch.sort(keys, dim=-1, descending=True).indices[..., :width]
+    raise ValueError(f"unknown top-k method {method!r}; choose from {TOP_METHODS}")
+
+
 def vsa_lists(q: torch.Tensor, k: torch.Tensor, tile: int, counts: torch.Tensor, width: int,
               forced: torch.Tensor) -> torch.Tensor:
     """Per query tile i and (batch, head), the counts[i] key tiles of highest coarse score, forced tiles first:
@@ -193,7 +214,7 @@ def vsa_lists(q: torch.Tensor, k: torch.Tensor, tile: int, counts: torch.Tensor,
     km = tile_means(k, tile).permute(0, 2, 3, 1)  # [B, H, D, NK]
     scores = torch.matmul(qm, km)  # [B, H, NQ, NK] fp32
     scores = scores.masked_fill(forced, float("inf"))
-    top = torch.topk(ordered_keys(scores), width, dim=-1, sorted=True).indices  # best first
+    top = top_indices(ordered_keys(scores), width)  # best first
     used = torch.arange(width, device=q.device) < counts.unsqueeze(-1)
     top = torch.where(used, top, scores.shape[-1])
     return torch.sort(top, dim=-1).values.to(torch.int32)
