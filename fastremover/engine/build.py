@@ -217,11 +217,11 @@ class Engine:
 
     def precompiles(self) -> bool:
         """Whether `precompile` does anything: the fused Triton paths on CUDA (exact / fast mode, the fast VAE), one
-        process, FASTREMOVER_PRECOMPILE not 0."""
+        process, FASTREMOVER_PRECOMPILE not off (0)."""
         plan = self.plan
         return (plan is not None and self.denoiser is not None and plan.mode in ("exact", "fast")
                 and plan.device.type == "cuda" and self.parallel is None
-                and getattr(self.vae, "kernels", None) == "triton" and kernel_tuning().precompile)
+                and getattr(self.vae, "kernels", None) == "triton" and kernel_tuning().precompile != "off")
 
     def precompile(self, shapes) -> dict | None:
         """Compile, concurrently, the Triton kernels the fast VAE and the fast transformer will launch for windows of
@@ -238,7 +238,8 @@ class Engine:
 
                 fast = getattr(self.denoiser, "fast", None)
                 self.precompiler = Precompiler(self.plan.device, vae=self.vae,
-                                               transformer=fast if getattr(fast, "use_triton", False) else None)
+                                               transformer=fast if getattr(fast, "use_triton", False) else None,
+                                               wait=kernel_tuning().precompile != "background")
             return self.precompiler.shapes(shapes).describe()
 
     def follow(self) -> None:

@@ -19,6 +19,11 @@ to compile everything the fast engine will launch for that window's run shape, i
    there: the same kernel, the same key, so the same output bits. A launch whose key differs from the recorded one
    compiles lazily as before (time only); a recorded launch that fails to compile is skipped.
 
+   With `wait=False` (FASTREMOVER_PRECOMPILE=background) the compiles are submitted to a long-lived pool and the
+   call returns at once: the window's work goes on while they run, and a launch waits only for its own kernel (Triton
+   3.9 keeps the pending compile in the kernel's cache; for Triton 3.6, which does not, `_await_hook` makes the
+   launch's compile wait for the compile submitted ahead instead of starting another).
+
 `Precompiler` holds the per-process state (shapes done, keys submitted) and is what the engine calls.
 """
 
@@ -28,6 +33,7 @@ import contextlib
 import importlib
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -369,24 +375,98 @@ class CompileReport:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
-def compile_launches(launches: list[Launch], threads: int | None = None) -> tuple[int, int]:
+def _replay(launches: list[Launch]) -> int:
+    """Each launch as JITFunction.run(warmup=True) (inside an AsyncCompileMode: a compile submitted); the number
+    that could not be replayed (those compile lazily at their launch)."""
+    failed = 0
+    for launch in launches:
+        try:
+            launch.fn.run(*launch.args, grid=None, warmup=True, **launch.kwargs)
+        except Exception as e:  # noqa: BLE001 (a launch that cannot be replayed compiles lazily)
+            failed += 1
+            log.debug("precompile: %s not replayed: %s: %s", launch.name, type(e).__name__, e)
+    return failed
+
+
+# Compiles submitted in the background and not finalized yet: (id(JITFunction), Triton's key) -> its FutureKernel
+_PENDING: dict = {}
+_submitting = threading.local()
+_HOOKED: list = []
+
+
+def _await_hook() -> bool:
+    """Wrap JITFunction._do_compile once per process: a compile submitted in the background is registered in
+    `_PENDING`; a launch's compile of a key pending there waits for that compile (phase "precompile_wait") instead
+    of compiling again. False where Triton has no _do_compile."""
+    if _HOOKED:
+        return True
+    from triton.runtime.jit import JITFunction
+
+    original = getattr(JITFunction, "_do_compile", None)
+    if original is None:
+        return False
+
+    def _do_compile(self, key, *args, **kwargs):
+        if getattr(_submitting, "on", False):
+            kernel = original(self, key, *args, **kwargs)
+            if getattr(kernel, "future", None) is not None:  # a FutureKernel: submitted, not finished
+                _PENDING[(id(self), key)] = kernel
+            return kernel
+        pending = _PENDING.pop((id(self), key), None)
+        if pending is not None:
+            from fastremover.timing import phase
+
+            with phase("precompile_wait"):
+                kernel = pending.result(ignore_errors=True)  # (sets the kernel's cache entry)
+            if kernel is not None:
+                return kernel
+        return original(self, key, *args, **kwargs)
+
+    JITFunction._do_compile = _do_compile
+    _HOOKED.append(original)
+    return True
+
+
+def settle(wait: bool = False) -> int:
+    """Finalize the background compiles that have finished (all of them, waiting, with `wait`): each kernel goes into
+    its JITFunction's cache; a failed one is dropped (its launch compiles lazily). Returns how many are pending."""
+    for entry, kernel in list(_PENDING.items()):
+        if wait or kernel.future is None or kernel.future.done():
+            _PENDING.pop(entry, None)
+            kernel.result(ignore_errors=True)
+    return len(_PENDING)
+
+
+def compile_launches(launches: list[Launch], threads: int | None = None, *, pool=None) -> tuple[int, int]:
     """Compile `launches` (distinct specializations) concurrently: each replayed as JITFunction.run(warmup=True) in
-    Triton's AsyncCompileMode over a pool of `threads` (default: min(16, cores)); returns (submitted, failed).
-    Blocks until every compile has finished; the kernels are then in their JITFunctions' caches."""
+    Triton's AsyncCompileMode; returns (submitted, failed). Without `pool`: over a pool of `threads` (default:
+    min(16, cores)), blocking until every compile has finished (the kernels are then in their JITFunctions'
+    caches). With `pool` (a long-lived executor): submitted there and returns at once (module docstring); `failed`
+    then counts the replays that raised only."""
     mode_cls = async_compile_mode()
     if mode_cls is None or not launches:
         return 0, 0
     from fastremover.timing import precompiling
 
+    if pool is not None:
+        from triton.runtime import _async_compile
+
+        active = getattr(_async_compile, "active_mode", None)
+        if active is not None and _await_hook():
+            mode = mode_cls(pool, ignore_errors=True)
+            token = active.set(mode)  # entered without __exit__'s wait for every compile
+            _submitting.on = True
+            try:
+                with precompiling():
+                    failed = _replay(launches)
+            finally:
+                _submitting.on = False
+                active.reset(token)
+            return len(mode.raw_futures), failed
     failed = 0
     with ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="fastremover-compile") as pool:
         with precompiling(), mode_cls(pool, ignore_errors=True) as mode:
-            for launch in launches:
-                try:
-                    launch.fn.run(*launch.args, grid=None, warmup=True, **launch.kwargs)
-                except Exception as e:  # noqa: BLE001 (a launch that cannot be replayed compiles lazily)
-                    failed += 1
-                    log.debug("precompile: %s not replayed: %s: %s", launch.name, type(e).__name__, e)
+            failed += _replay(launches)
             submitted = len(mode.raw_futures)
             futures = list(mode.raw_futures)
         # (leaving the mode waited for every compile; ignore_errors: a failed one stays uncompiled)
@@ -401,10 +481,13 @@ class Precompiler:
     """Per-process precompile of the fast engine's Triton kernels: `shapes((frames, height, width), ...)` records
     each new run shape's launches (the fast VAE's and, given, the fast transformer's) and compiles the new ones."""
 
-    def __init__(self, device: torch.device, vae=None, transformer=None, threads: int | None = None):
+    def __init__(self, device: torch.device, vae=None, transformer=None, threads: int | None = None,
+                 wait: bool = True):
         self.device = torch.device(device)
         self.vae, self.transformer = vae, transformer
         self.threads = threads
+        self.wait = wait  # False: compile in the background (module docstring)
+        self._pool: ThreadPoolExecutor | None = None
         self.done: set[tuple] = set()  # run shapes recorded
         self.keys: set[tuple] = set()  # specializations submitted
         self._backend = None
@@ -434,8 +517,22 @@ class Precompiler:
                                   type(e).__name__, e)
         return rec
 
+    def _executor(self) -> ThreadPoolExecutor | None:
+        if self.wait:
+            return None
+        if self._pool is None:  # (its threads end with the process; `finish` waits for what they run)
+            self._pool = ThreadPoolExecutor(max_workers=self.threads or default_threads(),
+                                            thread_name_prefix="fastremover-compile")
+        return self._pool
+
+    def finish(self) -> None:
+        """Wait for every compile submitted in the background and finalize it."""
+        settle(wait=True)
+
     def shapes(self, shapes) -> CompileReport:
         report = CompileReport()
+        if _PENDING:
+            settle()
         new = [tuple(int(v) for v in s) for s in dict.fromkeys(tuple(s) for s in shapes)]
         new = [s for s in new if s not in self.done]
         if not new:
@@ -451,7 +548,8 @@ class Precompiler:
         t1 = time.perf_counter()
         report.recorded, report.distinct = len(rec.launches), len(pending)
         try:
-            report.submitted, report.failed = compile_launches([launch for _, launch in pending], self.threads)
+            report.submitted, report.failed = compile_launches([launch for _, launch in pending], self.threads,
+                                                               pool=self._executor())
         except Exception as e:  # noqa: BLE001 (e.g. another Triton's AsyncCompileMode: the run compiles lazily)
             log.debug("precompile: compiling %s failed: %s: %s", new, type(e).__name__, e)
             report.failed = len(pending)

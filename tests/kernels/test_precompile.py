@@ -175,6 +175,67 @@ print("LAZY", compiles)
     assert "LAZY []" in out, out
 
 
+def test_a_background_compile_is_awaited_by_its_launch_not_repeated(tmp_path):
+    """compile_launches with a pool returns once the compiles are submitted; a launch of a pending kernel then gets
+    the compile submitted ahead: nothing compiles on the launching thread, also where the pending compile is not in
+    the kernel's cache (Triton 3.6: `_await_hook`; emulated here by dropping 3.9's placeholder)."""
+    out = _run("""
+import threading
+import triton.compiler
+main_thread = []
+real_compile = triton.compiler.compile
+def counted(*a, **k):  # (the JITFunction imports triton.compiler.compile when it first runs)
+    if threading.current_thread() is threading.main_thread():
+        main_thread.append(1)
+    return real_compile(*a, **k)
+triton.compiler.compile = counted
+""" + COMPILE + """
+from concurrent.futures import ThreadPoolExecutor
+from fastremover.fast import precompile
+from fastremover.fast.kernels import adaln, qk_norm_rope
+
+def calls(device):
+    x = torch.zeros(40, 3 * 64, dtype=torch.float16, device=device)
+    q, k, v = x.chunk(3, dim=1)
+    w = torch.ones(64, dtype=torch.float16, device=device)
+    cos = torch.zeros(20, 16, dtype=torch.float32, device=device)
+    qk_norm_rope.qk_norm_rope(k, w, cos, cos, 20, 2, 1e-6)
+    mods = torch.zeros(6, 2, 64, dtype=torch.float32, device=device)
+    adaln.adaln_modulate(torch.zeros(40, 64, dtype=torch.float16, device=device), mods[0], mods[1], 20, 1e-6)
+
+with precompile.recording(torch.device("cpu")) as rec:
+    calls(torch.device("meta"))
+launches = [l for _, l in rec.unique(precompile.make_backend())]
+pool = ThreadPoolExecutor(2)
+submitted, failed = precompile.compile_launches(launches, pool=pool)
+print("SUBMITTED", submitted, "FAILED", failed, "PENDING", len(precompile._PENDING))
+first = launches[0].fn
+for cache in first.device_caches.values():  # Triton 3.9 keeps a placeholder; 3.6 has none: take it away
+    for key in [k for k, v in cache[0].items() if hasattr(v, "future")]:
+        del cache[0][key]
+kernels = []
+for l in launches:
+    k = l.fn.run(*l.args, grid=None, warmup=True, **l.kwargs)
+    kernels.append(k.result() if hasattr(k, "future") else k)
+print("KERNELS", all(hasattr(k, "asm") for k in kernels), "MAIN", len(main_thread))
+print("SETTLED", precompile.settle(wait=True))
+""", tmp_path)
+    assert "SUBMITTED 2 FAILED 0 PENDING 2" in out, out
+    assert "KERNELS True MAIN 0" in out, out
+    assert "SETTLED 0" in out, out
+
+
+def test_a_background_precompiler_submits_and_finishes(tmp_path):
+    out = _run(COMPILE + ENGINE + """
+prec = precompile.Precompiler(torch.device("cpu"), vae=vae, transformer=fast, threads=2, wait=False)
+r = prec.shapes([(9, 64, 96)])
+print("REPORT", r.recorded > 0 and r.submitted == r.distinct > 0 and r.failed == 0)
+prec.finish()
+print("LEFT", len(precompile._PENDING))
+""", tmp_path)
+    assert "REPORT True" in out and "LEFT 0" in out, out
+
+
 def test_precompiler_records_each_shape_once_and_survives_a_failing_part(tmp_path):
     out = _run(COMPILE + ENGINE + """
 class Broken:
@@ -318,7 +379,7 @@ def test_gpu_a_precompiled_run_compiles_nothing_lazily_and_gives_the_same_bytes(
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     results = {}
-    for switch in ("0", "1"):
+    for switch in ("0", "1", "background"):
         script = tmp_path / "run.py"
         script.write_text(GPU_RUN)
         env = {**os.environ, "FASTREMOVER_PRECOMPILE": switch, "TRITON_CACHE_DIR": str(tmp_path / f"triton{switch}"),
@@ -332,3 +393,6 @@ def test_gpu_a_precompiled_run_compiles_nothing_lazily_and_gives_the_same_bytes(
     assert results["1"]["precompiled"] >= 1
     assert results["1"]["lazy"] == 0, results  # every kernel of the window was compiled ahead
     assert results["1"]["sha"] == results["0"]["sha"]  # the same kernels: the same bytes
+    # in the background: the launches wait for the compiles submitted ahead, none compiles again
+    assert results["background"]["precompiled"] >= 1 and results["background"]["lazy"] == 0, results
+    assert results["background"]["sha"] == results["0"]["sha"]

@@ -125,6 +125,12 @@ def test_kernel_tuning_from_the_environment():
     assert t == KernelTuning(conv3d_fp8_tune=False, upconv_tune=False)
     # the Triton FP8 attention's switches left with the kernel (experiments/attention_fp8.py reads them itself)
     assert KernelTuning.from_env({"FASTREMOVER_FP8_ATTN_CONFIG": "m32n32w4s1t0ws0a1"}) == KernelTuning()
+    # the precompile: waits by default; 1 / 0 keep their meaning beside the names
+    assert KernelTuning().precompile == "wait"
+    for text, value in [("1", "wait"), ("wait", "wait"), ("background", "background"), ("0", "off"), ("off", "off")]:
+        assert KernelTuning.from_env({"FASTREMOVER_PRECOMPILE": text}).precompile == value
+    with pytest.raises(FastRemoverError, match="FASTREMOVER_PRECOMPILE='later'"):
+        KernelTuning.from_env({"FASTREMOVER_PRECOMPILE": "later"})
 
 
 def test_the_kernels_read_their_switches_through_the_config(monkeypatch):
