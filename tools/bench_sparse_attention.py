@@ -41,15 +41,17 @@ CUBES = {64: (4, 4, 4), 128: (4, 4, 8)}
 # name format: BlockSparseConfig.name (m<BLOCK_M>n<BLOCK_N>w<warps>s<stages>t<tma>ws<warp spec>vt<V transposed>)
 SWEEP = {
     64: ["m64n64w4s2t1ws0vt1", "m64n64w4s3t1ws0vt1", "m64n64w4s4t1ws0vt1", "m64n32w4s3t1ws0vt1",
-         "m64n64w8s3t1ws0vt1", "m64n64w4s3t0ws0vt1", "m64n64w4s3t1ws0vt0", "m64n64w4s3t1ws1vt1"],
+         "m64n64w8s3t1ws0vt1", "m64n64w4s3t0ws0vt1", "m64n64w4s3t1ws0vt0", "m64n64w4s3t1ws1vt1",
+         "m64n64w4s3t1ws0vt1ca1", "m64n64w4s2t1ws0vt1ca1", "m64n64w4s4t1ws0vt1ca1"],
     128: ["m128n64w8s2t1ws0vt1", "m128n64w8s3t1ws0vt1", "m128n128w8s2t1ws0vt1", "m64n64w4s3t1ws0vt1",
           "m128n64w4s2t1ws1vt1", "m128n128w4s2t1ws1vt1"],
 }
-QUICK_SWEEP = {64: ["m64n64w4s3t1ws0vt1", "m64n64w4s2t1ws0vt1"], 128: ["m128n64w8s2t1ws0vt1", "m128n128w8s2t1ws0vt1"]}
+QUICK_SWEEP = {64: ["m64n64w4s3t1ws0vt1", "m64n64w4s2t1ws0vt1", "m64n64w4s3t1ws0vt1ca1"],
+               128: ["m128n64w8s2t1ws0vt1", "m128n128w8s2t1ws0vt1"]}
 
 
 def _fp16_name(cfg_name: str) -> str:
-    return cfg_name.replace("vt1", "vt0")  # V transposition is for codes only
+    return cfg_name.replace("vt1", "vt0").replace("ca1", "")  # V transposition and chain_acc are for codes only
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -102,7 +104,8 @@ def check_config(name: str, dtype: str, tile: int) -> dict:
     out = bsa.block_sparse_attention(q, k, v, idx, cnt, **kw)
     again = bsa.block_sparse_attention(q, k, v, idx, cnt, **kw)
     ref = bsa.block_sparse_attention_reference(q, k, v, idx, cnt, tile_q=tile, tile_k=tile, scales=scales)
-    bound = bsa.reference_bound(v, cnt, tile_q=tile, tile_k=tile, scales=scales)
+    bound = bsa.reference_bound(v, cnt, tile_q=tile, tile_k=tile, scales=scales,
+                                chain_acc=bsa.BlockSparseConfig.parse(name).chain_acc)
     real = (lambda t: t.float() * scales[2]) if scales else (lambda t: t.float())
     err = (real(out) - real(ref)).abs()
     rel = float((real(out) - real(ref)).norm() / real(ref).norm())
@@ -368,7 +371,7 @@ def compile_sm90(name: str, dtype: str, tile: int, grid=SHAPES["W2"], head_dim: 
             attrs.pop((names.index(n),), None)
     constexprs.update(HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TILE_Q=tile, TILE_K=tile,
                       TAIL=S % tile != 0, FP8=fp8, OUT_FP8=fp8, V_T=v_t, TMA=tma, WARP_SPEC=cfg.warp_spec,
-                      INTERPRET=False)
+                      CHAIN_ACC=cfg.chain_acc, INTERPRET=False)
     for n in constexprs:
         sig[n] = "constexpr"
     src = ASTSource(fn=kern, signature={n: sig[n] for n in names}, constexprs=constexprs, attrs=attrs)

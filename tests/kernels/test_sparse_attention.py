@@ -6,6 +6,7 @@ Without a GPU the kernel runs in Triton's CPU interpreter (conftest.py sets TRIT
 `block_sparse_attention_reference` is stated in fastremover/fast/kernels/block_sparse_attention.py
 (`reference_bound`)."""
 
+import dataclasses
 import math
 import os
 
@@ -64,7 +65,8 @@ def check_against_reference(q, k, v, idx, cnt, tile_q, tile_k, scales, config=No
     m.check_lists(idx, cnt, -(-q.shape[1] // tile_k))
     out = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=tile_q, tile_k=tile_k, scales=scales, config=config)
     ref = m.block_sparse_attention_reference(q, k, v, idx, cnt, tile_q=tile_q, tile_k=tile_k, scales=scales)
-    bound = m.reference_bound(v, cnt, tile_q=tile_q, tile_k=tile_k, scales=scales)
+    bound = m.reference_bound(v, cnt, tile_q=tile_q, tile_k=tile_k, scales=scales,
+                              chain_acc=getattr(config, "chain_acc", False))
     real = (lambda t: t.float() * scales[2]) if scales else (lambda t: t.float())
     err = (real(out) - real(ref)).abs()
     assert out.shape == q.shape and out.dtype == ref.dtype
@@ -92,6 +94,36 @@ def test_kernel_random_lists_with_a_ragged_edge(dtype, tma):
     idx, cnt = random_lists(B, H, nq, nk, 0.4, gen)
     cfg = m.BlockSparseConfig(tile, tile, 4, 2, tma=tma, v_t=True)
     check_against_reference(q, k, v, idx.to(DEV), cnt.to(DEV), tile, tile, scales, cfg)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_codes_accumulated_in_the_mma_chain_stay_within_their_bound(tma):
+    """`chain_acc`: P @ V accumulated into acc inside the MMA chain (the interpreter's dot is exact, so only the
+    GPU shows its rounding: the `gpu` test below holds it to the bound)."""
+    m = bsa()
+    gen = torch.Generator().manual_seed(11)
+    B, S, H, D, tile = 1, 150, 2, 32, 32
+    (q, k, v), scales = qkv((B, S, H, D), FP8, gen)
+    nq = nk = -(-S // tile)
+    idx, cnt = random_lists(B, H, nq, nk, 0.5, gen)
+    cfg = m.BlockSparseConfig(tile, tile, 4, 2, tma=tma, v_t=True, chain_acc=True)
+    check_against_reference(q, k, v, idx.to(DEV), cnt.to(DEV), tile, tile, scales, cfg)
+
+
+def test_config_names_round_trip_with_and_without_chain_acc():
+    m = bsa()
+    old = m.BlockSparseConfig.parse("m64n64w4s3t1ws0vt1")  # names of earlier runs (committed JSON) still parse
+    assert not old.chain_acc and old.name == "m64n64w4s3t1ws0vt1"
+    new = m.BlockSparseConfig.parse("m64n64w4s3t1ws0vt1ca1")
+    assert new.chain_acc and new.name == "m64n64w4s3t1ws0vt1ca1" and new == dataclasses.replace(old, chain_acc=True)
+    with pytest.raises(ValueError, match="ca1"):
+        m.BlockSparseConfig.parse("m64n64w4s3t1ws0vt1ca2")
+    v = torch.ones(1, 64, 1, 32).to(FP8)
+    cnt = torch.full((1, 1, 1), 1, dtype=torch.int32)
+    scales = (torch.ones(1),) * 3
+    plain = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales)
+    chained = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales, chain_acc=True)
+    assert torch.allclose(chained - plain, torch.full_like(plain, 64 * 2.0 ** -19))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp8"])
@@ -601,6 +633,28 @@ def test_gpu_kernel_matches_the_reference_at_w2(dtype):
     bound = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales)
     real = (lambda t: t.float() * scales[2]) if scales else (lambda t: t.float())
     assert ((real(out) - real(ref)).abs() <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keep", [0.25, 1.0])
+def test_gpu_codes_accumulated_in_the_chain_stay_within_their_bound_at_w2(keep):
+    """`chain_acc` at W2 (32760 tokens, 12 heads x 128): Hopper's FP8 accumulation inside the chain held to the
+    variant's bound (module docstring: ~14 bits per addition), at keep 0.25 and with every tile (the most additions)."""
+    from fastremover.ops.attention.sparse_layout import SparseLayout, SparseOptions
+
+    m = bsa()
+    gen = torch.Generator().manual_seed(22)
+    layout = SparseLayout(W2_GRID, "cuda", SparseOptions("vsa-topk", keep))
+    (q, k, v), scales = qkv((1, 32760, 12, 128), FP8, gen, scale=0.02)
+    idx, cnt = layout.lists(q, k)
+    cfg = dataclasses.replace(m.config_for(64, 64, True), chain_acc=True)
+    out = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales, config=cfg)
+    plain = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales)
+    ref = m.block_sparse_attention_reference(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales)
+    bound = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales, chain_acc=True)
+    err = (out.float() - ref.float()).abs() * scales[2]
+    assert (err <= bound).all(), f"max err / bound {(err / bound).max().item():.3f}"
+    assert not torch.equal(out, plain)  # the chain's rounding differs: the variant ran
 
 
 @pytest.mark.gpu

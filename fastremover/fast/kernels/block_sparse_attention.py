@@ -22,7 +22,8 @@ Numerics (non-causal softmax(q k^T * sm_scale) v, sm_scale = 1/sqrt(D) by defaul
     rounded to the output dtype;
   * e4m3 codes: p = exp2(x - m + 8) in [0, 256] rounded to e4m3 (256 = the largest power of two <= 448: exact,
     never saturates), each key block's P @ V in a fresh fp32 MMA accumulator added to acc on the CUDA cores (Hopper's
-    FP8 MMA accumulates with reduced precision inside a chain); out_dtype e4m3: codes of o / sv (acc / l in V's code
+    FP8 MMA accumulates with reduced precision inside a chain; `BlockSparseConfig.chain_acc` accumulates into acc in
+    the chain instead, one addition less per block, bound below); out_dtype e4m3: codes of o / sv (acc / l in V's code
     units, saturating RNE: |o / sv| <= 448 since each output is a convex combination of V's codes); a 16-bit
     out_dtype: o = acc / l * sv.
 Bound against `block_sparse_attention_reference` (the same lists expanded to a token mask, masked softmax attention
@@ -33,7 +34,9 @@ in fp32 on the same, dequantized inputs), per element, with vmax[b, h, d] = max_
   * e4m3 codes: |o - ref| <= 2^-3 vmax + n 2^-18 vmax + 2^-9 sv, n = keys kept by the row: p's e4m3 rounding is
     <= 2^-4 relative for p >= 2^-6 (normal codes; <= 2^-4 vmax in all) and <= 2^-10 absolute in the 256-scaled
     units below that (subnormal codes; l >= 256, so <= 2^-18 vmax per key), the output's e4m3 rounding <= 2^-4 |o|
-    (normal) or 2^-10 sv (subnormal).
+    (normal) or 2^-10 sv (subnormal). With `chain_acc`, plus n 2^-19 vmax: each FP8 MMA of K = 32 keys adds into
+    acc keeping about 14 bits (DeepSeek-V3's measurement of Hopper's FP8 accumulation), <= 2^-14 |acc| <= 2^-14 l
+    vmax per addition, n / 32 additions (the `gpu` tests hold the variant to it).
 (tests/kernels/test_sparse_attention.py asserts these on the CPU interpreter and, `gpu`, on an H200 at the real shapes.)
 
 Shapes: Triton's tensor-core `tl.dot` on NVIDIA takes K >= 16 for 16-bit operands and K >= 32 for 8-bit ones
@@ -103,20 +106,21 @@ class BlockSparseConfig:
     tma: bool = True
     warp_spec: bool = False
     v_t: bool = True
+    chain_acc: bool = False  # codes: P @ V accumulated into acc inside the MMA chain (module docstring's bound)
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}t{int(self.tma)}"
-                f"ws{int(self.warp_spec)}vt{int(self.v_t)}")
+                f"ws{int(self.warp_spec)}vt{int(self.v_t)}" + ("ca1" if self.chain_acc else ""))
 
     @classmethod
     def parse(cls, name: str) -> "BlockSparseConfig":
-        m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)t([01])ws([01])vt([01])", name.strip())
+        m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)t([01])ws([01])vt([01])(?:ca([01]))?", name.strip())
         if not m:
             raise ValueError(f"bad block-sparse attention config {name!r} (expected like "
-                             f"{BlockSparseConfig().name!r})")
-        bm, bn, w, s, t, ws, vt = (int(g) for g in m.groups())
-        return cls(bm, bn, w, s, bool(t), bool(ws), bool(vt))
+                             f"{BlockSparseConfig().name!r}, optionally ending in ca1)")
+        bm, bn, w, s, t, ws, vt = (int(g) for g in m.groups()[:7])
+        return cls(bm, bn, w, s, bool(t), bool(ws), bool(vt), m.group(8) == "1")
 
 
 def config_for(tile_q: int, tile_k: int, fp8: bool) -> BlockSparseConfig:
@@ -167,7 +171,7 @@ def _operand(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n,
-          MASK: tl.constexpr, FP8: tl.constexpr, V_T: tl.constexpr, INTERPRET: tl.constexpr):
+          MASK: tl.constexpr, FP8: tl.constexpr, V_T: tl.constexpr, CHAIN_ACC: tl.constexpr, INTERPRET: tl.constexpr):
     """One key block: k [BLOCK_N, D]; v [BLOCK_N, D] or, V_T, [D, BLOCK_N] (sequence-contiguous)."""
     qk = tl.dot(q, tl.trans(_operand(k, INTERPRET)))  # fp32 [BLOCK_M, BLOCK_N]
     if MASK:
@@ -183,7 +187,9 @@ def _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n,
         vb = tl.trans(v)
     else:
         vb = v
-    if FP8:
+    if FP8 and CHAIN_ACC:
+        acc = tl.dot(_p_to_fp8(p, INTERPRET), vb, acc * alpha[:, None])
+    elif FP8:
         acc = acc * alpha[:, None] + tl.dot(_p_to_fp8(p, INTERPRET), vb)
     else:
         acc = tl.dot(_operand(round_to(p, vb.dtype, INTERPRET), INTERPRET), _operand(vb, INTERPRET),
@@ -202,7 +208,7 @@ def _block_sparse_attn_kernel(
     sib, sih, sim, sij, scb, sch, scm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     TILE_K: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, OUT_FP8: tl.constexpr, V_T: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPEC: tl.constexpr, CHAIN_ACC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Q, K, V: pointers, or (TMA) host descriptors over 2-D views with the row / column origin of (b, h) given by
     *_rb, *_rh (rows per batch, per head) and *_ch (columns per head). TAIL: the last key tile is short."""
@@ -261,7 +267,7 @@ def _block_sparse_attn_kernel(
                 v = tl.load(v_base + offs_d[:, None] * svd + rows[None, :])
             else:
                 v = tl.load(v_base + rows[:, None] * svs + offs_d[None, :])
-        acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, False, FP8, V_T, INTERPRET)
+        acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, False, FP8, V_T, CHAIN_ACC, INTERPRET)
 
     if TAIL:  # 0 or 1 short tiles: masked logits past S (a loop, not an `if`: see the module docstring)
         tail_start = (n_k_tiles - 1) * TILE_K
@@ -281,7 +287,7 @@ def _block_sparse_attn_kernel(
                     v = tl.load(v_base + offs_d[:, None] * svd + rows[None, :], mask=ok[None, :], other=0.0)
                 else:
                     v = tl.load(v_base + rows[:, None] * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
-            acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, True, FP8, V_T, INTERPRET)
+            acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, True, FP8, V_T, CHAIN_ACC, INTERPRET)
 
     o = acc / l_i[:, None]
     o_ptrs = O + b64 * sob + h64 * soh + offs_m[:, None].to(tl.int64) * sos + offs_d[None, :]
@@ -456,7 +462,7 @@ def block_sparse_attention(
         st_o[0], st_o[1], st_o[2],
         *kv_idx.stride(), *kv_cnt.stride(),
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TILE_Q=tile_q, TILE_K=tile_k, TAIL=S % tile_k != 0,
-        FP8=fp8, OUT_FP8=out_dtype == FP8, V_T=v_t, TMA=tma, WARP_SPEC=cfg.warp_spec, INTERPRET=interp,
+        FP8=fp8, OUT_FP8=out_dtype == FP8, V_T=v_t, TMA=tma, WARP_SPEC=cfg.warp_spec, CHAIN_ACC=cfg.chain_acc, INTERPRET=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -528,16 +534,17 @@ def block_sparse_attention_reference(
 
 
 def reference_bound(v: torch.Tensor, kv_cnt: torch.Tensor, *, tile_q: int, tile_k: int, scales: tuple | None = None,
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None, chain_acc: bool = False) -> torch.Tensor:
     """The per-element bound of |kernel - reference| stated in the module docstring, [B, S, H, D] fp32 (for the
-    output in real units: codes times sv)."""
+    output in real units: codes times sv); `chain_acc`: for a config that accumulates P @ V in the MMA chain."""
     B, S, H, D = v.shape
     if v.dtype == FP8:
         sv = scales[2].reshape(()).float()
         vmax = (v.float() * sv).abs().amax(dim=1, keepdim=True)  # [B, 1, H, D]
         keys = (kv_cnt.long() * tile_k).clamp(max=S).float()  # [B, H, NQ] (an upper bound of keys per row)
         per_row = keys.repeat_interleave(tile_q, dim=2)[:, :, :S].transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
-        return (2.0 ** -3 + per_row * 2.0 ** -18) * vmax + 2.0 ** -9 * sv
+        per_key = 2.0 ** -18 + (2.0 ** -19 if chain_acc else 0.0)
+        return (2.0 ** -3 + per_row * per_key) * vmax + 2.0 ** -9 * sv
     eps = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[v.dtype]
     vmax = v.float().abs().amax(dim=1, keepdim=True)
     return (2 * eps + 1e-6) * vmax.expand(B, S, H, D)
