@@ -42,16 +42,19 @@ CUBES = {64: (4, 4, 4), 128: (4, 4, 8)}
 SWEEP = {
     64: ["m64n64w4s2t1ws0vt1", "m64n64w4s3t1ws0vt1", "m64n64w4s4t1ws0vt1", "m64n32w4s3t1ws0vt1",
          "m64n64w8s3t1ws0vt1", "m64n64w4s3t0ws0vt1", "m64n64w4s3t1ws0vt0", "m64n64w4s3t1ws1vt1",
-         "m64n64w4s3t1ws0vt1ca1", "m64n64w4s2t1ws0vt1ca1", "m64n64w4s4t1ws0vt1ca1"],
+         "m64n64w4s3t1ws0vt1ca1", "m64n64w4s2t1ws0vt1ca1", "m64n64w4s4t1ws0vt1ca1", "m64n64w4s3t1ws0vt1lz1",
+         "m64n64w4s3t1ws0vt1ca1lz1", "m64n64w4s4t1ws0vt1ca1lz1"],
     128: ["m128n64w8s2t1ws0vt1", "m128n64w8s3t1ws0vt1", "m128n128w8s2t1ws0vt1", "m64n64w4s3t1ws0vt1",
           "m128n64w4s2t1ws1vt1", "m128n128w4s2t1ws1vt1"],
 }
-QUICK_SWEEP = {64: ["m64n64w4s3t1ws0vt1", "m64n64w4s2t1ws0vt1", "m64n64w4s3t1ws0vt1ca1"],
+QUICK_SWEEP = {64: ["m64n64w4s3t1ws0vt1", "m64n64w4s2t1ws0vt1", "m64n64w4s3t1ws0vt1ca1", "m64n64w4s3t1ws0vt1lz1",
+                    "m64n64w4s3t1ws0vt1ca1lz1"],
                128: ["m128n64w8s2t1ws0vt1", "m128n128w8s2t1ws0vt1"]}
 
 
 def _fp16_name(cfg_name: str) -> str:
-    return cfg_name.replace("vt1", "vt0").replace("ca1", "")  # V transposition and chain_acc are for codes only
+    # V transposition, chain_acc and lazy rescaling are for codes only
+    return cfg_name.replace("vt1", "vt0").replace("ca1", "").replace("lz1", "")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -371,7 +374,7 @@ def compile_sm90(name: str, dtype: str, tile: int, grid=SHAPES["W2"], head_dim: 
             attrs.pop((names.index(n),), None)
     constexprs.update(HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TILE_Q=tile, TILE_K=tile,
                       TAIL=S % tile != 0, FP8=fp8, OUT_FP8=fp8, V_T=v_t, TMA=tma, WARP_SPEC=cfg.warp_spec,
-                      CHAIN_ACC=cfg.chain_acc, INTERPRET=False)
+                      CHAIN_ACC=cfg.chain_acc, LAZY=cfg.lazy, INTERPRET=False)
     for n in constexprs:
         sig[n] = "constexpr"
     src = ASTSource(fn=kern, signature={n: sig[n] for n in names}, constexprs=constexprs, attrs=attrs)

@@ -96,18 +96,32 @@ def test_kernel_random_lists_with_a_ragged_edge(dtype, tma):
     check_against_reference(q, k, v, idx.to(DEV), cnt.to(DEV), tile, tile, scales, cfg)
 
 
+@pytest.mark.parametrize("chain_acc,lazy", [(True, False), (False, True), (True, True)], ids=["ca", "lz", "both"])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-def test_codes_accumulated_in_the_mma_chain_stay_within_their_bound(tma):
-    """`chain_acc`: P @ V accumulated into acc inside the MMA chain (the interpreter's dot is exact, so only the
-    GPU shows its rounding: the `gpu` test below holds it to the bound)."""
+def test_codes_variants_stay_within_the_bound(tma, chain_acc, lazy):
+    """`chain_acc` (P @ V accumulated into acc inside the MMA chain: the interpreter's dot is exact, so only the GPU
+    shows its rounding, the `gpu` test below) and `lazy` (conditional rescaling: the same bound; here with logits
+    spread wide, so rows' maxima move by less and by more than tau across the blocks) against the reference."""
     m = bsa()
     gen = torch.Generator().manual_seed(11)
     B, S, H, D, tile = 1, 150, 2, 32, 32
-    (q, k, v), scales = qkv((B, S, H, D), FP8, gen)
+    (q, k, v), scales = qkv((B, S, H, D), FP8, gen, scale=0.01 if lazy else 0.05)
     nq = nk = -(-S // tile)
     idx, cnt = random_lists(B, H, nq, nk, 0.5, gen)
-    cfg = m.BlockSparseConfig(tile, tile, 4, 2, tma=tma, v_t=True, chain_acc=True)
-    check_against_reference(q, k, v, idx.to(DEV), cnt.to(DEV), tile, tile, scales, cfg)
+    cfg = m.BlockSparseConfig(tile, tile, 4, 2, tma=tma, v_t=True, chain_acc=chain_acc, lazy=lazy)
+    out, _ = check_against_reference(q, k, v, idx.to(DEV), cnt.to(DEV), tile, tile, scales, cfg)
+    if lazy:  # p relative to a stale max: other codes than the eager rescaling somewhere (the variant ran)
+        plain = m.block_sparse_attention(q, k, v, idx.to(DEV), cnt.to(DEV), tile_q=tile, tile_k=tile, scales=scales,
+                                         config=dataclasses.replace(cfg, lazy=False))
+        assert not torch.equal(out, plain)
+
+
+def test_lazy_rescaling_keeps_p_inside_e4m3():
+    """The largest p a stale max allows, 2^(8 + tau), is below e4m3's 448 (no saturation), and tau > 0."""
+    m = bsa()
+    assert 0 < m.LAZY_TAU.value and 2.0 ** (m.P_SHIFT.value + m.LAZY_TAU.value) < 448
+    with pytest.raises(ValueError, match="warp specialization"):
+        m.BlockSparseConfig(64, 64, 4, 3, warp_spec=True, lazy=True)
 
 
 def test_config_names_round_trip_with_and_without_chain_acc():
@@ -116,8 +130,12 @@ def test_config_names_round_trip_with_and_without_chain_acc():
     assert not old.chain_acc and old.name == "m64n64w4s3t1ws0vt1"
     new = m.BlockSparseConfig.parse("m64n64w4s3t1ws0vt1ca1")
     assert new.chain_acc and new.name == "m64n64w4s3t1ws0vt1ca1" and new == dataclasses.replace(old, chain_acc=True)
-    with pytest.raises(ValueError, match="ca1"):
-        m.BlockSparseConfig.parse("m64n64w4s3t1ws0vt1ca2")
+    both = m.BlockSparseConfig.parse("m64n64w4s3t1ws0vt1ca1lz1")
+    assert both == dataclasses.replace(new, lazy=True) and both.name == "m64n64w4s3t1ws0vt1ca1lz1"
+    assert m.BlockSparseConfig.parse("m64n64w4s3t1ws0vt1lz1") == dataclasses.replace(old, lazy=True)
+    for bad in ("m64n64w4s3t1ws0vt1ca2", "m64n64w4s3t1ws0vt1lz1ca1"):
+        with pytest.raises(ValueError, match="ca1, then lz1"):
+            m.BlockSparseConfig.parse(bad)
     v = torch.ones(1, 64, 1, 32).to(FP8)
     cnt = torch.full((1, 1, 1), 1, dtype=torch.int32)
     scales = (torch.ones(1),) * 3
@@ -637,9 +655,10 @@ def test_gpu_kernel_matches_the_reference_at_w2(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("keep", [0.25, 1.0])
-def test_gpu_codes_accumulated_in_the_chain_stay_within_their_bound_at_w2(keep):
-    """`chain_acc` at W2 (32760 tokens, 12 heads x 128): Hopper's FP8 accumulation inside the chain held to the
-    variant's bound (module docstring: ~14 bits per addition), at keep 0.25 and with every tile (the most additions)."""
+def test_gpu_codes_variants_stay_within_the_bound_at_w2(keep):
+    """`chain_acc` and `lazy` at W2 (32760 tokens, 12 heads x 128): Hopper's FP8 accumulation inside the chain (~14
+    bits per addition) and the conditional rescaling held to the bound, at keep 0.25 and with every tile (the most
+    additions)."""
     from fastremover.ops.attention.sparse_layout import SparseLayout, SparseOptions
 
     m = bsa()
@@ -647,14 +666,16 @@ def test_gpu_codes_accumulated_in_the_chain_stay_within_their_bound_at_w2(keep):
     layout = SparseLayout(W2_GRID, "cuda", SparseOptions("vsa-topk", keep))
     (q, k, v), scales = qkv((1, 32760, 12, 128), FP8, gen, scale=0.02)
     idx, cnt = layout.lists(q, k)
-    cfg = dataclasses.replace(m.config_for(64, 64, True), chain_acc=True)
-    out = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales, config=cfg)
     plain = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales)
     ref = m.block_sparse_attention_reference(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales)
-    bound = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales, chain_acc=True)
-    err = (out.float() - ref.float()).abs() * scales[2]
-    assert (err <= bound).all(), f"max err / bound {(err / bound).max().item():.3f}"
-    assert not torch.equal(out, plain)  # the chain's rounding differs: the variant ran
+    for variant in ({"chain_acc": True}, {"lazy": True}, {"chain_acc": True, "lazy": True}):
+        cfg = dataclasses.replace(m.config_for(64, 64, True), **variant)
+        out = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales, config=cfg)
+        bound = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales,
+                                  chain_acc=variant.get("chain_acc", False))
+        err = (out.float() - ref.float()).abs() * scales[2]
+        assert (err <= bound).all(), (variant, f"max err / bound {(err / bound).max().item():.3f}")
+        assert not torch.equal(out, plain), variant  # its own rounding: the variant ran
 
 
 @pytest.mark.gpu

@@ -36,7 +36,10 @@ in fp32 on the same, dequantized inputs), per element, with vmax[b, h, d] = max_
     units below that (subnormal codes; l >= 256, so <= 2^-18 vmax per key), the output's e4m3 rounding <= 2^-4 |o|
     (normal) or 2^-10 sv (subnormal). With `chain_acc`, plus n 2^-19 vmax: each FP8 MMA of K = 32 keys adds into
     acc keeping about 14 bits (DeepSeek-V3's measurement of Hopper's FP8 accumulation), <= 2^-14 |acc| <= 2^-14 l
-    vmax per addition, n / 32 additions (the `gpu` tests hold the variant to it).
+    vmax per addition, n / 32 additions (the `gpu` tests hold the variant to it). `BlockSparseConfig.lazy` (codes)
+    moves a row's running max only when a key block raises it by more than LAZY_TAU = 0.75 (base 2), and rescales acc
+    only in a block where some row moved (FlashAttention-4's conditional rescaling): p <= 2^(8 + 0.75) < 448 still
+    fits e4m3 unsaturated, and the row's largest p stays >= 256, so l >= 256 and the bound is unchanged.
 (tests/kernels/test_sparse_attention.py asserts these on the CPU interpreter and, `gpu`, on an H200 at the real shapes.)
 
 Shapes: Triton's tensor-core `tl.dot` on NVIDIA takes K >= 16 for 16-bit operands and K >= 32 for 8-bit ones
@@ -84,6 +87,7 @@ except ImportError:  # pragma: no cover - triton < 3.4: pointer loads only
 FP8 = torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
 P_SHIFT = tl.constexpr(8)  # codes: p = exp2(x - m + 8) in [0, 256], rounded to e4m3
+LAZY_TAU = tl.constexpr(0.75)  # codes, lazy: a row's max moves when a block raises it by more (2^(8 + tau) < 448)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MIN_DOT_K = {False: 16, True: 32}  # Triton's smallest K of a tensor-core tl.dot on NVIDIA: 16-bit, e4m3 operands
 SEQ_ALIGN = 16  # the sequence-contiguous V copy's row length is padded to 16 elements (TMA's 16-byte strides)
@@ -107,20 +111,27 @@ class BlockSparseConfig:
     warp_spec: bool = False
     v_t: bool = True
     chain_acc: bool = False  # codes: P @ V accumulated into acc inside the MMA chain (module docstring's bound)
+    lazy: bool = False  # codes: conditional rescaling (module docstring); not with warp_spec (an `if` in the loop)
+
+    def __post_init__(self):
+        if self.lazy and self.warp_spec:
+            raise ValueError("block-sparse attention: lazy rescaling (lz1) branches in the main loop, which Triton's "
+                             "warp specialization (ws1) does not take")
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}t{int(self.tma)}"
-                f"ws{int(self.warp_spec)}vt{int(self.v_t)}" + ("ca1" if self.chain_acc else ""))
+                f"ws{int(self.warp_spec)}vt{int(self.v_t)}" + ("ca1" if self.chain_acc else "")
+                + ("lz1" if self.lazy else ""))
 
     @classmethod
     def parse(cls, name: str) -> "BlockSparseConfig":
-        m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)t([01])ws([01])vt([01])(?:ca([01]))?", name.strip())
+        m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)t([01])ws([01])vt([01])(ca1)?(lz1)?", name.strip())
         if not m:
             raise ValueError(f"bad block-sparse attention config {name!r} (expected like "
-                             f"{BlockSparseConfig().name!r}, optionally ending in ca1)")
+                             f"{BlockSparseConfig().name!r}, optionally followed by ca1, then lz1)")
         bm, bn, w, s, t, ws, vt = (int(g) for g in m.groups()[:7])
-        return cls(bm, bn, w, s, bool(t), bool(ws), bool(vt), m.group(8) == "1")
+        return cls(bm, bn, w, s, bool(t), bool(ws), bool(vt), m.group(8) is not None, m.group(9) is not None)
 
 
 def config_for(tile_q: int, tile_k: int, fp8: bool) -> BlockSparseConfig:
@@ -170,13 +181,17 @@ def _operand(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n,
-          MASK: tl.constexpr, FP8: tl.constexpr, V_T: tl.constexpr, CHAIN_ACC: tl.constexpr, INTERPRET: tl.constexpr):
+def _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, MASK: tl.constexpr, FP8: tl.constexpr,
+          V_T: tl.constexpr, CHAIN_ACC: tl.constexpr, LAZY: tl.constexpr, INTERPRET: tl.constexpr):
     """One key block: k [BLOCK_N, D]; v [BLOCK_N, D] or, V_T, [D, BLOCK_N] (sequence-contiguous)."""
     qk = tl.dot(q, tl.trans(_operand(k, INTERPRET)))  # fp32 [BLOCK_M, BLOCK_N]
     if MASK:
         qk = tl.where((start_n + offs_n)[None, :] < S, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * c)  # base-2 running max (c > 0)
+    m_blk = tl.max(qk, 1) * c  # base-2 (c > 0)
+    if FP8 and LAZY:
+        m_new = tl.where(m_blk > m_i + LAZY_TAU, m_blk, m_i)  # the running max moves only by more than tau
+    else:
+        m_new = tl.maximum(m_i, m_blk)  # the running max
     if FP8:
         p = tl.math.exp2(qk * c - (m_new - P_SHIFT)[:, None])  # [0, 256]
     else:
@@ -187,7 +202,14 @@ def _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n,
         vb = tl.trans(v)
     else:
         vb = v
-    if FP8 and CHAIN_ACC:
+    if FP8 and LAZY:
+        if tl.max(m_new - m_i, 0) > 0:  # some row's max moved (alpha is 1 for the others)
+            acc = acc * alpha[:, None]
+        if CHAIN_ACC:
+            acc = tl.dot(_p_to_fp8(p, INTERPRET), vb, acc)
+        else:
+            acc = acc + tl.dot(_p_to_fp8(p, INTERPRET), vb)
+    elif FP8 and CHAIN_ACC:
         acc = tl.dot(_p_to_fp8(p, INTERPRET), vb, acc * alpha[:, None])
     elif FP8:
         acc = acc * alpha[:, None] + tl.dot(_p_to_fp8(p, INTERPRET), vb)
@@ -208,7 +230,8 @@ def _block_sparse_attn_kernel(
     sib, sih, sim, sij, scb, sch, scm,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     TILE_K: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, OUT_FP8: tl.constexpr, V_T: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPEC: tl.constexpr, CHAIN_ACC: tl.constexpr, INTERPRET: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPEC: tl.constexpr, CHAIN_ACC: tl.constexpr, LAZY: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Q, K, V: pointers, or (TMA) host descriptors over 2-D views with the row / column origin of (b, h) given by
     *_rb, *_rh (rows per batch, per head) and *_ch (columns per head). TAIL: the last key tile is short."""
@@ -267,7 +290,8 @@ def _block_sparse_attn_kernel(
                 v = tl.load(v_base + offs_d[:, None] * svd + rows[None, :])
             else:
                 v = tl.load(v_base + rows[:, None] * svs + offs_d[None, :])
-        acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, False, FP8, V_T, CHAIN_ACC, INTERPRET)
+        acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, False, FP8, V_T, CHAIN_ACC, LAZY,
+                              INTERPRET)
 
     if TAIL:  # 0 or 1 short tiles: masked logits past S (a loop, not an `if`: see the module docstring)
         tail_start = (n_k_tiles - 1) * TILE_K
@@ -287,7 +311,8 @@ def _block_sparse_attn_kernel(
                     v = tl.load(v_base + offs_d[:, None] * svd + rows[None, :], mask=ok[None, :], other=0.0)
                 else:
                     v = tl.load(v_base + rows[:, None] * svs + offs_d[None, :], mask=ok[:, None], other=0.0)
-            acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, True, FP8, V_T, CHAIN_ACC, INTERPRET)
+            acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, c, start_n, S, offs_n, True, FP8, V_T, CHAIN_ACC,
+                                  LAZY, INTERPRET)
 
     o = acc / l_i[:, None]
     o_ptrs = O + b64 * sob + h64 * soh + offs_m[:, None].to(tl.int64) * sos + offs_d[None, :]
@@ -462,7 +487,8 @@ def block_sparse_attention(
         st_o[0], st_o[1], st_o[2],
         *kv_idx.stride(), *kv_cnt.stride(),
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TILE_Q=tile_q, TILE_K=tile_k, TAIL=S % tile_k != 0,
-        FP8=fp8, OUT_FP8=out_dtype == FP8, V_T=v_t, TMA=tma, WARP_SPEC=cfg.warp_spec, CHAIN_ACC=cfg.chain_acc, INTERPRET=interp,
+        FP8=fp8, OUT_FP8=out_dtype == FP8, V_T=v_t, TMA=tma, WARP_SPEC=cfg.warp_spec, CHAIN_ACC=cfg.chain_acc,
+        LAZY=cfg.lazy, INTERPRET=interp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
