@@ -171,14 +171,17 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
 
     def hand_out(slot: int) -> None:
         """The next clip to an idle worker, or its end marker when none are left."""
+        task = queued.popleft() if queued else None
+        handed[slot] = task
         try:
-            conns[slot].send(queued.popleft() if queued else None)
-        except OSError:  # it died meanwhile: the check below reports it
+            conns[slot].send(task)
+        except OSError:  # it died meanwhile: the check below puts the clip back
             pass
 
     for slot in range(len(slots)):
         start(slot)
     running: dict[int, int] = {}  # slot -> task index
+    handed: dict[int, ClipTask | None] = {}  # slot -> the clip last handed to its process (started or not)
     remaining = set(by_index)
     ready: set[int] = set()  # slots whose current process has loaded the model
     restarts = 0
@@ -235,12 +238,15 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
                     remaining.discard(index)
                     on_done(by_index[index], failed(by_index[index], f"the worker process died (exit code "
                                                     f"{proc.exitcode}) while running this clip"))
+                task = handed.pop(slot, None)
+                if task is not None and task.index in remaining and task.index != index:
+                    queued.appendleft(task)  # handed but never started: the next process takes it
                 del procs[slot]
                 if slot not in ready and proc.exitcode != 0:
                     raise RuntimeError(f"a batch worker exited (code {proc.exitcode}) before it loaded the model; "
                                        "its error is above")
                 ready.discard(slot)
-                if proc.exitcode != 0 and queued and restarts < len(by_index):
+                if (proc.exitcode != 0 or task is not None) and queued and restarts < len(by_index):
                     restarts += 1
                     start(slot)
             if remaining and not procs:

@@ -403,6 +403,28 @@ def test_a_worker_that_dies_costs_its_clip_and_is_replaced(clips, tmp_path):
         assert Path(task.job.output).read_bytes() == expected[Path(task.job.output).name]
 
 
+def test_a_worker_that_dies_before_starting_its_clip_hands_it_on(clips, tmp_path):
+    """A worker process that dies after the clip was handed to it and before it started it (here: unpickling the
+    clip ends it) costs nothing: the clip goes to the next process, and every clip is written."""
+    import dataclasses
+
+    from helpers import DieOnce
+
+    from fastremover.batch.local import run_pool
+
+    inputs, masks, expected = clips
+    plan = plan_batch(inputs, tmp_path / "out", masks=masks)
+    tasks = dispatch_order(plan.tasks[:3])
+    marker = tmp_path / "died"
+    tasks[0] = dataclasses.replace(tasks[0], name=DieOnce(tasks[0].name, str(marker)))
+    entries = {}
+    run_pool(tasks, ModelSource(), EngineConfig(), [None], lambda task, entry: entries.setdefault(task.name, entry))
+    assert marker.exists()  # the first process did die receiving it
+    for task in tasks:
+        assert entries[task.name]["status"] == "ok", entries[task.name]
+        assert Path(task.job.output).read_bytes() == expected[Path(task.job.output).name]
+
+
 def wait_until_gone(session: int, timeout_s: float = 60) -> None:
     """Wait until no process of ``session`` is left (zombies included): the parent of orphans reaps them late."""
     import time

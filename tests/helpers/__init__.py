@@ -257,3 +257,27 @@ def make_clips(root: Path, count: int = CLIPS) -> tuple[Path, Path]:
         media.write_video(inputs / name, video.frames, video.fps)
         media.write_video(masks / name, np.repeat(mask[..., None] * np.uint8(255), 3, axis=-1), video.fps)
     return inputs, masks
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Batch workers (e2e/test_batch.py)
+
+
+class DieOnce(str):
+    """A str that ends the process unpickling it (exit code 3) the first time (while `marker` does not exist yet),
+    and is the plain str after that: a batch worker killed between receiving a clip and starting it."""
+
+    def __new__(cls, text: str, marker: str):
+        obj = str.__new__(cls, text)
+        obj.marker = marker
+        return obj
+
+    def __reduce__(self):
+        return (_die_once, (str(self), self.marker))
+
+
+def _die_once(text: str, marker: str) -> str:
+    if not os.path.exists(marker):
+        Path(marker).touch()
+        os._exit(3)
+    return text
