@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     cold.add_argument("--capture-costs", action="store_true",
                       help="--cold, CUDA: an eager step, a replayed step and the graph recording per run shape (the "
                       "costs of engine/denoise.capture_pays)")
+    cold.add_argument("--precompile-variants", default="", metavar="V[,V]",
+                      help="--cold: also the engine's first and second runs with FASTREMOVER_PRECOMPILE set to each "
+                      "of these (wait, background, off), each with an empty cache of its own, beside the default's")
     cold.add_argument("--cold-clip", default=None, metavar="FxWxH",
                       help="--cold: another clip size than the workload's, e.g. 9x96x64 (quick checks)")
 
@@ -670,6 +673,9 @@ def _bench_cold(args) -> int:
         override = (frames, height, width)
     if args.shape_clips < 0 or args.shape_frames < 1 or args.repeats < 0:
         raise FastRemoverError("--shape-clips must be >= 0, --shape-frames and --repeats positive")
+    variants = tuple(dict.fromkeys(v.strip() for v in args.precompile_variants.split(",") if v.strip()))
+    if not set(variants) <= {"wait", "background", "off"}:
+        raise FastRemoverError(f"--precompile-variants {args.precompile_variants!r}: choose from wait, background, off")
     config = engine_config(args)
     engine_args = ["--attention", args.attention, "--vae-precision", args.vae_precision]
     record = bench_cold(clip=args.workload, mode=modes[0], preset=args.preset, weights_seed=args.weights_seed,
@@ -678,7 +684,7 @@ def _bench_cold(args) -> int:
                         shape_frames=args.shape_frames, warm_runs=args.repeats + 1,
                         padding=args.padding_cost, captures=args.capture_costs, clip_override=override,
                         object_fraction=args.object_fraction, travel=args.object_travel, engine_args=engine_args,
-                        config=config)
+                        config=config, precompile_variants=variants)
     print(format_cold(record))
     if not args.no_save:
         print(f"wrote {save_cold(record, args.out)}")

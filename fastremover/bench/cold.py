@@ -120,10 +120,12 @@ def run_process(argv: list[str], env: dict, what: str, timeout_s: float | None =
 
 
 def engine_process(video: Path, mask: Path, out: Path, checkpoint: Path, mode: str, cache_dir: Path,
-                   engine_args: list[str], what: str) -> dict:
-    """`fastremover remove` in a fresh process with the persistent cache (and Triton's) in `cache_dir`."""
+                   engine_args: list[str], what: str, extra_env: dict | None = None) -> dict:
+    """`fastremover remove` in a fresh process with the persistent cache (and Triton's) in `cache_dir` (and the
+    variables of `extra_env`)."""
     timings = out.with_suffix(".timings.json")
-    env = _pythonpath_env({"FASTREMOVER_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton")})
+    env = _pythonpath_env({"FASTREMOVER_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton"),
+                           **(extra_env or {})})
     argv = ["-m", "fastremover", "remove", str(video), "--mask", str(mask), "-o", str(out), "--model",
             str(checkpoint), "--mode", mode, "--timings-json", str(timings), "--quiet", *engine_args]
     run = run_process(argv, env, what)
@@ -375,11 +377,13 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
                shape_frames: int = 41, warm_runs: int = 2, padding: bool = False, captures: bool = False,
                clip_override: tuple[int, int, int] | None = None, object_fraction: float | None = None,
                travel: float | None = None, engine_args: list[str] | None = None, workdir: str | None = None,
-               config=None, log=print) -> dict:
+               config=None, precompile_variants: tuple[str, ...] = (), log=print) -> dict:
     """Every measurement of the module docstring; returns the JSON record. clip_override (frames, height, width):
     another clip size (quick checks). engine_args: extra `fastremover remove` flags for the engine's processes;
     config: the EngineConfig those flags make, for the warm engine in this process (mode, device and precision
-    replaced by the arguments)."""
+    replaced by the arguments). precompile_variants: FASTREMOVER_PRECOMPILE values (e.g. "background") whose own
+    first-ever and second runs (an empty cache of their own) are recorded too, beside the same reference and warm
+    figures (`precompile_variants` in the record)."""
     import torch
 
     from fastremover.bench.harness import environment
@@ -419,6 +423,18 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
         log(f"[cold] engine first run {first['wall_s']:.2f}s (first frame {first['first_frame_s']}s)")
         second = engine_process(video, mask, work / "second.mp4", ckpt, mode, cache_dir, engine_args, "engine run 2")
         log(f"[cold] engine second run {second['wall_s']:.2f}s")
+        variants = {}
+        for value in precompile_variants:
+            v_cache = work / f"cache-precompile-{value}"
+            shutil.rmtree(v_cache, ignore_errors=True)
+            env = {"FASTREMOVER_PRECOMPILE": value}
+            runs = [engine_process(video, mask, work / f"{value}-{i}.mp4", ckpt, mode, v_cache, engine_args,
+                                   f"engine run {i} (precompile {value})", env) for i in (1, 2)]
+            variants[value] = {"engine_first_run_s": runs[0]["wall_s"], "engine_second_run_s": runs[1]["wall_s"],
+                               "first_frame_s": runs[0]["first_frame_s"], "phases": runs[0]["phases"],
+                               "phases_second": runs[1]["phases"], "phase_counts": runs[0]["phase_counts"],
+                               "sha256": [r["sha256"] for r in runs]}
+            log(f"[cold] precompile {value}: first run {runs[0]['wall_s']:.2f}s, second {runs[1]['wall_s']:.2f}s")
         ref = None
         if reference:
             ref = reference_process(video, mask, work / "reference.mp4", ckpt, device, precision, steps, seed)
@@ -456,6 +472,12 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
             "first_over_warm": round(first["wall_s"] / warm_s, 4),
             "reference_cold_over_engine_second": round(ref["cold_s"] / second["wall_s"], 4) if ref else None,
         }
+        for value, v in variants.items():
+            v["outputs_identical"] = set(v.pop("sha256")) == {first["sha256"]}
+            v["ratios"] = {"second_over_warm": round(v["engine_second_run_s"] / warm_s, 4),
+                           "first_over_warm": round(v["engine_first_run_s"] / warm_s, 4)}
+        if variants:
+            record["precompile_variants"] = variants
         pipe = worker.pipeline
         if shapes:
             specs = shape_clips(shape_frames, height, width, shapes)
@@ -528,6 +550,11 @@ def format_cold(record: dict) -> str:
              f"  new_shape_ratio {record.get('new_shape_ratio')}  outputs identical {record['outputs_identical']}",
              "  phases of the first run: " + "  ".join(f"{k} {v:.2f}s" for k, v in record["phases"].items()
                                                        if v is not None)]
+    for value, v in record.get("precompile_variants", {}).items():
+        lines.append(f"  precompile {value}: first run {s(v['engine_first_run_s'])}  second run "
+                     f"{s(v['engine_second_run_s'])}  first frame {s(v['first_frame_s'])}  second/warm "
+                     f"{v['ratios']['second_over_warm']}  first/warm {v['ratios']['first_over_warm']}  outputs "
+                     f"identical {v['outputs_identical']}")
     return "\n".join(lines)
 
 

@@ -308,7 +308,7 @@ def test_bench_cold_end_to_end_on_the_tiny_model(tmp_path, capsys):
     pytest.importorskip("diffusers", reason="the reference's process needs diffusers (the reference extra)")
     assert main(["bench", "--cold", "--workload", "w2", "--preset", "tiny", "--cold-clip", "5x64x48", "--steps", "1",
                  "--shape-clips", "2", "--shape-frames", "5", "--padding-cost", "--capture-costs", "--repeats", "0",
-                 "--out", str(tmp_path)]) == 0
+                 "--precompile-variants", "background", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("cold-w2-eager-*.json")
     record = json.loads(path.read_text())
     for key in ("gpu", "commit", "command", "engine_first_run_s", "engine_second_run_s", "engine_warm_s",
@@ -324,7 +324,12 @@ def test_bench_cold_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert list(at)[:3] == ["main", "engine_ready", "request_start"] and "first_frame" in at
     assert 0 < at["main"] < at["engine_ready"] <= at["request_start"] < at["first_frame"]
     assert "CUDA" in record["capture_costs"]["skipped"]  # a GPU step of the harness: a flag, skipped here with why
-    assert "engine first run" in capsys.readouterr().out
+    variant = record["precompile_variants"]["background"]  # (a no-op on the CPU: its own runs, the same bytes)
+    assert variant["outputs_identical"] and variant["engine_first_run_s"] > 0 and "window_1" in variant["phases"]
+    out = capsys.readouterr().out
+    assert "engine first run" in out and "precompile background: first run" in out
+    assert main(["bench", "--cold", "--workload", "w2", "--precompile-variants", "later"]) == 2
+    assert "--precompile-variants 'later'" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------------
