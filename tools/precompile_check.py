@@ -2,7 +2,7 @@
 
 Runs one fast-mode removal in this process (fresh Triton and fastremover cache dirs) with the precompile on and
 Triton's `_do_compile` observed: every compile is kept with its kernel, key and whether it was submitted ahead (the
-precompile's thread) or lazily at a launch. Prints the precompile's own debug notes (what it recorded, submitted, what
+precompile's thread) or lazily at a launch, and each compile's own duration (the slowest bound a window's precompile). Prints the precompile's own debug notes (what it recorded, submitted, what
 failed and why) and, for each kernel compiled lazily, its lazy keys beside the keys the precompile submitted for the
 same kernel (a mismatch shows which argument's specialization differs). JSON to --json.
 
@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from collections import defaultdict
 
 
@@ -60,6 +61,23 @@ def main() -> int:
         return original(self, key, *a, **k)
 
     JITFunction._do_compile = observed  # below fastremover's own wrapper (which it calls), so both see each compile
+
+    import threading
+
+    import triton.compiler
+
+    durations: list[dict] = []  # every compile's own time (on a pool thread when ahead): the critical path
+    real_compile = triton.compiler.compile
+
+    def timed(src, *a, **k):
+        t = time.perf_counter()
+        try:
+            return real_compile(src, *a, **k)
+        finally:
+            durations.append({"kernel": getattr(getattr(src, "fn", None), "__name__", "?"),
+                              "s": round(time.perf_counter() - t, 4), "thread": threading.current_thread().name})
+
+    triton.compiler.compile = timed  # (a JITFunction imports it when it first runs)
     pipe = RemovalPipeline.from_model("random", preset=args.preset, config=EngineConfig(mode="fast"))
     video, mask = media.synthetic_clip(args.frames, args.height, args.width, seed=0, object_fraction=0.1)
     pipe.remove(video.frames, mask, RunOptions(steps=args.steps, crop="off"))
@@ -71,6 +89,8 @@ def main() -> int:
     lazy = [c for c in compiles if not c["ahead"] and c["key"] not in ahead[c["kernel"]]]
     print("\n".join(notes[:60]))
     print(f"compiles: {len(compiles)}; ahead {sum(c['ahead'] for c in compiles)}; lazy {len(lazy)}")
+    slowest = sorted(durations, key=lambda d: -d["s"])[:8]
+    print("slowest compiles: " + ", ".join(f"{d['kernel']} {d['s']:.2f}s" for d in slowest))
     for c in lazy:
         print(f"LAZY {c['kernel']} {c['key'][:600]}")
         for k in sorted(ahead.get(c["kernel"], ()))[:4]:
@@ -78,7 +98,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "shape": [args.frames, args.height, args.width], "notes": notes,
-                       "compiles": compiles}, f, indent=1)
+                       "compiles": compiles, "compile_durations": durations}, f, indent=1)
     return 0
 
 
