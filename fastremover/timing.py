@@ -280,6 +280,11 @@ def precompiling():
         _precompiling.on = old
 
 
+def precompiling_now() -> bool:
+    """Whether this thread is inside `precompiling` (submitting compiles ahead of their launches)."""
+    return getattr(_precompiling, "on", False)
+
+
 def time_triton_compiles() -> bool:
     """Count Triton's kernel compiles (or loads from its on-disk cache) as the phase "triton_compile" from now on
     (wraps JITFunction._do_compile once per process). Where Triton is not imported yet this does not import it (a run
@@ -316,7 +321,7 @@ def _wrap_triton_compile() -> bool:
 
     def _do_compile(self, *args, **kwargs):
         # which kernel and specialization (debug log, `-v`): what tools/triton_variants.py predicts offline
-        ahead = getattr(_precompiling, "on", False)
+        ahead = precompiling_now()
         logging.getLogger("fastremover").debug("triton %s: %s %s", "precompile" if ahead else "compile",
                                                getattr(self, "__name__", "?"), args[0] if args else "")
         if ahead:

@@ -271,7 +271,7 @@ def selection_parts_ms(q, k, layout) -> dict:
     order-preserving keys, the top-k (torch's top-k, and a full sort: the same indices), the final sort."""
     import torch
 
-    from fastremover.ops.attention.sparse_layout import ordered_keys, tile_means, top_indices
+    from fastremover.ops.attention.sparse_layout import ordered_keys, tile_means, tile_means_torch, top_indices
     from fastremover.timing import cuda_time_ms
 
     tile, width, counts, forced = layout.tile, layout.count, layout._cnt[0, 0], layout._forced
@@ -287,8 +287,7 @@ def selection_parts_ms(q, k, layout) -> dict:
              "topk": lambda: top_indices(keys, width, "topk"), "topk_by_sort": lambda: top_indices(keys, width, "sort"),
              "sort": lambda: torch.sort(torch.where(used, top, scores.shape[-1]), dim=-1).values.to(torch.int32)}
     if q.dtype == torch.float8_e4m3fn:
-        parts["pool_q_torch"] = lambda: q.to(torch.float16)[:, :q.shape[1] // tile * tile].reshape(
-            q.shape[0], -1, tile, *q.shape[2:]).sum(2, dtype=torch.float32)
+        parts["pool_q_torch"] = lambda: tile_means_torch(q, tile)
     return {name: round(cuda_time_ms(fn, iters=10), 4) for name, fn in parts.items()}
 
 

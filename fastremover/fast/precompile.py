@@ -33,7 +33,6 @@ import contextlib
 import importlib
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -390,7 +389,6 @@ def _replay(launches: list[Launch]) -> int:
 
 # Compiles submitted in the background and not finalized yet: (id(JITFunction), Triton's key) -> its FutureKernel
 _PENDING: dict = {}
-_submitting = threading.local()
 _HOOKED: list = []
 
 
@@ -402,12 +400,14 @@ def _await_hook() -> bool:
         return True
     from triton.runtime.jit import JITFunction
 
+    from fastremover.timing import precompiling_now
+
     original = getattr(JITFunction, "_do_compile", None)
     if original is None:
         return False
 
     def _do_compile(self, key, *args, **kwargs):
-        if getattr(_submitting, "on", False):
+        if precompiling_now():  # a replay of compile_launches
             kernel = original(self, key, *args, **kwargs)
             if getattr(kernel, "future", None) is not None:  # a FutureKernel: submitted, not finished
                 _PENDING[(id(self), key)] = kernel
@@ -455,12 +455,10 @@ def compile_launches(launches: list[Launch], threads: int | None = None, *, pool
         if active is not None and _await_hook():
             mode = mode_cls(pool, ignore_errors=True)
             token = active.set(mode)  # entered without __exit__'s wait for every compile
-            _submitting.on = True
             try:
                 with precompiling():
                     failed = _replay(launches)
             finally:
-                _submitting.on = False
                 active.reset(token)
             return len(mode.raw_futures), failed
     failed = 0
@@ -520,19 +518,14 @@ class Precompiler:
     def _executor(self) -> ThreadPoolExecutor | None:
         if self.wait:
             return None
-        if self._pool is None:  # (its threads end with the process; `finish` waits for what they run)
+        if self._pool is None:  # (its threads end with the process; `settle(wait=True)` waits for what they run)
             self._pool = ThreadPoolExecutor(max_workers=self.threads or default_threads(),
                                             thread_name_prefix="fastremover-compile")
         return self._pool
 
-    def finish(self) -> None:
-        """Wait for every compile submitted in the background and finalize it."""
-        settle(wait=True)
-
     def shapes(self, shapes) -> CompileReport:
         report = CompileReport()
-        if _PENDING:
-            settle()
+        settle()  # (the background compiles of earlier calls that have finished)
         new = [tuple(int(v) for v in s) for s in dict.fromkeys(tuple(s) for s in shapes)]
         new = [s for s in new if s not in self.done]
         if not new:

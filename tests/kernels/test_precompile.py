@@ -230,8 +230,7 @@ def test_a_background_precompiler_submits_and_finishes(tmp_path):
 prec = precompile.Precompiler(torch.device("cpu"), vae=vae, transformer=fast, threads=2, wait=False)
 r = prec.shapes([(9, 64, 96)])
 print("REPORT", r.recorded > 0 and r.submitted == r.distinct > 0 and r.failed == 0)
-prec.finish()
-print("LEFT", len(precompile._PENDING))
+print("LEFT", precompile.settle(wait=True))
 """, tmp_path)
     assert "REPORT True" in out and "LEFT 0" in out, out
 

@@ -17,19 +17,6 @@ DEV = "cpu" if INTERPRET else "cuda"
 FP8 = torch.float8_e4m3fn
 
 
-def torch_means(x: torch.Tensor, tile: int) -> torch.Tensor:
-    """The torch path of sparse_layout.tile_means (fp16 copy, fp32 sums, one division), on any device."""
-    B, S, H, D = x.shape
-    x = x.to(torch.float16)
-    n_full = S // tile
-    parts = []
-    if n_full:
-        parts.append(x[:, :n_full * tile].reshape(B, n_full, tile, H, D).sum(2, dtype=torch.float32) / tile)
-    if S % tile:
-        parts.append(x[:, n_full * tile:].sum(1, keepdim=True, dtype=torch.float32) / (S % tile))
-    return torch.cat(parts, dim=1)
-
-
 def random_codes(shape, gen, device=DEV, extreme=False) -> torch.Tensor:
     """Finite e4m3 codes (NaN codes 0x7f / 0xff excluded); `extreme`: positive, mostly 448 with the rest down to
     the smallest subnormal 2^-9 (sums near 64 * 448 that need all of fp32's 24 bits)."""
@@ -45,13 +32,14 @@ def random_codes(shape, gen, device=DEV, extreme=False) -> torch.Tensor:
                                             (130, 32, True)])
 def test_tile_means_of_codes_equal_the_torch_path(S, tile, extreme):
     from fastremover.fast.kernels.tile_pool import tile_means_fp8
+    from fastremover.ops.attention.sparse_layout import tile_means_torch
 
     gen = torch.Generator().manual_seed(S * tile)
     B, H, D = 2, 3, 32
     wide = random_codes((B, S, 2 * H, D), gen, extreme=extreme)
     x = wide[:, :, H:]  # a view with the strides of one of q / k / v in a fused qkv
     got = tile_means_fp8(x, tile)
-    want = torch_means(x.cpu(), tile)
+    want = tile_means_torch(x.cpu(), tile)
     assert got.shape == (B, -(-S // tile), H, D)
     assert torch.equal(got.cpu(), want)
     if extreme:  # the bound of the exactness argument: sums of 64 values of 448 in magnitude
@@ -100,7 +88,7 @@ def test_gpu_tile_means_and_selection_at_w2_equal_the_torch_path():
     qkv = random_codes((1, S, 3 * H, D), gen, device="cuda")
     q, k = qkv[:, :, :H], qkv[:, :, H:2 * H]
     for x in (q, k):
-        assert torch.equal(tile_means_fp8(x, 64), torch_means(x, 64))
+        assert torch.equal(tile_means_fp8(x, 64), sl.tile_means_torch(x, 64))
     layout = sl.SparseLayout((21, 30, 52), "cuda", sl.SparseOptions("vsa-topk", 0.25))
     scores = torch.einsum("bqhd,bkhd->bhqk", sl.tile_means(q, 64), sl.tile_means(k, 64))
     keys = sl.ordered_keys(scores.masked_fill(layout._forced, float("inf")))

@@ -48,18 +48,26 @@ def _tile_mean_fp8_kernel(X, Y, S, H, sxb, sxs, sxh, syb, syt, syh,
     tl.store(Y + b * syb + t.to(tl.int64) * syt + h * syh + cols, mean)
 
 
+def _refusal(x: torch.Tensor, tile: int) -> str | None:
+    """Why `tile_means_fp8` does not take this [B, S, H, D] x and tile, or None."""
+    if x.stride(3) != 1:
+        return "tile_means_fp8: x needs unit stride along D"
+    if x.shape[3] not in (16, 32, 64, 128, 256):
+        return f"tile_means_fp8: D must be a power of two 16..256, got {x.shape[3]}"
+    if not 1 <= tile <= MAX_TILE or tile & (tile - 1):
+        return f"tile_means_fp8: tile must be a power of two <= {MAX_TILE}, got {tile}"
+    return None
+
+
 def tile_means_fp8(x: torch.Tensor, tile: int) -> torch.Tensor:
     """x [B, S, H, D] e4m3 codes (unit stride along D, D a power of two 16..256) -> fp32 means of each run of
     `tile` tokens (<= 64), [B, cdiv(S, tile), H, D]; equal to the torch path's bits (module docstring)."""
     check_tensor("x", x, ndim=4, dtypes=(FP8,), contiguous=False)
-    B, S, H, D = x.shape
-    if x.stride(3) != 1:
-        raise ValueError("tile_means_fp8: x needs unit stride along D")
-    if D not in (16, 32, 64, 128, 256):
-        raise ValueError(f"tile_means_fp8: D must be a power of two 16..256, got {D}")
-    if not 1 <= tile <= MAX_TILE or tile & (tile - 1):
-        raise ValueError(f"tile_means_fp8: tile must be a power of two <= {MAX_TILE}, got {tile}")
+    why = _refusal(x, tile)
+    if why:
+        raise ValueError(why)
     check_device(_tile_mean_fp8_kernel, x=x)
+    B, S, H, D = x.shape
     n_tiles = -(-S // tile)
     y = torch.empty((B, n_tiles, H, D), dtype=torch.float32, device=x.device)
     if y.numel() == 0:
@@ -72,8 +80,6 @@ def tile_means_fp8(x: torch.Tensor, tile: int) -> torch.Tensor:
 
 def available(x: torch.Tensor, tile: int) -> bool:
     """Whether `tile_means_fp8` runs for x and tile here (a CUDA tensor or the interpreter, the shapes above)."""
-    if x.dtype != FP8 or x.dim() != 4 or x.stride(3) != 1 or x.shape[3] not in (16, 32, 64, 128, 256):
-        return False
-    if not 1 <= tile <= MAX_TILE or tile & (tile - 1):
+    if x.dtype != FP8 or x.dim() != 4 or _refusal(x, tile):
         return False
     return x.is_cuda or interpreting(_tile_mean_fp8_kernel)

@@ -160,16 +160,22 @@ def lists_from_mask(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def tile_means(x: torch.Tensor, tile: int) -> torch.Tensor:
     """[B, S, H, D] (any float dtype or e4m3 codes) -> fp32 means of each run of `tile` tokens, [B, NT, H, D] (the
-    last tile averages its own tokens)."""
+    last tile averages its own tokens). CUDA e4m3 codes: one Triton pass with the same bits
+    (fastremover/fast/kernels/tile_pool.py) where it runs; else `tile_means_torch`."""
+    if x.dtype == torch.float8_e4m3fn and x.is_cuda:
+        try:
+            from fastremover.fast.kernels import tile_pool
+        except ImportError:  # no Triton
+            tile_pool = None
+        if tile_pool is not None and tile_pool.available(x, tile):
+            return tile_pool.tile_means_fp8(x, tile)
+    return tile_means_torch(x, tile)
+
+
+def tile_means_torch(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """`tile_means` with torch ops on any device (the reference of the Triton pass)."""
     B, S, H, D = x.shape
     if x.dtype == torch.float8_e4m3fn:
-        if x.is_cuda:  # one pass over the codes, the same bits (fastremover/fast/kernels/tile_pool.py)
-            try:
-                from fastremover.fast.kernels import tile_pool
-            except ImportError:  # no Triton
-                tile_pool = None
-            if tile_pool is not None and tile_pool.available(x, tile):
-                return tile_pool.tile_means_fp8(x, tile)
         x = x.to(torch.float16)  # exact: every e4m3 value is an fp16 value
     n_full = S // tile
     parts = []
