@@ -156,6 +156,7 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
     ctx = mp.get_context("spawn")
     by_index = {task.index: task for task in tasks}
     queued = collections.deque(tasks)  # handed out in this order, one clip per idle worker
+    handed: dict[int, ClipTask | None] = {}  # slot -> the clip last handed to its process (started or not)
     parent = os.getpid()
     procs: dict[int, mp.process.BaseProcess] = {}
     conns: dict[int, Connection] = {}  # slot -> the driver's end of its current process's pipe
@@ -181,7 +182,6 @@ def run_pool(tasks: Sequence[ClipTask], source: ModelSource, config: EngineConfi
     for slot in range(len(slots)):
         start(slot)
     running: dict[int, int] = {}  # slot -> task index
-    handed: dict[int, ClipTask | None] = {}  # slot -> the clip last handed to its process (started or not)
     remaining = set(by_index)
     ready: set[int] = set()  # slots whose current process has loaded the model
     restarts = 0
