@@ -65,8 +65,10 @@ def check_against_reference(q, k, v, idx, cnt, tile_q, tile_k, scales, config=No
     m.check_lists(idx, cnt, -(-q.shape[1] // tile_k))
     out = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=tile_q, tile_k=tile_k, scales=scales, config=config)
     ref = m.block_sparse_attention_reference(q, k, v, idx, cnt, tile_q=tile_q, tile_k=tile_k, scales=scales)
+    if isinstance(config, str):
+        config = m.BlockSparseConfig.parse(config)
     bound = m.reference_bound(v, cnt, tile_q=tile_q, tile_k=tile_k, scales=scales,
-                              chain_acc=getattr(config, "chain_acc", False))
+                              chain_acc=None if config is None else config.chain_acc)
     real = (lambda t: t.float() * scales[2]) if scales else (lambda t: t.float())
     err = (real(out) - real(ref)).abs()
     assert out.shape == q.shape and out.dtype == ref.dtype
@@ -139,7 +141,7 @@ def test_config_names_round_trip_with_and_without_chain_acc():
     v = torch.ones(1, 64, 1, 32).to(FP8)
     cnt = torch.full((1, 1, 1), 1, dtype=torch.int32)
     scales = (torch.ones(1),) * 3
-    plain = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales)
+    plain = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales, chain_acc=False)
     chained = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales, chain_acc=True)
     assert torch.allclose(chained - plain, torch.full_like(plain, 64 * 2.0 ** -19))
 
@@ -666,13 +668,15 @@ def test_gpu_codes_variants_stay_within_the_bound_at_w2(keep):
     layout = SparseLayout(W2_GRID, "cuda", SparseOptions("vsa-topk", keep))
     (q, k, v), scales = qkv((1, 32760, 12, 128), FP8, gen, scale=0.02)
     idx, cnt = layout.lists(q, k)
-    plain = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales)
+    # the variants against the eager-rescaling, separate-accumulation config (not config_for's, which the
+    # environment may set to a variant)
+    base = dataclasses.replace(m.config_for(64, 64, True), chain_acc=False, lazy=False, warp_spec=False)
+    plain = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales, config=base)
     ref = m.block_sparse_attention_reference(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales)
     for variant in ({"chain_acc": True}, {"lazy": True}, {"chain_acc": True, "lazy": True}):
-        cfg = dataclasses.replace(m.config_for(64, 64, True), **variant)
+        cfg = dataclasses.replace(base, **variant)
         out = m.block_sparse_attention(q, k, v, idx, cnt, tile_q=64, tile_k=64, scales=scales, config=cfg)
-        bound = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales,
-                                  chain_acc=variant.get("chain_acc", False))
+        bound = m.reference_bound(v, cnt, tile_q=64, tile_k=64, scales=scales, chain_acc=cfg.chain_acc)
         err = (out.float() - ref.float()).abs() * scales[2]
         assert (err <= bound).all(), (variant, f"max err / bound {(err / bound).max().item():.3f}")
         assert not torch.equal(out, plain), variant  # its own rounding: the variant ran

@@ -143,8 +143,11 @@ def config_for(tile_q: int, tile_k: int, fp8: bool) -> BlockSparseConfig:
         return BlockSparseConfig.parse(forced)
     block_m = min(tile_q, 128)
     block_n = min(tile_k, 64)
+    # codes at 64-row blocks: P @ V in the MMA chain (ca1) was the fastest of the sweep's configs at W2's keep 0.25
+    # on the H100 (2.59 against 2.76 ms, bench/results/sparse-attention-w2-fp8-quick-2026-12-05-fa45ae9-h100.json)
     return BlockSparseConfig(block_m=block_m, block_n=block_n, num_warps=8 if block_m >= 128 else 4,
-                             num_stages=2 if block_m >= 128 else 3, tma=True, warp_spec=False, v_t=fp8)
+                             num_stages=2 if block_m >= 128 else 3, tma=True, warp_spec=False, v_t=fp8,
+                             chain_acc=fp8 and block_m == 64)
 
 
 def head_dims(fp8: bool) -> tuple[int, ...]:
@@ -560,10 +563,13 @@ def block_sparse_attention_reference(
 
 
 def reference_bound(v: torch.Tensor, kv_cnt: torch.Tensor, *, tile_q: int, tile_k: int, scales: tuple | None = None,
-                    out_dtype: torch.dtype | None = None, chain_acc: bool = False) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None, chain_acc: bool | None = None) -> torch.Tensor:
     """The per-element bound of |kernel - reference| stated in the module docstring, [B, S, H, D] fp32 (for the
-    output in real units: codes times sv); `chain_acc`: for a config that accumulates P @ V in the MMA chain."""
+    output in real units: codes times sv); `chain_acc`: for a config that accumulates P @ V in the MMA chain (None:
+    as `config_for(tile_q, tile_k, ...)`, the config a call without one runs)."""
     B, S, H, D = v.shape
+    if chain_acc is None:
+        chain_acc = config_for(tile_q, tile_k, v.dtype == FP8).chain_acc
     if v.dtype == FP8:
         sv = scales[2].reshape(()).float()
         vmax = (v.float() * sv).abs().amax(dim=1, keepdim=True)  # [B, 1, H, D]

@@ -179,10 +179,16 @@ def tile_means_torch(x: torch.Tensor, tile: int) -> torch.Tensor:
         x = x.to(torch.float16)  # exact: every e4m3 value is an fp16 value
     n_full = S // tile
     parts = []
+
+    def mean(total: torch.Tensor, count: int) -> torch.Tensor:
+        # a tensor divisor: IEEE division on every device (CUDA turns a Python-number divisor into a multiply by
+        # its rounded reciprocal, which differs in the last bit for counts that are not powers of two)
+        return total / torch.full((), float(count), dtype=torch.float32, device=total.device)
+
     if n_full:
-        parts.append(x[:, :n_full * tile].reshape(B, n_full, tile, H, D).sum(2, dtype=torch.float32) / tile)
+        parts.append(mean(x[:, :n_full * tile].reshape(B, n_full, tile, H, D).sum(2, dtype=torch.float32), tile))
     if S % tile:
-        parts.append(x[:, n_full * tile:].sum(1, keepdim=True, dtype=torch.float32) / (S % tile))
+        parts.append(mean(x[:, n_full * tile:].sum(1, keepdim=True, dtype=torch.float32), S % tile))
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
