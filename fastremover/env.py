@@ -69,9 +69,9 @@ class KernelTuning:
     sparse_attn_config: str | None = _switch(None, "FASTREMOVER_SPARSE_ATTN_CONFIG")
     # compile a window's Triton kernels concurrently before its VAE encode (fastremover/fast/precompile.py; off:
     # each kernel compiles at its first launch)
-    # "wait": the precompile returns when its compiles are done; "background": it returns once they are submitted, and
-    # a launch waits only for its own kernel (the window's work overlaps the compiles); "off" (or 0): none
-    precompile: str = _switch("wait", "FASTREMOVER_PRECOMPILE", {"1": "wait", "wait": "wait", "background": "background",
+    # "background" (the default): it returns once they are submitted, and a launch waits only for its own kernel (the
+    # window's work overlaps the compiles); "wait" (or 1): it returns when its compiles are done; "off" (or 0): none
+    precompile: str = _switch("background", "FASTREMOVER_PRECOMPILE", {"1": "wait", "wait": "wait", "background": "background",
                                                                  "0": "off", "off": "off"})
     # the persistent cache of warm-up results (fastremover/cache.py: Triton's kernels, cuDNN plan choices, autotune
     # results, FlashInfer's modules): a folder; "" = the platform's user cache folder (`cache_dir`); "off" = none

@@ -271,7 +271,8 @@ def selection_parts_ms(q, k, layout) -> dict:
     order-preserving keys, the top-k (torch's top-k, and a full sort: the same indices), the final sort."""
     import torch
 
-    from fastremover.ops.attention.sparse_layout import ordered_keys, tile_means, tile_means_torch, top_indices
+    from fastremover.ops.attention.sparse_layout import (ordered_keys, select_tiles, select_tiles_torch, tile_means,
+                                                        tile_means_torch, top_indices)
     from fastremover.timing import cuda_time_ms
 
     tile, width, counts, forced = layout.tile, layout.count, layout._cnt[0, 0], layout._forced
@@ -285,7 +286,10 @@ def selection_parts_ms(q, k, layout) -> dict:
              "scores": lambda: torch.matmul(qm, km),
              "keys": lambda: ordered_keys(scores.masked_fill(forced, float("inf"))),
              "topk": lambda: top_indices(keys, width, "topk"), "topk_by_sort": lambda: top_indices(keys, width, "sort"),
-             "sort": lambda: torch.sort(torch.where(used, top, scores.shape[-1]), dim=-1).values.to(torch.int32)}
+             "sort": lambda: torch.sort(torch.where(used, top, scores.shape[-1]), dim=-1).values.to(torch.int32),
+             # keys + top-k + sort in one Triton pass (what the engine runs on CUDA), and the torch path it replaces
+             "select": lambda: select_tiles(scores, forced, counts, width),
+             "select_torch": lambda: select_tiles_torch(scores, forced, counts, width)}
     if q.dtype == torch.float8_e4m3fn:
         parts["pool_q_torch"] = lambda: tile_means_torch(q, tile)
     return {name: round(cuda_time_ms(fn, iters=10), 4) for name, fn in parts.items()}

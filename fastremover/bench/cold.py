@@ -381,7 +381,7 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
     """Every measurement of the module docstring; returns the JSON record. clip_override (frames, height, width):
     another clip size (quick checks). engine_args: extra `fastremover remove` flags for the engine's processes;
     config: the EngineConfig those flags make, for the warm engine in this process (mode, device and precision
-    replaced by the arguments). precompile_variants: FASTREMOVER_PRECOMPILE values (e.g. "background") whose own
+    replaced by the arguments). precompile_variants: FASTREMOVER_PRECOMPILE values (e.g. "wait") whose own
     first-ever and second runs (an empty cache of their own) are recorded too, beside the same reference and warm
     figures (`precompile_variants` in the record)."""
     import torch

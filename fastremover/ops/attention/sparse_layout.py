@@ -225,9 +225,28 @@ def vsa_lists(q: torch.Tensor, k: torch.Tensor, tile: int, counts: torch.Tensor,
     qm = tile_means(q, tile).permute(0, 2, 1, 3)  # [B, H, NQ, D]
     km = tile_means(k, tile).permute(0, 2, 3, 1)  # [B, H, D, NK]
     scores = torch.matmul(qm, km)  # [B, H, NQ, NK] fp32
+    return select_tiles(scores, forced, counts, width)
+
+
+def select_tiles(scores: torch.Tensor, forced: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """scores [B, H, NQ, NK] fp32 -> kv_idx [B, H, NQ, width] int32: row i's counts[i] key tiles of highest score
+    (forced tiles first; ties to the lower index), ascending, then NK. On CUDA one Triton pass with the same result
+    (fastremover/fast/kernels/tile_select.py) where it runs; else `select_tiles_torch`."""
+    if scores.is_cuda:
+        try:
+            from fastremover.fast.kernels import tile_select
+        except ImportError:  # no Triton
+            tile_select = None
+        if tile_select is not None and tile_select.available(scores, width):
+            return tile_select.select_tiles(scores, forced, counts, width)
+    return select_tiles_torch(scores, forced, counts, width)
+
+
+def select_tiles_torch(scores: torch.Tensor, forced: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """`select_tiles` with torch ops on any device (the reference of the Triton pass)."""
     scores = scores.masked_fill(forced, float("inf"))
     top = top_indices(ordered_keys(scores), width)  # best first
-    used = torch.arange(width, device=q.device) < counts.unsqueeze(-1)
+    used = torch.arange(width, device=scores.device) < counts.unsqueeze(-1)
     top = torch.where(used, top, scores.shape[-1])
     return torch.sort(top, dim=-1).values.to(torch.int32)
 
