@@ -21,7 +21,6 @@ a short table printed last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
