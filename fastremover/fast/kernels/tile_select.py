@@ -6,7 +6,7 @@
     -> kv_idx [B, H, NQ, width] int32: row i's counts[i] key tiles of highest score, forced tiles first, ascending,
        then NK in the unused entries.
 
-The torch path (`sparse_layout.vsa_lists_torch`) takes five kernels over the [B, H, NQ, NK] scores: the forced tiles'
+The torch path (`sparse_layout.select_tiles_torch`) takes five kernels over the [B, H, NQ, NK] scores: the forced tiles'
 +inf, the order-preserving int64 keys, torch's top-k of `width`, the cut to counts[i] and an ascending sort. Here one
 program holds a whole row in registers: the same keys, a bitonic sort of them (`tl.sort`), the counts[i]-th largest as
 the threshold, and the kept tiles' indices written in ascending order at their running count (`tl.cumsum`).
@@ -30,13 +30,12 @@ MAX_TILES = 4096  # the widest row one program sorts in registers (W3 at 64-toke
 
 
 @triton.jit
-def _select_tiles_kernel(S, F, C, Out, NQ, NK, width, s_row, o_row,
-                         NKP: tl.constexpr):
+def _select_tiles_kernel(S, F, C, Out, NQ, NK, width, NKP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * H + h) * NQ + i
     i = row % NQ
     cols = tl.arange(0, NKP)
     inside = cols < NK
-    s = tl.load(S + row * s_row + cols, mask=inside, other=0.0)
+    s = tl.load(S + row * NK + cols, mask=inside, other=0.0)  # (contiguous scores)
     forced = tl.load(F + i * NK + cols, mask=inside, other=0) != 0
     s = tl.where(forced, float("inf"), s)
     bits = s.to(tl.int32, bitcast=True)
@@ -48,7 +47,7 @@ def _select_tiles_kernel(S, F, C, Out, NQ, NK, width, s_row, o_row,
     kth = tl.max(tl.where(cols == count - 1, ranked, -9223372036854775807 - 1), axis=0)
     keep = inside & (key >= kth)  # exactly `count` tiles (distinct keys)
     slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    out = Out + row * o_row
+    out = Out + row * width
     tl.store(out + slot, cols, mask=keep)
     tl.store(out + cols, NK, mask=(cols >= count) & (cols < width))
 
@@ -68,7 +67,7 @@ def _refusal(scores: torch.Tensor, width: int) -> str | None:
 def select_tiles(scores: torch.Tensor, forced: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
     """scores [B, H, NQ, NK] fp32 contiguous, forced [NQ, NK] bool, counts [NQ] int32 (each in [1, width]) ->
     kv_idx [B, H, NQ, width] int32: each row's counts[i] best key tiles ascending, then NK (module docstring)."""
-    check_tensor("scores", scores, ndim=4, dtypes=(torch.float32,), dims=" [B, H, NQ, NK]")
+    check_tensor("scores", scores, ndim=4, dtypes=(torch.float32,), dims=" [B, H, NQ, NK]", contiguous=False)
     B, H, NQ, NK = scores.shape
     check_tensor("forced", forced, ndim=2, dtypes=(torch.bool,), shape=(NQ, NK))
     check_tensor("counts", counts, ndim=1, dtypes=(torch.int32,), shape=(NQ,))
@@ -83,8 +82,7 @@ def select_tiles(scores: torch.Tensor, forced: torch.Tensor, counts: torch.Tenso
     opts = launch_options(_select_tiles_kernel)
     if not interpreting(_select_tiles_kernel):
         opts["num_warps"] = 4 if nkp <= 1024 else 8
-    _select_tiles_kernel[(B * H * NQ,)](scores, forced.view(torch.uint8), counts, out, NQ, NK, width, NK, width,
-                                        NKP=nkp, **opts)
+    _select_tiles_kernel[(B * H * NQ,)](scores, forced.view(torch.uint8), counts, out, NQ, NK, width, NKP=nkp, **opts)
     return out
 
 

@@ -33,6 +33,7 @@ Mask sources (lists sorted ascending, as fastremover.fast.kernels.block_sparse_a
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -163,13 +164,18 @@ def tile_means(x: torch.Tensor, tile: int) -> torch.Tensor:
     last tile averages its own tokens). CUDA e4m3 codes: one Triton pass with the same bits
     (fastremover/fast/kernels/tile_pool.py) where it runs; else `tile_means_torch`."""
     if x.dtype == torch.float8_e4m3fn and x.is_cuda:
-        try:
-            from fastremover.fast.kernels import tile_pool
-        except ImportError:  # no Triton
-            tile_pool = None
+        tile_pool = _kernels("tile_pool")
         if tile_pool is not None and tile_pool.available(x, tile):
             return tile_pool.tile_means_fp8(x, tile)
     return tile_means_torch(x, tile)
+
+
+def _kernels(name: str):
+    """The Triton kernel module fastremover.fast.kernels.<name>, or None where Triton is not installed."""
+    try:
+        return importlib.import_module(f"fastremover.fast.kernels.{name}")
+    except ImportError:
+        return None
 
 
 def tile_means_torch(x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -233,10 +239,7 @@ def select_tiles(scores: torch.Tensor, forced: torch.Tensor, counts: torch.Tenso
     (forced tiles first; ties to the lower index), ascending, then NK. On CUDA one Triton pass with the same result
     (fastremover/fast/kernels/tile_select.py) where it runs; else `select_tiles_torch`."""
     if scores.is_cuda:
-        try:
-            from fastremover.fast.kernels import tile_select
-        except ImportError:  # no Triton
-            tile_select = None
+        tile_select = _kernels("tile_select")
         if tile_select is not None and tile_select.available(scores, width):
             return tile_select.select_tiles(scores, forced, counts, width)
     return select_tiles_torch(scores, forced, counts, width)
