@@ -256,12 +256,23 @@ def shape_clips(frames: int, height: int, width: int, count: int = SHAPE_CLIPS) 
     return specs
 
 
+def phase_delta(before: dict) -> dict:
+    """The process's one-time phases (fastremover/timing.py's PHASES) spent since `before` (a copy of its seconds),
+    those above 1 ms: what a request paid for its new shapes (captures, cuDNN graphs and plans, compiles)."""
+    from fastremover.timing import PHASES
+
+    delta = {k: v - before.get(k, 0.0) for k, v in PHASES.seconds.items()}
+    return {k: round(v, 4) for k, v in sorted(delta.items()) if v > 1e-3}
+
+
 def new_shape_ratio(pipe, specs: list[dict], options, warm_runs: int) -> dict:
     """Each clip once after the other (its first run in a process that is warm for other shapes), then each again
-    `warm_runs` times: per clip first / last-warm time (whole request in memory, synchronized at its stages)."""
+    `warm_runs` times: per clip first / last-warm time (whole request in memory, synchronized at its stages) and the
+    one-time phases its first run paid (`first_phases_s`)."""
     from dataclasses import replace
 
     from fastremover import media
+    from fastremover.timing import PHASES, time_triton_compiles
     from fastremover.windows import run_shapes
 
     clips = []
@@ -275,15 +286,17 @@ def new_shape_ratio(pipe, specs: list[dict], options, warm_runs: int) -> dict:
         result = pipe.remove(frames, mask, opts)
         return time.perf_counter() - t, result
 
+    time_triton_compiles()
     first = []
     for spec, frames, mask, opts in clips:
+        before = dict(PHASES.seconds)
         seconds, result = timed(frames, mask, opts)
-        first.append((seconds, [[n, list(hw)] for n, hw in run_shapes(result.windows)]))
+        first.append((seconds, [[n, list(hw)] for n, hw in run_shapes(result.windows)], phase_delta(before)))
     rows = []
-    for (spec, frames, mask, opts), (cold_s, shapes) in zip(clips, first):
+    for (spec, frames, mask, opts), (cold_s, shapes, phases) in zip(clips, first):
         warm = [timed(frames, mask, opts)[0] for _ in range(warm_runs)]
         rows.append({**spec, "run_shapes": shapes, "first_s": round(cold_s, 4), "warm_s": round(warm[-1], 4),
-                     "ratio": round(cold_s / max(warm[-1], 1e-9), 4)})
+                     "ratio": round(cold_s / max(warm[-1], 1e-9), 4), "first_phases_s": phases})
     return {"new_shape_ratio": max(r["ratio"] for r in rows), "clips": rows}
 
 

@@ -324,9 +324,17 @@ def vae_twin(vae):
     return twin
 
 
+# The VAE runs a clip chunk by chunk (its first frame, then 4 frames per chunk; a latent frame per decode step): the
+# chunks after the second repeat the second's launches, so a clip of this many frames (1 + 3 chunks) makes every
+# specialization a window of any length does (tests/kernels/test_precompile.py compares 81 frames with it).
+VAE_RECORD_FRAMES = 13
+
+
 def record_vae(vae, frames: int, height: int, width: int, batch: int = 1) -> None:
     """The fast VAE's Triton launches for one window (inside `recording`): encode_removal_inputs of a [batch, 3,
-    frames, height, width] clip and the decode of its latents, on `vae`'s meta twin."""
+    frames, height, width] clip and the decode of its latents, on `vae`'s meta twin (at most `VAE_RECORD_FRAMES`
+    frames: the same specializations, a fraction of the recording's time)."""
+    frames = min(frames, VAE_RECORD_FRAMES)
     twin = vae_twin(vae)
 
     def source(s, e, out):  # encode_removal_inputs' sources form the inputs with torch ops: no Triton launch

@@ -297,6 +297,26 @@ def test_random_weights_on_the_cpu_are_unchanged():
     assert w.dtype == torch.float32 and w.device.type == "cpu"
 
 
+def test_phase_delta_is_what_the_process_spent_since_the_copy():
+    from fastremover.bench.cold import phase_delta
+    from fastremover.timing import PHASES
+
+    saved = dict(PHASES.seconds), dict(PHASES.counts)
+    try:
+        PHASES._add("graph_capture", 0.5, 1)
+        before = dict(PHASES.seconds)
+        PHASES._add("graph_capture", 0.25, 1)
+        PHASES._add("cudnn_graphs_test", 0.125, 1)
+        PHASES._add("autotune_test", 0.0001, 1)  # below a millisecond: left out
+        delta = phase_delta(before)
+    finally:
+        PHASES.reset()
+        PHASES.seconds.update(saved[0])
+        PHASES.counts.update(saved[1])
+    assert delta["graph_capture"] == 0.25 and delta["cudnn_graphs_test"] == 0.125
+    assert "autotune_test" not in delta
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # bench --cold end to end
 
@@ -316,6 +336,7 @@ def test_bench_cold_end_to_end_on_the_tiny_model(tmp_path, capsys):
         assert record[key] is not None, key
     assert {"startup", "imports", "weights_read", "window_1"} <= set(record["phases"])
     assert record["outputs_identical"] and len(record["new_shape_clips"]) == 2
+    assert all(isinstance(c["first_phases_s"], dict) for c in record["new_shape_clips"])
     assert record["first_frame_s"] < record["engine_first_run_s"]
     assert record["reference"]["frames"] == 5 and record["reference"]["size"] == "64x48"
     assert {"buckets_0", "buckets_4", "time_ratio", "pixel_ratio"} <= set(record["padding_cost"])

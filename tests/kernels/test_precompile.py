@@ -76,6 +76,33 @@ print("DYNAMO", "torch._dynamo" in sys.modules, "sympy" in sys.modules)
     assert "DYNAMO False False" in out  # a meta-tensor decomposition would import them (seconds on a fresh GPU)
 
 
+def test_the_vae_recording_of_a_few_frames_has_every_specialization_of_a_whole_window(tmp_path):
+    """record_vae records at most VAE_RECORD_FRAMES frames: the same distinct launches as 81 frames (and as every
+    length between), at several frame sizes; one frame alone would miss one."""
+    out = _run(ENGINE + """
+import triton
+backend = precompile.make_backend(triton.backends.compiler.GPUTarget("cuda", 90, 32))
+
+def keys(frames, height, width):
+    with precompile.recording(torch.device("cpu"), sm_count=132) as rec:
+        precompile.record_vae(vae, frames, height, width)
+    return [k[:1] + k[2:] for k, _ in rec.unique(backend)], len(rec.launches)
+
+cap = precompile.VAE_RECORD_FRAMES
+for hw in [(64, 96), (48, 160), (80, 80)]:
+    short, n_short = keys(cap, *hw)
+    precompile.VAE_RECORD_FRAMES = 10**6
+    for frames in (81, 41, 17, cap + 4):
+        full, n_full = keys(frames, *hw)
+        assert set(full) == set(short) and n_full > n_short, (hw, frames, set(full) ^ set(short))
+    one, _ = keys(1, *hw)
+    assert set(one) < set(short), hw
+    precompile.VAE_RECORD_FRAMES = cap
+print("SAME", len(short))
+""", tmp_path)
+    assert "SAME" in out, out
+
+
 def test_recorded_keys_equal_the_keys_of_a_launch_with_real_tensors(tmp_path):
     """The stand-ins' keys (meta tensors) are the keys Triton's binder gives the same launch with real tensors."""
     out = _run("""
