@@ -164,7 +164,8 @@ class _Fp8Graph(_Graph):
         cudnn = _cudnn()
         self.handle = _handle(device)
         self.dynamic = dynamic
-        extra = {"is_dynamic_shape_enabled": True, "kernel_cache": _kernel_cache(device)} if dynamic else {}
+        # (the frontend's pygraph makes a graph given a kernel cache a dynamic-shape graph)
+        extra = {"kernel_cache": _kernel_cache(device)} if dynamic else {}
         g = cudnn.pygraph(
             io_data_type=cudnn.data_type.FP8_E4M3,
             intermediate_data_type=cudnn.data_type.FLOAT,
