@@ -64,6 +64,11 @@ class PersistentCache:
         self.hits = 0
         self.misses = 0
         self.writes = 0
+        self.namespaces: dict[str, list[int]] = {}  # namespace -> [hits, misses, writes]
+
+    def _count(self, namespace: str, which: int) -> None:
+        with self._lock:
+            self.namespaces.setdefault(namespace, [0, 0, 0])[which] += 1
 
     # -- notes ------------------------------------------------------------------------------------------------------
 
@@ -97,10 +102,12 @@ class PersistentCache:
             text = path.read_text()
         except (FileNotFoundError, NotADirectoryError):  # no entry (or no folder: the write says why)
             self.misses += 1
+            self._count(namespace, 1)
             return None
         except OSError as exc:  # unreadable: a miss (the write that follows says whether the folder works)
             self.note(f"cache entry {path} cannot be read ({exc.strerror or exc}): ignored")
             self.misses += 1
+            self._count(namespace, 1)
             return None
         try:
             entry = json.loads(text)
@@ -111,8 +118,10 @@ class PersistentCache:
         if not ok:
             self.note(f"cache entry {path} is corrupt or does not match its name: ignored (it is rewritten)")
             self.misses += 1
+            self._count(namespace, 1)
             return None
         self.hits += 1
+        self._count(namespace, 0)
         return entry["value"]
 
     def put(self, namespace: str, key, value, env: dict) -> bool:
@@ -144,6 +153,7 @@ class PersistentCache:
                 except OSError:
                     pass
         self.writes += 1
+        self._count(namespace, 2)
         return True
 
     def usable_dir(self, name: str) -> Path | None:
@@ -173,7 +183,8 @@ class PersistentCache:
 
     def stats(self) -> dict:
         return {"root": str(self.root) if self.root else None, "enabled": self.enabled, "hits": self.hits,
-                "misses": self.misses, "writes": self.writes}
+                "misses": self.misses, "writes": self.writes,
+                "namespaces": {ns: dict(zip(("hits", "misses", "writes"), v)) for ns, v in sorted(self.namespaces.items())}}
 
 
 # ----------------------------------------------------------------------------------------------------------------------

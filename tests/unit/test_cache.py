@@ -49,6 +49,8 @@ def test_hit_and_every_part_of_the_key_invalidates(tmp_path):
     assert c.get("other", key, ENV) is None  # another namespace
     assert c.path("ns", key, ENV) != c.path("ns", key, {**ENV, "gpu": "x"})
     assert c.stats()["hits"] == 1 and c.stats()["writes"] == 1 and c.stats()["misses"] == 8
+    assert c.stats()["namespaces"] == {"ns": {"hits": 1, "misses": 7, "writes": 1},
+                                       "other": {"hits": 0, "misses": 1, "writes": 0}}
 
 
 def test_environment_names_the_device_and_the_libraries():
