@@ -67,10 +67,6 @@ class KernelTuning:
     # the block-sparse attention kernel's config by name, e.g. m64n64w4s3t1ws0vt1 (BlockSparseConfig in
     # fast/kernels/block_sparse_attention.py; unset: the default for the tile size)
     sparse_attn_config: str | None = _switch(None, "FASTREMOVER_SPARSE_ATTN_CONFIG")
-    # cuDNN's FP8 attention graphs built as dynamic-shape graphs that share one kernel cache per device
-    # (ops/attention/cudnn_fp8.py): a new sequence length binds the kernel compiled for an earlier one instead of
-    # compiling its own (off: one static graph per shape, each with its own compile)
-    cudnn_dynamic_shapes: bool = _switch(False, "FASTREMOVER_CUDNN_DYNAMIC", _ON_OFF)
     # compile a window's Triton kernels concurrently before its VAE encode (fastremover/fast/precompile.py; off:
     # each kernel compiles at its first launch)
     # "background" (the default): it returns once they are submitted, and a launch waits only for its own kernel (the

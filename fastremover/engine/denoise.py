@@ -37,31 +37,35 @@ if TYPE_CHECKING:  # the fast transformer needs Triton: imported only where a fa
 
 Progress = Callable[[str, int, int], None]
 
-# When recording a shape's loop as a CUDA graph pays (`capture_pays`). A recording costs about
-# CAPTURE_FIXED_S + steps * CAPTURE_STEP_S (the host launching every step once more, into the graph, and
-# instantiating it; the eager run before it computes the call's output);
-# each replayed step saves STEP_SAVING_S over an eager step (the launch overhead a busy GPU no longer waits for) for
-# latent grids of at most CAPTURE_MAX_TOKENS tokens (above: the GPU is the bottleneck, nothing is saved). A shape is
-# recorded on its CAPTURE_AFTER_CALLS-th call if the calls so far, counted as the replays still to come, would pay
-# for the recording. PROVISIONAL values, not yet measured: the measurement is `fastremover bench --cold
-# --capture-costs` on one H200 (its `capture_costs` rows: eager_step_s, replay_step_s, capture_s per latent shape at
-# the real config); set STEP_SAVING_S = eager_step_s - replay_step_s, CAPTURE_* from capture_s, CAPTURE_MAX_TOKENS
-# where the saving reaches zero.
+# When recording a shape's loop as a CUDA graph pays (`capture_pays`), from `fastremover bench --cold --capture-costs`
+# at the released config (bench/results/cold-real-fast-2026-12-05-8e5f193-h100.json, one H100, fast mode, dense
+# FP8 attention; per latent shape: eager step, replayed step, recording):
+#   3520 tokens: 64.8 / 13.3 ms, 0.87 s;  13440 tokens: 77.7 / 77.2 ms, 0.81 s;  16800 tokens: 106.0 / 105.4 ms, 0.82 s.
+# An eager step costs the host HOST_STEP_S to launch whatever the shape; the GPU's share grows with the tokens
+# (GPU_STEP_S_PER_TOKEN, the 13440-token step's slope, a little below the 16800-token one, so the rule errs towards
+# recording). A replayed step saves what the host's launching adds over the GPU's work, max(0, HOST_STEP_S - gpu step):
+# nothing from ~11k tokens on, where the GPU is the bottleneck. A recording costs CAPTURE_FIXED_S + steps *
+# HOST_STEP_S (the host launches every step once more, into the graph, and instantiates it; the eager run before it
+# computes the call's output). A shape is recorded on its CAPTURE_AFTER_CALLS-th call or later, if the calls so far,
+# counted as the replays still to come, would pay for the recording.
 CAPTURE_AFTER_CALLS = 2
-CAPTURE_FIXED_S = 0.02
-CAPTURE_STEP_S = 0.01
-STEP_SAVING_S = 0.01
-CAPTURE_MAX_TOKENS: int | None = None
+HOST_STEP_S = 0.065
+GPU_STEP_S_PER_TOKEN = 5.7e-6
+CAPTURE_FIXED_S = 0.09
+
+
+def step_saving_s(tokens: int) -> float:
+    """Seconds a replayed step saves over an eager one for a latent grid of `tokens` tokens (the model above)."""
+    return max(0.0, HOST_STEP_S - tokens * GPU_STEP_S_PER_TOKEN)
 
 
 def capture_pays(steps: int, calls: int, tokens: int = 0) -> bool:
     """Whether the `calls`-th call of a shape (`steps` steps, `tokens` tokens per step) records its loop as a CUDA
-    graph: from the CAPTURE_AFTER_CALLS-th call on, when `calls` replays would save more than the recording costs."""
+    graph: from the CAPTURE_AFTER_CALLS-th call on, when `calls` replays would save more than the recording costs
+    (never where the GPU, not the host, bounds a step)."""
     if calls < CAPTURE_AFTER_CALLS:
         return False
-    if CAPTURE_MAX_TOKENS is not None and tokens > CAPTURE_MAX_TOKENS:
-        return False
-    return calls * steps * STEP_SAVING_S > CAPTURE_FIXED_S + steps * CAPTURE_STEP_S
+    return calls * steps * step_saving_s(tokens) > CAPTURE_FIXED_S + steps * HOST_STEP_S
 
 
 def denoise_loop(scheduler, flow: Callable, noise, masked_latents, mask_latents, progress: Progress | None = None):

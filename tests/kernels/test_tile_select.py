@@ -105,7 +105,8 @@ def test_gpu_selection_at_real_tile_counts_equals_the_torch_path_and_captures(gr
     n = layout.order.n_tiles
     gen = torch.Generator().manual_seed(n)
     scores = torch.randn((1, 12, n, n), generator=gen).cuda()
-    scores[..., ::7] = scores[..., 3::7][..., : scores[..., ::7].shape[-1]]  # some exact ties
+    src = scores[..., 3::7].clone()
+    scores[..., : 7 * src.shape[-1] : 7] = src  # some exact ties (column 7j takes column 7j + 3's scores)
     counts, forced = layout._cnt[0, 0], layout._forced
     want = sl.select_tiles_torch(scores, forced, counts, layout.count)
     assert torch.equal(select_tiles(scores, forced, counts, layout.count), want)

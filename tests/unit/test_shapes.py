@@ -116,17 +116,18 @@ def test_shape_buckets_option_and_the_pipeline_runs_on_canonical_shapes():
 
 
 def test_capture_rule():
+    """The measured rule (engine/denoise.py): small shapes, whose steps the host's launching bounds, are recorded on
+    their second call; a shape whose steps the GPU bounds never is; one step never pays for a recording."""
     from fastremover.engine import denoise
 
-    assert not denoise.capture_pays(12, 1)  # a shape seen once is never recorded
-    assert denoise.capture_pays(12, 2)  # (provisional constants) recorded on its second call
-    assert not denoise.capture_pays(1, 2)  # one step does not pay for a recording
-    saved = denoise.CAPTURE_MAX_TOKENS
-    try:
-        denoise.CAPTURE_MAX_TOKENS = 1000
-        assert denoise.capture_pays(12, 5, tokens=1000) and not denoise.capture_pays(12, 5, tokens=1001)
-    finally:
-        denoise.CAPTURE_MAX_TOKENS = saved
+    assert not denoise.capture_pays(12, 1, tokens=3520)  # a shape seen once is never recorded
+    assert denoise.capture_pays(12, 2, tokens=3520)  # host-bound (the measured 3520-token crop): its second call
+    assert not denoise.capture_pays(1, 2, tokens=3520)  # one step does not pay for a recording
+    assert not any(denoise.capture_pays(12, n, tokens=13440) for n in range(1, 100))  # GPU-bound: never
+    assert denoise.step_saving_s(3520) > 0.04 and denoise.step_saving_s(13440) == 0.0
+    # the crossover lies between the measured host-bound and GPU-bound shapes
+    last = max(t for t in range(0, 20000, 10) if denoise.capture_pays(12, 1000, tokens=t))
+    assert 3520 < last < 13440
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -13,9 +13,7 @@ device builds. The natural output scale is 1 / descale_v: every output row is a 
 Strides: q/k/v/o are passed to cuDNN as [B, H, S, D] with the strides of our token-major [B, S, H, D] tensors, so no
 transpose is ever materialized. One graph is built per (shape, strides, dtypes, device) and cached (the MAX_GRAPHS
 most recently used; a captured CUDA graph keeps the ones it recorded, fastremover/lru.py); building costs
-~0.1-1 s, executing is one kernel. With FASTREMOVER_CUDNN_DYNAMIC=1 the graphs are built as dynamic-shape graphs
-sharing one cuDNN kernel cache per device (cuDNN >= 9.4), so a graph for a new sequence length binds the kernel
-compiled for an earlier one; a graph that does not build that way is built static (as with the switch off). The cuDNN handle is bound to torch's current stream on every call, so the call is
+~0.1-1 s, executing is one kernel. The cuDNN handle is bound to torch's current stream on every call, so the call is
 CUDA-graph capturable like any other kernel launch.
 
 The package is optional (`pip install nvidia-cudnn-frontend`); `available()` says whether it imports and can build
@@ -33,7 +31,6 @@ import functools
 import math
 import threading
 
-from fastremover.env import kernel_tuning
 from fastremover.lru import LRUCache, used
 from fastremover.ops.attention.quantize import add_v_mean, needs_cuda, quantize_qkv
 from fastremover.ops.attention.registry import AttentionBackend, register
@@ -127,51 +124,20 @@ class _Graph:
             self.graph.execute_plan_at_index(pack, self.workspace, plan, handle=self.handle)
 
 
-_kernel_caches: dict[int, object] = {}
-
-
-def _kernel_cache(device: torch.device):
-    """The device's cuDNN kernel cache (one per process and device) that dynamic-shape graphs share."""
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _lock:
-        if index not in _kernel_caches:
-            _kernel_caches[index] = _cudnn().create_kernel_cache()
-    return _kernel_caches[index]
-
-
 class _Fp8Graph(_Graph):
-    """One built cuDNN graph for fixed shapes/strides/dtypes (`dynamic`: built as a dynamic-shape graph on the
-    device's kernel cache; `self.dynamic` says whether it was)."""
+    """One built cuDNN graph for fixed shapes/strides/dtypes."""
 
     def __init__(self, q, k, v, o_shape_stride, out_dtype: torch.dtype, attn_scale: float, device: torch.device,
-                 all_plans: bool = False, dynamic: bool = False):
-        if dynamic:
-            try:
-                self._define(q, k, v, o_shape_stride, out_dtype, attn_scale, device, all_plans, True)
-                return
-            except Exception as exc:  # noqa: BLE001 (this cuDNN / graph has no dynamic-shape build: a static one)
-                import logging
-
-                logging.getLogger("fastremover").debug("cudnn-fp8: no dynamic-shape graph for %s: %s: %s",
-                                                       list(q.shape), type(exc).__name__, exc)
-        self._define(q, k, v, o_shape_stride, out_dtype, attn_scale, device, all_plans, False)
-
-    def _define(self, q, k, v, o_shape_stride, out_dtype, attn_scale, device, all_plans, dynamic: bool):
+                 all_plans: bool = False):
         import torch
 
         cudnn = _cudnn()
         self.handle = _handle(device)
-        self.dynamic = dynamic
-        # (the frontend's pygraph makes a graph given a kernel cache a dynamic-shape graph)
-        extra = {"kernel_cache": _kernel_cache(device)} if dynamic else {}
         g = cudnn.pygraph(
             io_data_type=cudnn.data_type.FP8_E4M3,
             intermediate_data_type=cudnn.data_type.FLOAT,
             compute_data_type=cudnn.data_type.FLOAT,
             handle=self.handle,
-            **extra,
         )
         fp8 = cudnn.data_type.FP8_E4M3
 
@@ -229,8 +195,8 @@ def _cached(key: tuple, build) -> "_Graph":
     return graph
 
 
-def _key(q, k, v, out, attn_scale, dynamic: bool = False):
-    return (q.device, q.shape, q.stride(), k.stride(), v.stride(), out.stride(), out.dtype, attn_scale, dynamic)
+def _key(q, k, v, out, attn_scale):
+    return (q.device, q.shape, q.stride(), k.stride(), v.stride(), out.stride(), out.dtype, attn_scale)
 
 
 def sdpa_fp8(
@@ -266,9 +232,8 @@ def sdpa_fp8(
         attn_scale = 1.0 / math.sqrt(q.shape[-1])
     if out is None:
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    dynamic = kernel_tuning().cudnn_dynamic_shapes
-    key = _key(q, k, v, out, attn_scale, dynamic)
-    graph = _cached(key, lambda: _Fp8Graph(q, k, v, _bhsd(out), out.dtype, attn_scale, q.device, dynamic=dynamic))
+    key = _key(q, k, v, out, attn_scale)
+    graph = _cached(key, lambda: _Fp8Graph(q, k, v, _bhsd(out), out.dtype, attn_scale, q.device))
     return graph.run(q, k, v, descale_q, descale_k, descale_v, out, scale_o)
 
 
