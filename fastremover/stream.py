@@ -315,7 +315,9 @@ class ResumeStore:
     difference from the input frames: per frame the box (y0, y1, x0, x1) of the pixels that differ and those pixels,
     lossless. ``state.json`` holds the identity of the run (inputs' size and mtime, options, model), a hash of the
     clip's first frames, and the finished windows (frames, overlap, crop box, run size); it is written after the
-    window's file, each by an atomic rename, so a kill at any moment leaves a consistent store.
+    window's file, each by an atomic rename, so a kill at any moment leaves a consistent store. The files are written
+    by one background thread, in order, while the next window runs (`save` returns once the window's changed pixels
+    are copied out); `flush` waits for them, and a write that failed raises at the next `save` or `flush`.
 
     A resumed run decodes the input again, rebuilds every finished window's output exactly from the store (the
     model does not run for those), encodes the whole output again from frame 0, and runs the model from the first
@@ -334,6 +336,8 @@ class ResumeStore:
         self.windows: list[dict] = []
         self.first_frames = ""
         self.note: str | None = None  # why an existing store was not used, for the run's notes
+        self._writer: "ThreadPoolExecutor | None" = None
+        self._pending = None  # the Future of the last window's write
 
     # -- starting ----------------------------------------------------------------------------------------------------
 
@@ -397,21 +401,38 @@ class ResumeStore:
         `record` (JSON-able) describes the window."""
         if index != len(self.windows):
             raise RuntimeError(f"window {index} saved after {len(self.windows)} finished windows")
-        boxes, pixels = _diff_boxes(output, inputs)
+        self.flush()  # (the previous window's write: long done, a window ago; its error raises here)
+        boxes, pixels = _diff_boxes(output, inputs)  # copies: the caller may reuse output and inputs
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
             raise FastRemoverError(f"{self.folder} is in the way of the resume state (a file, not fastremover's "
                                    "folder); move it away") from None
-        name = _window_name(index)
-        with atomic_path(self.folder / name) as tmp, open(tmp, "wb") as f:
-            _write_npz(f, boxes=boxes, pixels=pixels)
         state = {"version": STORE_VERSION, "identity": self.identity, "first_frames": self.first_frames,
                  "windows": [*self.windows, record]}
         text = (json.dumps(state, indent=1, sort_keys=True) + "\n").encode()
-        with atomic_path(self.folder / STATE_NAME) as tmp:
-            tmp.write_bytes(text)
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastremover-resume")
+        self._pending = self._writer.submit(self._write, _window_name(index), boxes, pixels, text)
         self.windows.append(record)
+
+    def _write(self, name: str, boxes: np.ndarray, pixels: np.ndarray, state: bytes) -> None:
+        """The window's file, then the state that lists it (each atomically: a kill between them leaves a store
+        whose state does not know the new file yet)."""
+        with atomic_path(self.folder / name) as tmp, open(tmp, "wb") as f:
+            _write_npz(f, boxes=boxes, pixels=pixels)
+        with atomic_path(self.folder / STATE_NAME) as tmp:
+            tmp.write_bytes(state)
+
+    def flush(self) -> None:
+        """Wait for the window file being written; a write that failed raises its error (once), and its window is
+        no longer counted as finished (`windows`)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.exception() is not None:
+            self.windows.pop()
+            raise pending.exception()
 
     def load(self, index: int, inputs: np.ndarray) -> np.ndarray:
         """The output of finished window `index`, rebuilt from its input frames uint8 [F,H,W,3]."""
@@ -431,7 +452,16 @@ class ResumeStore:
     # -- ending ------------------------------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Delete the store's own files (and the folder, if nothing else is in it)."""
+        """Delete the store's own files (and the folder, if nothing else is in it), after the writes under way (one
+        that failed loses nothing here: its file is deleted anyway)."""
+        try:
+            self.flush()
+        except (OSError, FastRemoverError):
+            pass
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
         if not self.folder.is_dir():
             return
         for entry in os.scandir(self.folder):

@@ -335,8 +335,9 @@ def test_a_full_disk_while_saving_a_window_leaves_no_part_file(tmp_path, monkeyp
 
     monkeypatch.setattr(stream, "_write_npz", full_disk)
     record = {"start": 0, "stop": 5, "overlap": 0, "box": None, "run_hw": None, "ran": True}
+    store.save(0, record, frames + 1, frames)  # written in the background: the error comes with the flush
     with pytest.raises(FastRemoverError, match="window_00000.npz: No space left"):
-        store.save(0, record, frames + 1, frames)
+        store.flush()
     assert leftovers(tmp_path) == [] and store.windows == []
 
 
