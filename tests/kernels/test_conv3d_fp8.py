@@ -312,6 +312,15 @@ def test_tma_configs_and_kernel_choice(raise_value_errors):
                 assert all(n == 0 or (n >= 16 and n & (n - 1) == 0) for n in (cfg.block_n0, cfg.block_n1))
                 assert cfg.bh * cfg.bw * width <= c.TMA_ACC_REGS_MAX * 32 * cfg.num_warps
                 assert 2 <= cfg.num_stages <= c.TMA_MAX_STAGES
+    # the tuning key holds w's patch width, not w: crops of widths with one patch width have the same candidates
+    # (with M in one power of two and on the same side of the few-tiles line), so one tuning serves them all
+    for cin, cout in ((96, 96), (192, 192), (384, 384), (384, 32)):
+        for h, widths in ((40, (320, 512, 640, 832)), (33, (296, 424)), (20, (200, 232))):
+            for m_of in (lambda w: 4 * h * w, lambda w: 1 << 20):
+                same = {tuple(c.tma_candidate_configs(cin, cout, h, w, m_of(w))) for w in widths
+                        if c.tma_tile_width(w) == c.tma_tile_width(widths[0])
+                        and (m_of(w) < 128 * 132 * 2) == (m_of(widths[0]) < 128 * 132 * 2)}
+                assert len(same) == 1, (cin, cout, h, widths)
     g = gen(8)
     x, prev = act(g, 1, 16, 2, 5, 6), act(g, 1, 16, 2, 5, 6)
     weight, bias = conv_weights(g, 16, 16)

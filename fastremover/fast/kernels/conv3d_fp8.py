@@ -566,7 +566,7 @@ def tuned_config(kernel: str, cin: int, cout: int, m: int, w: int, promote: int,
     """The config autotuning picked for a conv ("tma" or "pointer" kernel, fp8 GEMM input), None before its first
     call."""
     key = _tune_key(cin, cout, m, FP8, promote, has_bias, device)
-    return _TUNED.get(("tma",) + key + (w, False) if kernel == "tma" else key)
+    return _TUNED.get(("tma",) + key + (tma_tile_width(w), False) if kernel == "tma" else key)
 
 
 def _tuning_enabled() -> bool:
@@ -948,7 +948,10 @@ def _conv_tma(stream: torch.Tensor, n_prev: int, w_q: torch.Tensor, w_scale: tor
         if interp:
             config = cands[0]
         else:
-            key = ("tma",) + _tune_key(cin, cout, m, FP8, promote, bias is not None, y.device) + (w, residual is not None)
+            # the candidates depend on w only through its patch width: widths of one patch width share a tuning
+            # (like M's power of two), so a crop of a new width reuses one (configs change the speed, never the bits)
+            key = ("tma",) + _tune_key(cin, cout, m, FP8, promote, bias is not None, y.device) + (
+                tma_tile_width(w), residual is not None)
             config = autotune(_TUNED, key, cands, launch, _tuning_enabled(), "conv3d_fp8", device=y.device)
     launch(config)
 
