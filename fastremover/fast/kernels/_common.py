@@ -109,6 +109,12 @@ def pow2_split(width: int) -> tuple[int, int] | None:
 
 
 AUTOTUNE_NAMESPACE = "autotune"  # the persistent cache's entries (fastremover/cache.py)
+# triton.testing.do_bench's budget per candidate (ms of warm-up, ms of timed repetitions; the median is kept): a
+# tuning runs in a user's first process at each new size, so it is short. The kernels tuned here take 0.05-2 ms, so
+# 5 ms is 3-100 repetitions; triton's defaults (25 / 100 ms) cost ~0.1 s per candidate, and the 5 / 20 ms used before
+# ~0.11 s per tuning of 4-6 candidates (1.6 s of a real clip's first run, bench/results/cold-real-fast-*-8e5f193-h100)
+AUTOTUNE_WARMUP_MS = 1
+AUTOTUNE_REP_MS = 5
 
 
 def _stored_config(stored, cands: list):
@@ -157,7 +163,7 @@ def autotune(cache: dict, key: tuple, cands: list, launch, enabled: bool, what: 
         for c in cands:
             try:
                 launch(c)  # compile outside the timing
-                ms = do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median")
+                ms = do_bench(lambda: launch(c), warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, return_mode="median")
             except Exception as e:  # e.g. out of shared memory for this config: skip it
                 if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
                     raise
