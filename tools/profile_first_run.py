@@ -17,32 +17,20 @@ import os
 import pstats
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from fastremover.bench.cold import COLD_CLIPS, _pythonpath_env, write_checkpoint, write_clip
+    from fastremover.bench.cold import _pythonpath_env
+    from tools._workload import add_workload_args, workload_inputs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--workload", choices=sorted(COLD_CLIPS), default="real")
-    ap.add_argument("--mode", default="fast")
-    ap.add_argument("--checkpoint", help="a checkpoint folder (default: random weights written to a temp folder)")
-    ap.add_argument("--preset", default="minimax-remover", help="random weights' preset (tiny: a CPU smoke run)")
-    ap.add_argument("--clip", help="FRAMESxHEIGHTxWIDTH instead of the workload's clip")
+    add_workload_args(ap)
     ap.add_argument("--runs", type=int, default=1, help="second runs under cProfile (the last one is kept)")
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="fastremover-profile-"))
-    ckpt = Path(a.checkpoint) if a.checkpoint else write_checkpoint(work / "ckpt", a.preset, 0)
-    spec = COLD_CLIPS[a.workload]
-    if a.clip:
-        spec = (*map(int, a.clip.split("x")), *spec[3:])
-    video, mask = write_clip(work / "clip", *spec)
+    out, work, _, video, mask, ckpt = workload_inputs(a)
     cache = work / "cache"
     env = _pythonpath_env({"FASTREMOVER_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")})
     base = [sys.executable]

@@ -4,7 +4,8 @@ under torch.profiler. The first request after the load is what a fresh `fastremo
 engine. Per request: wall seconds, the GPU's busy seconds (the union of its kernels and copies), its idle gaps, the
 host's top operations by own time and the CUDA driver / runtime calls (module loads, allocations, syncs).
 
-    python tools/profile_request.py --out DIR [--workload real|w2] [--mode fast] [--requests 3] [--no-prime]
+    python tools/profile_request.py --out DIR [--workload real|w2] [--mode fast] [--checkpoint DIR] [--requests 3]
+                                    [--no-prime]
 
 Writes DIR/profile-request.json and prints a short table. Measures; asserts nothing.
 """
@@ -14,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,38 +54,22 @@ def summarize(prof, wall_s: float, top: int = 25) -> dict:
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from fastremover.bench.cold import COLD_CLIPS, _pythonpath_env, write_checkpoint, write_clip
+    from fastremover.bench.cold import engine_process
+    from tools._workload import add_workload_args, workload_inputs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--workload", choices=sorted(COLD_CLIPS), default="real")
-    ap.add_argument("--mode", default="fast")
-    ap.add_argument("--preset", default="minimax-remover", help="random weights' preset (tiny: a CPU smoke run)")
-    ap.add_argument("--clip", help="FRAMESxHEIGHTxWIDTH instead of the workload's clip")
+    add_workload_args(ap)
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--no-prime", action="store_true", help="no fresh-process run first (the caches stay empty)")
     a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="fastremover-profile-"))
-    spec = COLD_CLIPS[a.workload]
-    if a.clip:
-        spec = (*map(int, a.clip.split("x")), *spec[3:])
-    video, mask = write_clip(work / "clip", *spec)
-    ckpt = write_checkpoint(work / "ckpt", a.preset, 0)
+    out, work, spec, video, mask, ckpt = workload_inputs(a)
     cache = work / "cache"
     variables = {"FASTREMOVER_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton")}
     record: dict = {"command": "python tools/profile_request.py " + " ".join(argv or sys.argv[1:]),
                     "clip": list(spec[:3]), "mode": a.mode}
-    if not a.no_prime:
-        t = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "fastremover", "remove", str(video), "--mask", str(mask), "-o",
-                               str(work / "prime.mp4"), "--model", str(ckpt), "--mode", a.mode, "--quiet"],
-                              env=_pythonpath_env(variables), capture_output=True, text=True)
-        if proc.returncode:
-            print(proc.stderr[-3000:])
-            return 1
-        record["prime_run_s"] = round(time.perf_counter() - t, 3)
+    if not a.no_prime:  # `fastremover remove` in a fresh process with this cache folder (a failure raises)
+        record["prime_run_s"] = engine_process(video, mask, work / "prime.mp4", ckpt, a.mode, cache, [],
+                                               "the priming run")["wall_s"]
     os.environ.update(variables)
 
     import torch

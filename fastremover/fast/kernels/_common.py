@@ -111,8 +111,7 @@ def pow2_split(width: int) -> tuple[int, int] | None:
 AUTOTUNE_NAMESPACE = "autotune"  # the persistent cache's entries (fastremover/cache.py)
 # triton.testing.do_bench's budget per candidate (ms of warm-up, ms of timed repetitions; the median is kept): a
 # tuning runs in a user's first process at each new size, so it is short. The kernels tuned here take 0.05-2 ms, so
-# 5 ms is 3-100 repetitions; triton's defaults (25 / 100 ms) cost ~0.1 s per candidate, and the 5 / 20 ms used before
-# ~0.11 s per tuning of 4-6 candidates (1.6 s of a real clip's first run, bench/results/cold-real-fast-*-8e5f193-h100)
+# 5 ms is 3-100 repetitions (what it saves a first run: docs/performance.md, sessions 25-26).
 AUTOTUNE_WARMUP_MS = 1
 AUTOTUNE_REP_MS = 5
 
