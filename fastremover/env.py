@@ -73,6 +73,9 @@ class KernelTuning:
     # window's work overlaps the compiles); "wait" (or 1): it returns when its compiles are done; "off" (or 0): none
     precompile: str = _switch("background", "FASTREMOVER_PRECOMPILE", {"1": "wait", "wait": "wait", "background": "background",
                                                                  "0": "off", "off": "off"})
+    # a shape's first call replays its later denoise steps from a CUDA graph of one transformer step where the host's
+    # launches bound the step (engine/denoise.step_graph_pays; off: eagerly until a whole-loop recording pays)
+    step_graphs: bool = _switch(True, "FASTREMOVER_STEP_GRAPHS", _ON_OFF)
     # the persistent cache of warm-up results (fastremover/cache.py: Triton's kernels, cuDNN plan choices, autotune
     # results, FlashInfer's modules): a folder; "" = the platform's user cache folder (`cache_dir`); "off" = none
     cache_dir: str = _switch("", "FASTREMOVER_CACHE_DIR")

@@ -326,8 +326,10 @@ def padding_cost(pipe, frames, mask, options, warm_runs: int) -> dict:
 
 
 def capture_costs(pipe, latent_shapes: list[tuple], steps: int) -> dict:
-    """Per latent shape [1, 16, T, H, W]: one eager step, one replayed step of the recorded loop, and the recording
-    itself (seconds), on the pipeline's fast denoiser; the constants of engine/denoise.capture_pays come from these.
+    """Per latent shape [1, 16, T, H, W]: one eager step, one replayed step of the recorded loop, the recording
+    itself, and a whole call with its later steps replayed from a graph of one step (seconds; with whether that
+    call's output equals the eager loop's), on the pipeline's fast denoiser; the constants of
+    engine/denoise.capture_pays and step_graph_pays come from these.
     {"skipped": why} off CUDA or without a fast denoiser."""
     import torch
 
@@ -372,11 +374,21 @@ def capture_costs(pipe, latent_shapes: list[tuple], steps: int) -> dict:
         graph.replay()
         torch.cuda.synchronize(dev)
         replay_s = time.perf_counter() - t
+        del graph
+        # a call that does not record: its later steps replayed from a graph of one step (engine/denoise's
+        # step_graph_pays decides when the engine does it); the time of the whole call and whether its output is
+        # the eager loop's
+        want = eager()
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        stepped, why = den._loop_step_graph(scheduler, cond, *x)
+        torch.cuda.synchronize(dev)
+        step_graph_s = time.perf_counter() - t
         _, _, frames, h, w = shape
         rows.append({"latent_shape": list(shape), "tokens": frames * (h // 2) * (w // 2), "steps": steps,
                      "eager_step_s": round(eager_s / steps, 6), "replay_step_s": round(replay_s / steps, 6),
-                     "capture_s": round(capture_s, 6)})
-        del graph
+                     "capture_s": round(capture_s, 6), "step_graph_call_s": round(step_graph_s, 6),
+                     "step_graph_equal": why is None and bool(torch.equal(stepped, want)), "step_graph_error": why})
     return {"rows": rows}
 
 

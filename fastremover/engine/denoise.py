@@ -7,8 +7,9 @@ loop normally (which also compiles the Triton kernels and creates library handle
 `capture_pays` says a recording pays for itself (by default its second) runs the loop on a side stream (the warm-up
 a recording needs) and then records it into a graph (recording launches nothing); later calls with the same shape,
 steps and scheduler copy their inputs into the static buffers and replay. A shape seen once (a one-shot CLI run sees
-each crop size once) is never recorded. Replay runs the very same kernels on the same inputs as an eager call, so
-outputs are identical; the GPU tests check it with torch.equal.
+each crop size once) is never recorded whole; where the host's launches bound its steps, the call records one
+transformer step after its first two and replays that graph for the rest (`step_graph_pays`). Replay runs the very
+same kernels on the same inputs as an eager call, so outputs are identical; the GPU tests check it with torch.equal.
 
 Under sequence parallelism (the transformer's ParallelContext has several ranks) the captured loop holds the NCCL
 collectives too. Every rank must then take the same branch: after the capture the ranks agree (one all-reduce)
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from fastremover.env import kernel_tuning
 from fastremover.log import logger
 from fastremover.lru import LRUCache, held_while
 from fastremover.models.transformer import RemoverTransformer
@@ -57,6 +59,22 @@ CAPTURE_FIXED_S = 0.09
 def step_saving_s(tokens: int) -> float:
     """Seconds a replayed step saves over an eager one for a latent grid of `tokens` tokens (the model above)."""
     return max(0.0, HOST_STEP_S - tokens * GPU_STEP_S_PER_TOKEN)
+
+
+# A call that does not record its loop (a shape's first, in a one-shot CLI run every shape's) runs its first
+# STEP_GRAPH_EAGER_STEPS steps eagerly (the first calibrates the 8-bit attention, and between them they create every
+# kernel, plan and library object a later step uses), records the next step's transformer call as a CUDA graph of one
+# step, and replays it for the remaining steps; the scheduler's steps stay eager. Recording one step costs its host
+# launches (HOST_STEP_S) plus STEP_CAPTURE_FIXED_S to instantiate; it pays where the replays save more
+# (`step_graph_pays`: host-bound shapes, below ~9.7k tokens at 12 steps).
+STEP_GRAPH_EAGER_STEPS = 2
+STEP_CAPTURE_FIXED_S = 0.03
+
+
+def step_graph_pays(steps: int, tokens: int) -> bool:
+    """Whether a call of `steps` steps at `tokens` tokens replays its later steps from a graph of one step."""
+    replays = steps - STEP_GRAPH_EAGER_STEPS
+    return replays > 0 and replays * step_saving_s(tokens) > STEP_CAPTURE_FIXED_S + HOST_STEP_S
 
 
 def capture_pays(steps: int, calls: int, tokens: int = 0) -> bool:
@@ -120,10 +138,12 @@ class FastDenoiser:
     fastremover/lru.held_while). Which shapes are recorded, and when: `capture_pays`. One denoiser serves one thread
     at a time."""
 
-    def __init__(self, fast: FastTransformer, scheduler_config: dict, cuda_graphs: bool, max_graphs: int = 4):
+    def __init__(self, fast: FastTransformer, scheduler_config: dict, cuda_graphs: bool, max_graphs: int = 4,
+                 step_graphs: bool = True):
         self.fast = fast
         self.scheduler_config = scheduler_config
         self.cuda_graphs = cuda_graphs
+        self.step_graphs = step_graphs  # (and KernelTuning.step_graphs) graphs of one step in unrecorded calls
         self._graphs: LRUCache[tuple] = LRUCache(max_graphs)
         self._uncaptured: LRUCache[str] = LRUCache(max(16, max_graphs))  # shapes whose capture failed: why
         # calls per shape: a shape whose graph was evicted and returns is recorded again on its next call
@@ -140,6 +160,11 @@ class FastDenoiser:
 
         set_parallel(self.fast, ctx)
 
+    def _note(self, note: str) -> None:
+        if note not in self.notes:
+            self.notes.append(note)
+        logger.warning(note)
+
     @property
     def _context(self):
         return getattr(self.fast, "parallel", None)
@@ -149,6 +174,37 @@ class FastDenoiser:
             return self.fast.forward_step(model_input, cond, i)
 
         return denoise_loop(scheduler, flow, noise, masked_latents, mask_latents, progress)
+
+    def _loop_step_graph(self, scheduler, cond: Conditioning, noise, masked_latents, mask_latents, progress=None):
+        """`_loop` with the steps from STEP_GRAPH_EAGER_STEPS on replayed from a CUDA graph of one transformer step
+        (recorded here, dropped at the end): each replay runs the eager step's kernels on the same values (the
+        step's input and conditioning rows copied into the graph's static buffers), so the output is the eager
+        loop's. Returns (latents, why): `why` names the error where the recording failed (the remaining steps then
+        ran eagerly), else None."""
+        state: dict = {"why": None}
+
+        def flow(model_input, i):
+            if i < STEP_GRAPH_EAGER_STEPS or state["why"] is not None:
+                return self.fast.forward_step(model_input, cond, i)
+            if "graph" not in state:
+                static_in, slot = model_input.clone(), cond.slot()
+                slot.fill(cond, i)
+                try:
+                    with held_while() as state["libraries"]:
+                        state["graph"], state["out"] = record_one(
+                            lambda: self.fast.forward_step(static_in, slot, 0, calibrate=False), model_input.device)
+                except Exception as e:  # a capture the driver or a library refused: eager (the same kernels)
+                    state["why"] = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                    return self.fast.forward_step(model_input, cond, i)
+                state["in"], state["slot"] = static_in, slot
+            else:
+                state["in"].copy_(model_input)
+                state["slot"].fill(cond, i)
+            state["graph"].replay()
+            return state["out"].clone()  # (a scheduler may keep a step's output; the next replay overwrites this one)
+
+        out = denoise_loop(scheduler, flow, noise, masked_latents, mask_latents, progress)
+        return out, state["why"]
 
     @torch.no_grad()
     def __call__(self, noise, masked_latents, mask_latents, steps: int, progress: Progress | None = None,
@@ -175,7 +231,15 @@ class FastDenoiser:
         calls = (self._calls.get(key) or 0) + 1
         self._calls.put(key, calls)
         _, _, t, h, w = noise.shape
-        if not capture_pays(steps, calls, t * (h // 2) * (w // 2)):
+        tokens = t * (h // 2) * (w // 2)
+        if not capture_pays(steps, calls, tokens):
+            if (self.step_graphs and step_graph_pays(steps, tokens) and not (ctx is not None and ctx.is_parallel)
+                    and kernel_tuning().step_graphs):
+                out, why = self._loop_step_graph(scheduler, cond, noise, masked_latents, mask_latents, progress)
+                if why is not None:
+                    self._uncaptured.put(key, why)
+                    self._note(f"the denoise loop of shape {list(noise.shape)} runs without a CUDA graph: {why}")
+                return out
             return self._loop(scheduler, cond, noise, masked_latents, mask_latents, progress)
         # The call that records: run on a side stream first (the usual warm-up before capture: kernels compiled,
         # library handles, plans and cuDNN graphs created for this shape, none of which may happen during the
@@ -197,10 +261,7 @@ class FastDenoiser:
             captured, why = capture_agreed(record, self._context)
         if captured is None:
             self._uncaptured.put(key, why)
-            note = f"the denoise loop of shape {list(noise.shape)} runs without a CUDA graph: {why}"
-            if note not in self.notes:
-                self.notes.append(note)
-            logger.warning(note)
+            self._note(f"the denoise loop of shape {list(noise.shape)} runs without a CUDA graph: {why}")
             return out
         graph, static_out = captured
         # scheduler, cond, the transformer's per-shape tensors and the library objects the recording used stay
@@ -208,6 +269,28 @@ class FastDenoiser:
         held = self.fast.shape_state(tuple(noise.shape), noise.device)
         self._graphs.put(key, (graph, static_inputs, static_out, scheduler, cond, held, libraries))
         return out
+
+
+def record_one(fn: Callable, device: torch.device):
+    """(graph, fn's output) with fn's launches recorded into a CUDA graph on a side stream (nothing runs). Unlike
+    torch.cuda.graph it neither synchronizes nor empties the allocator's cache (a graph made and dropped within one
+    call), and only this thread's unsafe calls break the capture (other threads' work goes on)."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = fn()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 (the capture is invalid already; fn's error is the one to report)
+                pass
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return graph, out
 
 
 def capture_agreed(record: Callable, ctx=None):

@@ -156,6 +156,22 @@ class Conditioning:
     final_mods: torch.Tensor  # [N, 2, B, D] fp32: shift, scale of norm_out
     ffn_amax: torch.Tensor | None = None  # fp8: [N, L, 1] fp32 static bound of |gelu(h)| per step and block
 
+    def slot(self) -> "Conditioning":
+        """A one-step Conditioning in this one's layouts (each block's rows at the pointer alignment they have in
+        every step's rows, so the kernels that read them specialize alike): the static input of a CUDA graph of one
+        step, filled with step i's rows by `fill`."""
+        ffn = None
+        if self.ffn_amax is not None:  # rows of L padded (ffn_amax_bound): the same strides
+            ffn = self.ffn_amax.new_zeros(1, self.ffn_amax.stride(0), 1)[:, :self.ffn_amax.shape[1]]
+        return Conditioning(torch.empty_like(self.block_mods[:1]), torch.empty_like(self.final_mods[:1]), ffn)
+
+    def fill(self, source: "Conditioning", step: int) -> None:
+        """This slot's rows := `source`'s rows of `step` (device copies: graph-safe, no host sync)."""
+        self.block_mods.copy_(source.block_mods[step:step + 1])
+        self.final_mods.copy_(source.final_mods[step:step + 1])
+        if self.ffn_amax is not None:
+            self.ffn_amax.copy_(source.ffn_amax[step:step + 1])
+
 
 class FastTransformer(nn.Module):
     # the sequence-parallel hook (fastremover.parallel.context): this rank's tokens, the attention wrapped in the
@@ -552,8 +568,12 @@ class FastTransformer(nn.Module):
         return self._rowwise_rest(index, x, o, mods, next_mods, ffn_amax, s)
 
     @torch.no_grad()
-    def forward_step(self, hidden_states: torch.Tensor, cond: Conditioning, step: int) -> torch.Tensor:
-        """One denoise step's transformer call: [B, in, T, H, W] -> [B, out, T, H, W], conditioning of `step`."""
+    def forward_step(self, hidden_states: torch.Tensor, cond: Conditioning, step: int,
+                     calibrate: bool | None = None) -> torch.Tensor:
+        """One denoise step's transformer call: [B, in, T, H, W] -> [B, out, T, H, W], conditioning of `step`.
+        calibrate: whether this step writes the 8-bit attention's per-run K constants (default: step 0 does, later
+        steps read them; a graph of one later step reads step `step` of a one-step `Conditioning.slot`)."""
+        calibrate = step == 0 if calibrate is None else calibrate
         model = self.model
         grid = model.post_patch_grid(hidden_states.shape)
         rope = model.rope(grid, hidden_states.device)
@@ -578,7 +598,7 @@ class FastTransformer(nn.Module):
         for i in range(n_blocks):
             # the norm after this block: the next block's (fp8 codes in the fast mode), or norm_out's (model dtype)
             next_mods = (mods[i + 1][0], mods[i + 1][1], self.fp8) if i + 1 < n_blocks else (final[0], final[1], False)
-            n = self._block(i, x, n, mods[i], next_mods, rope, shape, calibrate=step == 0,
+            n = self._block(i, x, n, mods[i], next_mods, rope, shape, calibrate=calibrate,
                             ffn_amax=None if cond.ffn_amax is None else cond.ffn_amax[step, i])
         out = model.proj_out(n).view(b, s, -1)
         if layout is not None:

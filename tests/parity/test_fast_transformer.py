@@ -281,6 +281,72 @@ def test_fast_denoiser_cpu_matches_eager_loop():
     assert rel_err(fast(noise, masked, mask, steps=3), eager) <= 1e-4
 
 
+class _FakeGraph:
+    """Stands in for a CUDA graph of one step on the CPU: a replay runs the recorded call again into its output."""
+
+    replays = 0
+
+    def __init__(self, fn):
+        self.fn, self.out = fn, fn()
+
+    def replay(self):
+        _FakeGraph.replays += 1
+        self.out.copy_(self.fn())
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["recorded", "recording-fails"])
+def test_step_graph_loop_equals_the_eager_loop(monkeypatch, fail):
+    """FastDenoiser._loop_step_graph's plumbing (the step's input and conditioning rows copied into static buffers,
+    the later steps not calibrating again, each replay's output copied before the scheduler keeps it): the same
+    latents as the eager loop, bit for bit, on the fast mode's FP8 path (K calibrated at step 0, the FFN's static
+    bounds per step) with the graph faked by re-running the call; a recording that fails runs the rest eagerly."""
+    from fastremover.engine import denoise
+    from fastremover.schedulers import build_scheduler
+
+    def record(fn, device):
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graph = _FakeGraph(fn)
+        return graph, graph.out
+
+    monkeypatch.setattr(denoise, "record_one", record)
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    with attention_fakes.registered("test-flash3-like", codes_call=attention_fakes.fake_flash3_codes,
+                                    output="centred-16bit", row_split_block_m=128):
+        fast = FastTransformer(tiny_model(seed), linear_method="fp8-rowwise", use_triton=False,
+                               attention="test-flash3-like")
+        den = FastDenoiser(fast, DEFAULT_SCHEDULER_CONFIG, cuda_graphs=True)
+        noise, masked, mask = (inputs(seed + s, (1, 16, 2, 8, 12)) for s in (1, 2, 3))
+        steps = 6
+        scheduler = build_scheduler(DEFAULT_SCHEDULER_CONFIG, steps, device=noise.device)
+        cond = fast.conditioning(scheduler.timesteps, 1)
+        eager = den._loop(scheduler, cond, noise, masked, mask)
+        _FakeGraph.replays = 0
+        got, why = den._loop_step_graph(scheduler, cond, noise, masked, mask)
+    assert torch.equal(got, eager)
+    if fail:
+        assert "capture failed (RuntimeError: operation not permitted" in why and _FakeGraph.replays == 0
+    else:
+        assert why is None and _FakeGraph.replays == steps - denoise.STEP_GRAPH_EAGER_STEPS
+
+
+def test_conditioning_slot_keeps_each_blocks_alignment():
+    """A one-step slot has the layouts of the full Conditioning (the FFN bounds' rows padded), and `fill` copies
+    step i's rows."""
+    with attention_fakes.registered("test-flash3-like", codes_call=attention_fakes.fake_flash3_codes,
+                                    output="centred-16bit", row_split_block_m=128):
+        fast = FastTransformer(tiny_model(2), linear_method="fp8-rowwise", use_triton=False,
+                               attention="test-flash3-like")
+    cond = fast.conditioning(torch.tensor([900.0, 500.0, 100.0]), batch=1)
+    slot = cond.slot()
+    for name in ("block_mods", "final_mods", "ffn_amax"):
+        full, one = getattr(cond, name), getattr(slot, name)
+        assert one.shape[1:] == full.shape[1:] and one.stride() == full.stride(), name
+    slot.fill(cond, 2)
+    assert torch.equal(slot.block_mods[0], cond.block_mods[2]) and torch.equal(slot.final_mods[0], cond.final_mods[2])
+    assert torch.equal(slot.ffn_amax[0], cond.ffn_amax[2])
+
+
 def test_modes_fall_back_on_cpu_with_a_note():
     mode, notes = resolve_mode("fast", torch.device("cpu"))
     assert mode == "eager" and "eager" in notes[0]
@@ -457,6 +523,33 @@ def test_gpu_graph_replay_is_bit_identical(real_model, mode, attention, expect):
     print(f"{mode} ({expect} attention): 4-step latents cos vs eager {cos(replay, eager):.6f}")
     assert cos(replay, eager) > (0.9999 if mode == "exact" else 0.99)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_gpu_step_graph_first_call_equals_the_eager_loop(real_model, mode):
+    """A host-bound shape's first call (the measured 320x256 crop's 3520 tokens, 12 steps; no whole-loop recording
+    yet) replays its later steps from a graph of one transformer step: torch.equal to the eager loop on the same
+    inputs, at the real config, in each fast mode with its default attention."""
+    from fastremover.engine import denoise
+    from fastremover.schedulers import build_scheduler
+
+    denoiser, _ = build_denoiser(real_model, DEFAULT_SCHEDULER_CONFIG, mode, torch.device("cuda"))
+    shape, steps = (1, 16, 11, 32, 40), 12
+    assert denoise.step_graph_pays(steps, 11 * 16 * 20) and not denoise.capture_pays(steps, 1, 11 * 16 * 20)
+    noise, masked, mask = (inputs(s, shape, "cuda", torch.float16) for s in (4, 5, 6))
+    used = []
+    real = denoiser._loop_step_graph
+    denoiser._loop_step_graph = lambda *a, **k: used.append(1) or real(*a, **k)
+    first = denoiser(noise, masked, mask, steps=steps)
+    assert used and not denoiser.notes, denoiser.notes
+    scheduler = build_scheduler(DEFAULT_SCHEDULER_CONFIG, steps, device="cuda")
+    cond = denoiser.fast.conditioning(scheduler.timesteps, 1)
+    eager = denoiser._loop(scheduler, cond, noise, masked, mask)
+    assert torch.equal(first, eager)
+    again, why = real(scheduler, cond, noise.roll(1, dims=-1), masked, mask)  # the graph reads each step's inputs
+    assert why is None and torch.equal(again, denoiser._loop(scheduler, cond, noise.roll(1, dims=-1), masked, mask))
+    assert not torch.equal(again, eager)
 
 
 @pytest.mark.gpu

@@ -183,7 +183,7 @@ def test_option_table_lists_every_option_once():
     assert {r["env"] for r in rows if r["env"]} == {"FASTREMOVER_FUSED_FFN1", "FASTREMOVER_CONV3D_FP8_TUNE",
                                                     "FASTREMOVER_UPCONV_TUNE", "FASTREMOVER_CUDNN_CONV_PLANS",
                                                     "FASTREMOVER_SPARSE_ATTN_CONFIG", "FASTREMOVER_CACHE_DIR",
-                                                    "FASTREMOVER_PRECOMPILE"}
+                                                    "FASTREMOVER_PRECOMPILE", "FASTREMOVER_STEP_GRAPHS"}
 
 
 def test_choice_lists_are_defined_once():

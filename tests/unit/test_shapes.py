@@ -125,6 +125,10 @@ def test_capture_rule():
     assert not denoise.capture_pays(1, 2, tokens=3520)  # one step does not pay for a recording
     assert not any(denoise.capture_pays(12, n, tokens=13440) for n in range(1, 100))  # GPU-bound: never
     assert denoise.step_saving_s(3520) > 0.04 and denoise.step_saving_s(13440) == 0.0
+    # a call that does not record: a graph of one step for the steps after the eager ones, where the host bounds
+    assert denoise.step_graph_pays(12, 3520) and not denoise.step_graph_pays(12, 13440)
+    assert not denoise.step_graph_pays(denoise.STEP_GRAPH_EAGER_STEPS, 100)  # no step left to replay
+    assert not denoise.step_graph_pays(denoise.STEP_GRAPH_EAGER_STEPS + 1, 3520)  # one replay does not pay
     # the crossover lies between the measured host-bound and GPU-bound shapes
     last = max(t for t in range(0, 20000, 10) if denoise.capture_pays(12, 1000, tokens=t))
     assert 3520 < last < 13440
