@@ -21,8 +21,12 @@ Since every candidate that can be chosen gave torch's bits, which one wins the t
 reproducible across processes and machines. The choice is kept in the persistent cache (fastremover/cache.py; on CUDA,
 keyed by the signature, the candidate list, the GPU and the library versions): a later process builds only the
 stored plan and checks it once against torch's output of its first call (equal: used, no timing; not equal: noted,
-chosen again as above). The choices of one ConvPlans are bounded (MAX_SIGNATURES, least recently used out). Inputs the plans were not built for (another data pointer alignment,
-a CUDA graph capture in progress, another signature) take torch's call or their own first call.
+chosen again as above). A signature met for the first time whose class (`class_key`: the same conv and chunk length
+at other rows and columns, i.e. another crop size) has a measured choice takes that choice untimed: torch's call as
+it is, or the class's plan if it builds and passes both equality checks (else it is chosen in full). The choices of
+one ConvPlans are bounded (MAX_SIGNATURES, least recently used out). Inputs the plans were not built for (another
+data pointer alignment, a CUDA graph capture in progress, another signature) take torch's call or their own first
+call.
 
 Cost of a first call: the plan builds, 2 + 2 x (candidates) conv runs for the equality checks and 4 x (1 + kept)
 for the timing, and, transiently, a random input and two outputs of the signature (at W2's encoder level 0 about
@@ -90,6 +94,20 @@ class Choice:
     shape: tuple = ()  # the output's shape and strides (torch's, which the plans write too)
     stride: tuple = ()
     cached: bool = False  # taken from the persistent cache (checked once against torch's output, not timed)
+    inferred: bool = False  # the choice of a conv of the same class at another input size (checked, not timed)
+
+
+def differs(run: Callable, checks: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """None if run(x, y_out) reproduces each check's (input, torch's output) bit for bit, else why not."""
+    try:
+        for x, want in checks:
+            got = torch.empty_strided(want.shape, want.stride(), dtype=want.dtype, device=want.device)
+            run(x, got)
+            if not torch.equal(got, want):
+                return "output differs from torch's"
+    except Exception as exc:  # noqa: BLE001 - a plan that fails to run is not a candidate
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None
 
 
 def choose(default: Callable[[torch.Tensor], torch.Tensor], candidates: dict[str, Callable],
@@ -103,17 +121,11 @@ def choose(default: Callable[[torch.Tensor], torch.Tensor], candidates: dict[str
     else the default."""
     kept, rejected = {}, {}
     for name, run in candidates.items():
-        try:
-            for x, want in checks:
-                got = torch.empty_strided(want.shape, want.stride(), dtype=want.dtype, device=want.device)
-                run(x, got)
-                if not torch.equal(got, want):
-                    rejected[name] = "output differs from torch's"
-                    break
-            else:
-                kept[name] = run
-        except Exception as exc:  # noqa: BLE001 - a plan that fails to run is not a candidate
-            rejected[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        why = differs(run, checks)
+        if why is None:
+            kept[name] = run
+        else:
+            rejected[name] = why
     x0, y0 = checks[0]
     torch_ms = time_ms(lambda: default(x0))
     best = Choice("torch", None, torch_ms, torch_ms, list(kept), rejected)
@@ -154,6 +166,7 @@ class ConvPlans:
             cache = default_cache() if torch.device(device).type == "cuda" else None
         self.cache = cache
         self.choices: LRUCache[Choice] = LRUCache(MAX_SIGNATURES)
+        self._class_hints: dict[str, str] = {}  # class_key -> the plan its last measured choice took
         self._lock = threading.Lock()
 
     @staticmethod
@@ -187,6 +200,40 @@ class ConvPlans:
         library versions)."""
         return [x.dim() - 2, list(x.shape), list(x.stride()), list(weight.shape), list(weight.stride()), str(x.dtype),
                 list(stride), list(padding), list(self.candidates)]
+
+    def class_key(self, x: torch.Tensor, weight: torch.Tensor, stride, padding) -> list:
+        """What a choice is taken over to: the signature without the input's rows and columns (the same conv, at the
+        same chunk length, of another crop size)."""
+        order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+        return ["class", x.dim() - 2, list(x.shape[:-2]), order, list(weight.shape), list(weight.stride()),
+                str(x.dtype), list(stride), list(padding), list(self.candidates)]
+
+    def _class_hint(self, ckey: list) -> str | None:
+        """The plan a conv of this class chose last (this process's, else the persistent cache's), or None."""
+        hint = self._class_hints.get(repr(ckey))
+        if hint is None and self.cache is not None:
+            from fastremover.cache import environment
+
+            stored = self.cache.get(NAMESPACE, ckey, environment(self.device))
+            hint = stored.get("plan") if isinstance(stored, dict) else None
+        return hint if hint in ("torch", *self.candidates) else None
+
+    def _inferred_choice(self, name, x, weight, y, stride, padding) -> Choice | None:
+        """`name`, the choice of a conv of the same class, for this signature without timing: torch's call as it is;
+        a plan if it builds and reproduces torch's output on this call's input and on a random one (the equality
+        checks of a full choice), else None (then chosen in full)."""
+        if name == "torch":
+            return Choice("torch", inferred=True)
+        plans = self._builder(x, weight, y, stride, padding, (name,))
+        index = plans.built.get(name)
+        if index is None:
+            return None
+        probe = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).normal_()
+        checks = [(x, y), (probe, self.torch_conv(probe, weight, stride, padding))]
+        if differs(lambda xi, yo: plans.run(index, xi, weight, yo), checks) is not None:
+            return None
+        return Choice(name, lambda xi, w, yo, index=index: plans.run(index, xi, w, yo), equal_candidates=[name],
+                      inferred=True)
 
     def _stored_choice(self, key, x, weight, y, stride, padding) -> Choice | None:
         """The persistent cache's choice for `key` if it still holds: "torch", or a candidate whose plan builds and
@@ -224,15 +271,24 @@ class ConvPlans:
             choice.shape, choice.stride = tuple(y.shape), y.stride()
             return y, choice
         key = self.cache_key(x, weight, stride, padding)
+        ckey = self.class_key(x, weight, stride, padding)
         with phase("cudnn_plans"):
             choice = self._stored_choice(key, x, weight, y, stride, padding) if self.cache is not None else None
             if choice is None:
-                choice = self._choose(x, weight, y, stride, padding)
+                hint = self._class_hint(ckey)
+                choice = None if hint is None else self._inferred_choice(hint, x, weight, y, stride, padding)
+                measured = choice is None
+                if measured:
+                    choice = self._choose(x, weight, y, stride, padding)
+                    self._class_hints[repr(ckey)] = choice.name
                 if self.cache is not None:
                     from fastremover.cache import environment
 
+                    env = environment(self.device)
                     self.cache.put(NAMESPACE, key, {"plan": choice.name, "torch_ms": choice.torch_ms,
-                                                    "ms": choice.ms}, environment(self.device))
+                                                    "ms": choice.ms}, env)
+                    if measured:
+                        self.cache.put(NAMESPACE, ckey, {"plan": choice.name}, env)
         choice.shape, choice.stride = tuple(y.shape), y.stride()
         return y, choice
 
@@ -254,11 +310,12 @@ class ConvPlans:
         """One row per signature whose first call was a candidate for plans: shapes, choice, timings."""
         rows = []
         for key, c in self.choices.items():
-            if c.torch_ms is None:
+            if c.torch_ms is None and not c.inferred:
                 continue
-            rows.append({"x": list(key[1]), "w": list(key[3]), "plan": c.name, "torch_ms": round(c.torch_ms, 4),
-                         "ms": round(c.ms, 4), "equal_candidates": len(c.equal_candidates),
-                         "rejected": len(c.rejected), "cached": c.cached})
+            ms = (lambda v: None if v is None else round(v, 4))
+            rows.append({"x": list(key[1]), "w": list(key[3]), "plan": c.name, "torch_ms": ms(c.torch_ms),
+                         "ms": ms(c.ms), "equal_candidates": len(c.equal_candidates),
+                         "rejected": len(c.rejected), "cached": c.cached, "inferred": c.inferred})
         return rows
 
 

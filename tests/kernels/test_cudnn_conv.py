@@ -117,6 +117,51 @@ def test_conv_plans_first_call_chooses_then_runs_the_plan(monkeypatch):
     assert torch.equal(plans.conv(x2, w2, 1, (0, 1, 1)), _conv(x2, w2)) and _FakePlans.builds == 2
 
 
+class _SizeDependentPlans(_FakePlans):
+    """'good' computes torch's conv except at inputs of 9 columns, where it sums in another order (one ulp off)."""
+
+    def run(self, index, x, weight, y):
+        super().run(index, x, weight, y)
+        if x.shape[-1] == 9:
+            y.view(-1)[1] = torch.nextafter(y.view(-1)[1], torch.tensor(float("inf")))
+
+
+def test_a_new_size_of_a_known_conv_takes_its_choice_after_the_equality_checks():
+    """Another crop size of a conv whose choice was measured (rows and columns; the chunk length is kept): its plan is
+    built alone and used without timing if it reproduces torch's output on the call's input and a random one; a
+    plan that differs at the new size is measured in full (and not chosen); a class whose measured choice was
+    torch's call takes it with no build; another weight is another class."""
+    _SizeDependentPlans.builds = 0
+    clock = _clock([5.0, 1.0, 5.0, 5.0, 1.0, 5.0, 1.0])
+    plans = ConvPlans(torch.device("cpu"), candidates=("good", "off"), min_gflop=0.0, builder=_SizeDependentPlans,
+                      time_ms=clock, cache=None)
+    x, w = _inputs()
+    plans.conv(x, w, 1, (0, 1, 1))
+    assert _SizeDependentPlans.builds == 1 and len(clock.calls) == 2
+    x2, _ = _inputs(3, h=8, w=5)
+    assert torch.equal(plans.conv(x2, w, 1, (0, 1, 1)), _conv(x2, w))
+    choice = plans.choices.get((3, tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), x2.dtype, (1, 1, 1),
+                                (0, 1, 1)))
+    assert choice.name == "good" and choice.inferred and _SizeDependentPlans.builds == 2 and len(clock.calls) == 2
+    xs, _ = _inputs(4, h=8, w=5)
+    assert torch.equal(plans.conv(xs, w, 1, (0, 1, 1)), _conv(xs, w))  # the inferred plan runs from then on
+    x3, _ = _inputs(5, w=9)  # 'good' is off by an ulp here: the full choice, which keeps torch's call
+    assert torch.equal(plans.conv(x3, w, 1, (0, 1, 1)), _conv(x3, w))
+    assert _SizeDependentPlans.builds == 4 and len(clock.calls) == 3  # a build for the hint, one for the full choice
+    choice = plans.choices.get((3, tuple(x3.shape), x3.stride(), tuple(w.shape), w.stride(), x3.dtype, (1, 1, 1),
+                                (0, 1, 1)))
+    assert choice.name == "torch" and not choice.inferred
+    x4, _ = _inputs(6, h=5)  # the class's last measured choice is now torch's call: no build, no timing
+    assert torch.equal(plans.conv(x4, w, 1, (0, 1, 1)), _conv(x4, w))
+    assert _SizeDependentPlans.builds == 4 and len(clock.calls) == 3
+    w5 = torch.randn(4, 4, 1, 3, 3)  # another weight shape: its own class, measured in full
+    plans.conv(x, w5, 1, (0, 1, 1))
+    assert _SizeDependentPlans.builds == 5
+    x6, _ = _inputs(8, t=5, h=8, w=5)  # another chunk length: its own class too
+    plans.conv(x6, w, 1, (0, 1, 1))
+    assert _SizeDependentPlans.builds == 6
+
+
 def test_small_convs_and_unaligned_inputs_keep_torchs_call():
     _FakePlans.builds = 0
     plans = ConvPlans(torch.device("cpu"), candidates=("good",), builder=_FakePlans, time_ms=_clock([1.0, 0.1]))
@@ -178,9 +223,10 @@ def test_gpu_plan_at_the_w2_encoder_conv_gives_torchs_bits():
 
 
 @pytest.mark.gpu
-def test_gpu_fast_vae_w2_same_bits_with_and_without_plans():
-    """The whole fast VAE at W2 (81 x 480 x 832, fp16, random weights): both removal encodes and the decode give
-    torch.equal results with conv_plans on and off, and plans ran for some of the convs."""
+def test_gpu_fast_vae_w2_same_bits_with_and_without_plans(monkeypatch, tmp_path):
+    """The whole fast VAE at W2 (81 x 480 x 832, fp16, random weights), then at a crop of another size (41 x 320 x
+    640, whose convs take the W2 choices of their classes after the equality checks, untimed): both removal encodes
+    and the decode give torch.equal results with conv_plans on and off, and plans ran for some of the convs."""
     from fastremover import media
     from fastremover.fast.vae import FastWanVAE
     from fastremover.models.loading import random_init_
@@ -188,23 +234,32 @@ def test_gpu_fast_vae_w2_same_bits_with_and_without_plans():
 
     if cudnn_conv.available(torch.device("cuda"), torch.float16):
         pytest.skip(cudnn_conv.available(torch.device("cuda"), torch.float16))
+    monkeypatch.setenv("FASTREMOVER_CACHE_DIR", str(tmp_path / "cache"))  # an empty cache: every choice made here
+    monkeypatch.setattr("fastremover.cache._default", None)  # (the process's own cache is put back afterwards)
     dev = torch.device("cuda")
     vae = random_init_(WanVAE(WanVAEConfig()), 1).eval()
-    clip, mask = media.synthetic_clip(81, 480, 832, seed=0)
-    x = torch.from_numpy(clip.frames).to(dev).permute(3, 0, 1, 2)[None].half().div_(127.5).sub_(1.0)
-    m = torch.from_numpy(mask).to(dev)[None, None].expand(1, 3, -1, -1, -1).half().contiguous()
+    inputs = []
+    for frames, h, w in ((81, 480, 832), (41, 320, 640)):
+        clip, mask = media.synthetic_clip(frames, h, w, seed=0)
+        x = torch.from_numpy(clip.frames).to(dev).permute(3, 0, 1, 2)[None].half().div_(127.5).sub_(1.0)
+        m = torch.from_numpy(mask).to(dev)[None, None].expand(1, 3, -1, -1, -1).half().contiguous()
+        inputs.append((x, m))
     outs = {}
     for on in (False, True):
         fast = FastWanVAE(vae, device=dev, dtype=torch.float16, options=FastVAEOptions(conv_plans=on))
-        fast.encode_removal_inputs(x, m)  # the plans' first calls (and Triton's compiles)
-        za, zb = fast.encode_removal_inputs(x, m)
-        outs[on] = (za, zb, fast.decode(za))
+        for size, (x, m) in enumerate(inputs):
+            fast.encode_removal_inputs(x, m)  # the plans' first calls (and Triton's compiles)
+            za, zb = fast.encode_removal_inputs(x, m)
+            outs[on, size] = (za, zb, fast.decode(za))
         if on:
             rows = fast.convs.plans.report()
             chosen = [r for r in rows if r["plan"] != "torch"]
-            print(f"plans for {len(chosen)} of {len(rows)} signatures: "
-                  + "; ".join(f"{r['x']} {r['torch_ms']:.3f}->{r['ms']:.3f} ms" for r in chosen))
+            ms = (lambda v: "untimed" if v is None else f"{v:.3f}")
+            print(f"plans for {len(chosen)} of {len(rows)} signatures ({sum(r['inferred'] for r in rows)} from "
+                  "their class): " + "; ".join(f"{r['x']} {ms(r['torch_ms'])}->{ms(r['ms'])} ms" for r in chosen))
             assert chosen, rows
+            assert any(r["inferred"] and r["plan"] != "torch" for r in rows), rows
         del fast
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.equal(a, b)
+    for size in range(len(inputs)):
+        for a, b in zip(outs[False, size], outs[True, size]):
+            assert torch.equal(a, b)

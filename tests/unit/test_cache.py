@@ -209,7 +209,7 @@ def test_conv_plan_choice_is_persisted_and_reused_after_one_equality_check(tmp_p
     assert torch.equal(first.conv(x, w, 1, (0, 1, 1)), want)
     (choice,) = first.choices.values()
     assert choice.name == "good" and not choice.cached and _FakePlans.builds == [("off", "good")]
-    assert store.writes == 1
+    assert store.writes == 2  # the signature's choice and its class's (cudnn_conv.ConvPlans.class_key)
     # a new process: the stored choice is built alone, checked once against torch's output, and used; no timing
     clock = _clock()
     second = ConvPlans(torch.device("cpu"), candidates=("off", "good"), min_gflop=0.0, builder=_FakePlans,
@@ -224,6 +224,29 @@ def test_conv_plan_choice_is_persisted_and_reused_after_one_equality_check(tmp_p
                       cache=PersistentCache(tmp_path))
     third.conv(x, w, 1, (0, 1, 1))
     assert not next(iter(third.choices.values())).cached
+
+
+def test_a_conv_class_choice_carries_to_a_new_size_in_a_new_process(tmp_path):
+    """A new process meeting a conv of a known class at a new input size builds the class's plan alone, checks it
+    against torch's output and a random input's, and uses it without timing; the signature's choice is stored."""
+    from fastremover.fast.cudnn_conv import ConvPlans
+
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(1, 4, 4, 6, 7, generator=g), torch.randn(4, 4, 3, 3, 3, generator=g)
+    first = ConvPlans(torch.device("cpu"), candidates=("off", "good"), min_gflop=0.0, builder=_FakePlans,
+                      time_ms=_clock(), cache=PersistentCache(tmp_path))
+    first.conv(x, w, 1, (0, 1, 1))
+    _FakePlans.builds = []
+    clock = _clock()
+    store = PersistentCache(tmp_path)
+    second = ConvPlans(torch.device("cpu"), candidates=("off", "good"), min_gflop=0.0, builder=_FakePlans,
+                       time_ms=clock, cache=store)
+    x2 = torch.randn(1, 4, 4, 9, 5, generator=g)  # the same conv at another crop size
+    assert torch.equal(second.conv(x2, w, 1, (0, 1, 1)), F.conv3d(x2, w, None, 1, (0, 1, 1)))
+    (choice,) = second.choices.values()
+    assert choice.name == "good" and choice.inferred and _FakePlans.builds == [("good",)] and clock.calls == 0
+    key = second.cache_key(x2, w, (1, 1, 1), (0, 1, 1))
+    assert store.get("cudnn_conv_plan", key, environment("cpu"))["plan"] == "good"
 
 
 def test_a_stored_plan_that_no_longer_gives_torchs_bits_is_dropped_and_chosen_again(tmp_path):
