@@ -124,8 +124,10 @@ def engine_process(video: Path, mask: Path, out: Path, checkpoint: Path, mode: s
     """`fastremover remove` in a fresh process with the persistent cache (and Triton's) in `cache_dir` (and the
     variables of `extra_env`)."""
     timings = out.with_suffix(".timings.json")
+    # (CUDA_CACHE_PATH: the driver's JIT cache, where cuDNN's runtime-compiled kernels land, new with the cache
+    # folder too: a machine's earlier runs do not warm a first-ever run)
     env = _pythonpath_env({"FASTREMOVER_CACHE_DIR": str(cache_dir), "TRITON_CACHE_DIR": str(cache_dir / "triton"),
-                           **(extra_env or {})})
+                           "CUDA_CACHE_PATH": str(cache_dir / "cuda"), **(extra_env or {})})
     argv = ["-m", "fastremover", "remove", str(video), "--mask", str(mask), "-o", str(out), "--model",
             str(checkpoint), "--mode", mode, "--timings-json", str(timings), "--quiet", *engine_args]
     run = run_process(argv, env, what)
@@ -155,7 +157,8 @@ def reference_process(video: Path, mask: Path, out: Path, checkpoint: Path, devi
     argv = ["-m", "fastremover.bench.cold", "reference", "--model", str(checkpoint), "--video", str(video),
             "--mask", str(mask), "-o", str(out), "--json", str(record_path), "--device", device, "--precision",
             precision, "--steps", str(steps), "--seed", str(seed)]
-    run = run_process(argv, _pythonpath_env({}), "the reference")
+    run = run_process(argv, _pythonpath_env({"CUDA_CACHE_PATH": str(out.parent / "reference-cuda-cache")}),
+                      "the reference")
     record = json.loads(record_path.read_text())
     spawn = run["spawn_unix"]
     return {"cold_s": round(record["cold_end_unix"] - spawn, 4), "warm_s": round(record["warm_s"], 4),

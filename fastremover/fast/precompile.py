@@ -540,8 +540,11 @@ class Precompiler:
             return report
         t0 = time.perf_counter()
         try:
-            rec = self.record(new)
-            pending = [(k, launch) for k, launch in rec.unique(self.backend) if k not in self.keys]
+            from fastremover.timing import phase
+
+            with phase("precompile_record"):  # (inside the engine's "precompile": the recording's share of it)
+                rec = self.record(new)
+                pending = [(k, launch) for k, launch in rec.unique(self.backend) if k not in self.keys]
         except Exception as e:  # noqa: BLE001 (precompile is an optimization: the run compiles lazily instead)
             log.debug("precompile: recording %s failed: %s: %s", new, type(e).__name__, e)
             self.done.update(new)
