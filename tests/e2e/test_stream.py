@@ -223,6 +223,84 @@ _KILLED_RUN = textwrap.dedent("""
 """)
 
 
+class _CountedClip:
+    """stream.open_clip with the pairs it hands out counted (and the thread that decoded each one)."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        self.read, self.threads, self.closed = 0, set(), False
+        self.enough = threading.Event()
+        real = stream.open_clip
+
+        def open_clip(*args, **kwargs):
+            clip = real(*args, **kwargs)
+            inner = clip.pairs
+
+            def pairs():
+                try:
+                    for pair in inner:
+                        self.read += 1
+                        self.threads.add(threading.current_thread().name)
+                        if self.read >= self.want:
+                            self.enough.set()
+                        yield pair
+                finally:
+                    self.closed = True
+
+            clip.pairs = pairs()
+            return clip
+
+        monkeypatch.setattr(stream, "open_clip", open_clip)
+
+
+def _slow_load(monkeypatch, counted, *, fail: bool = False):
+    """The worker's model load, waiting until the clip has been read as far as `counted.want` (or failing then)."""
+    real = RemovalWorker.pipeline
+
+    def pipeline(self):
+        assert counted.enough.wait(60), f"only {counted.read} frames were read while the model loaded"
+        counted.read_during_load = counted.read
+        if fail:
+            raise FastRemoverError("the model could not be loaded")
+        return real.fget(self)
+
+    monkeypatch.setattr(RemovalWorker, "pipeline", property(pipeline))
+
+
+def test_the_first_window_is_read_while_the_model_loads(tmp_path, monkeypatch):
+    """The first window's frames (window + 1) are decoded in a background thread while the model loads, and no more
+    than those; the output is the same bytes as a run without the wait."""
+    import threading
+
+    options = RunOptions(window=9, overlap=2)
+    v, m = _inputs(tmp_path, 30)
+    RemovalWorker().run(Job(str(v), str(m), str(tmp_path / "ref.mp4"), options=options))
+    counted = _CountedClip(monkeypatch)
+    counted.want = options.window + 1
+    _slow_load(monkeypatch, counted)
+    result = RemovalWorker().run(Job(str(v), str(m), str(tmp_path / "out.mp4"), options=options))
+    assert counted.read_during_load == options.window + 1  # the head read ahead, and stopped there
+    assert "fastremover-first-read" in counted.threads and counted.read == 30 and result.num_frames == 30
+    assert (tmp_path / "out.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
+    assert not any(t.name == "fastremover-first-read" for t in threading.enumerate())
+
+
+def test_a_failed_model_load_stops_the_first_read_and_closes_the_inputs(tmp_path, monkeypatch):
+    import threading
+
+    options = RunOptions(window=9, overlap=2)
+    v, m = _inputs(tmp_path, 30)
+    counted = _CountedClip(monkeypatch)
+    counted.want = 3
+    _slow_load(monkeypatch, counted, fail=True)
+    with pytest.raises(FastRemoverError, match="could not be loaded"):
+        RemovalWorker().run(Job(str(v), str(m), str(tmp_path / "out.mp4"), options=options))
+    assert counted.closed and counted.read <= options.window + 1
+    assert not any(t.name == "fastremover-first-read" for t in threading.enumerate())
+    assert not (tmp_path / "out.mp4").exists()
+
+
 def test_sigkill_then_resume_gives_the_uninterrupted_output(tmp_path, classic_worker):
     v, m = _inputs(tmp_path, 23)  # 3 windows of 9 frames, overlap 2
     assert len(plan_windows(23, 9, 2)) == 3
