@@ -251,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     cold.add_argument("--padding-cost", action="store_true",
                       help="--cold: also time the clip with canonical run shapes off and on (RunOptions.shape_buckets)")
     cold.add_argument("--capture-costs", action="store_true",
-                      help="--cold, CUDA: an eager step, a replayed step and the graph recording per run shape (the "
-                      "costs of engine/denoise.capture_pays)")
+                      help="--cold, CUDA: an eager step, a replayed step, the graph recording and a call replaying "
+                      "a graph of one step, per run shape (the costs of engine/denoise.capture_pays, step_graph_pays)")
     cold.add_argument("--precompile-variants", default="", metavar="V[,V]",
                       help="--cold: also the engine's first and second runs with FASTREMOVER_PRECOMPILE set to each "
                       "of these (wait, background, off), each with an empty cache of its own, beside the default's")

@@ -20,7 +20,8 @@ and in this process, after them:
     padding_cost         (flag) the clip with `shape_buckets` 0 and the default, warm: the time and pixels the
                          canonical shapes add, and the run shapes each gives
     capture_costs        (flag, CUDA) per latent shape of the run: an eager step, a replayed step and the recording
-                         of the denoise loop as a CUDA graph (the costs engine/denoise.capture_pays uses)
+                         of the denoise loop as a CUDA graph, and a call replaying a graph of one step (the costs
+                         engine/denoise.capture_pays and step_graph_pays use)
 
 The engine's processes write `--timings-json` (fastremover/timing.py): the cold run's `phases` come from there
 (start-up until the CLI's main, imports, weight read, host-to-device, quantization, Triton compiles, autotuning,
