@@ -773,6 +773,11 @@ def write_frames(
     audio_path = None if audio_from is None else Path(audio_from)
     if audio_path is not None:
         _check_exists(audio_path)
+    # the temporary output appears with the first frame: a write abandoned before it (a run stopped early, its
+    # producer interrupted before it could abandon the writer) leaves no file
+    frames = iter(frames)
+    first = next(frames, None)
+    frames = iter(()) if first is None else itertools.chain([first], frames)
     with atomic_write_path(path) as tmp:
         return _encode_h264(tmp, container_format, frames, rate, crf=crf, preset=preset, audio_from=audio_path,
                             label=path)
