@@ -464,6 +464,7 @@ def _write_timings(path: str, result, clock) -> None:
     from fastremover.timing import PHASES
 
     record = {"end_unix": time.time(), **PHASES.describe(), **clock.describe(), "stages_s": result.stages,
+              "device_stages_s": {k: round(v, 6) for k, v in result.device_stages.items()},
               "seconds": result.seconds, "num_frames": result.num_frames, "geometry": result.geometry,
               "cache": cache.describe(), "engine": result.describe}
     write_text(path, json.dumps(record, indent=1, default=str) + "\n")

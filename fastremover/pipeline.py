@@ -462,7 +462,10 @@ class RemovalPipeline:
         options = options or RunOptions()
         options.validate()
         progress = finished_work(progress, self.device)  # GPU steps count when they have finished
-        scheduler = WindowScheduler(self, options, emit, timer=timer or StageTimer(self.device), progress=progress,
+        # without a timer given, the stages are timed without synchronizing the device (host wall clock, and the
+        # GPU's span per stage from CUDA events: StageTimer.device_s), so the host queues work ahead as it can
+        timer = timer if timer is not None else StageTimer(self.device, sync=False)
+        scheduler = WindowScheduler(self, options, emit, timer=timer, progress=progress,
                                     store=store, total_frames=total_frames, trace=trace, emit_mask=emit_mask,
                                     keep=keep, keep_pixels=keep_pixels)
         depth = stream_prefetch(options, self.models is not None) if prefetch is None else prefetch

@@ -1,9 +1,10 @@
 """Timing shared by the pipeline, the CLI, the bench harness and the one-time costs of a process.
 
-* `StageTimer`: wall-clock per stage of a request; on CUDA it synchronizes at stage boundaries (only when `sync=True`,
-  the default for user runs and benchmarks) so that a stage's time is the GPU work it launched, and it also records
-  CUDA events so the bench can report device time. `sync=False` keeps whole requests free of extra synchronization
-  (determinism checks). Its waits poll the `FinishedWork` progress of the request while they wait.
+* `StageTimer`: wall-clock per stage of a request; on CUDA it records CUDA events around each stage (`device_s`: the
+  GPU's span per stage) and, with `sync=True` (the bench's per-stage breakdown), synchronizes at stage boundaries so
+  that a stage's wall time is the GPU work it launched. Requests (`remove_stream` without a timer: the CLI, the
+  service, batch runs, the Python API) use `sync=False`: no extra synchronization, the host queues work ahead. Its
+  waits poll the `FinishedWork` progress of the request while they wait.
 * `phase(name)` / `PHASES`: the process's one-time costs (imports, weight read, host-to-device copies, quantization,
   Triton compiles, autotuning, cuDNN plan and graph builds, cuBLASLt plans, CUDA-graph capture), host wall clock,
   exclusive: a phase entered inside another pauses it, so the phases never count a second twice and add up to at most

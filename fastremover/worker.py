@@ -67,6 +67,7 @@ class JobResult:
     ran_model: bool
     geometry: str = ""  # how the clip was split into windows and cropped ("" for one full-frame window)
     describe: dict = field(default_factory=dict)  # the engine configuration that ran
+    device_stages: dict = field(default_factory=dict)  # per-stage GPU span (CUDA events; empty off CUDA)
 
 
 class RemovalWorker:
@@ -176,7 +177,7 @@ class RemovalWorker:
             output=str(target.path), num_frames=result.num_frames, width=result.width, height=result.height,
             fps=clip.fps, seconds=time.perf_counter() - start, stages=stages, notes=notes + result.notes,
             sha256=output_sha256(target.path), ran_model=result.ran_model, geometry=geometry_line(result),
-            describe=pipe.config.describe(),
+            describe=pipe.config.describe(), device_stages=result.timer.device_s(),
         )
 
     def _identity(self, job: Job, pipe) -> dict:

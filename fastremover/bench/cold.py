@@ -146,6 +146,7 @@ def engine_process(video: Path, mask: Path, out: Path, checkpoint: Path, mode: s
     at = {k: round(v - spawn, 4) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])}
     return {"wall_s": round(run["wall_s"], 4), "first_frame_s": round(first - spawn, 4) if first else None,
             "milestones_s": at, "phases": phases, "phase_counts": record.get("counts", {}), "stages_s": record.get("stages_s"),
+            "device_stages_s": record.get("device_stages_s"),
             "request_s": record.get("seconds"), "cache": record.get("cache"), "sha256": _sha256(out),
             "engine": {k: record.get("engine", {}).get(k) for k in ("mode", "attention", "vae", "cuda_graphs",
                                                                      "precision", "device")}}
@@ -489,9 +490,12 @@ def bench_cold(*, clip: str = "w2", mode: str = "fast", preset: str = "minimax-r
             "first_frame_s": first["first_frame_s"], "first_frame_second_s": second["first_frame_s"],
             "phases": first["phases"], "phases_second": second["phases"],
             "phase_counts": first["phase_counts"],
-            "engine_first": {k: first[k] for k in ("stages_s", "request_s", "milestones_s", "cache", "engine")},
-            "engine_second": {k: second[k] for k in ("stages_s", "request_s", "milestones_s", "cache")},
+            "engine_first": {k: first[k] for k in ("stages_s", "device_stages_s", "request_s", "milestones_s", "cache",
+                                                   "engine")},
+            "engine_second": {k: second[k] for k in ("stages_s", "device_stages_s", "request_s", "milestones_s",
+                                                     "cache")},
             "engine_warm_stages_s": {k: round(v, 4) for k, v in warm[-1].stages.items()},
+            "engine_warm_device_stages_s": {k: round(v, 4) for k, v in warm[-1].device_stages.items()},
             "reference": ref,
             "outputs_identical": len({first["sha256"], second["sha256"], warm[-1].sha256}) == 1,
             "output_sha256": first["sha256"], "geometry": warm[-1].geometry,
