@@ -503,7 +503,7 @@ def cmd_warmup(args) -> int:
     run = dataclasses.replace(options, size="native", crop="off")
     # every size's Triton kernels in one concurrent batch first (a no-op off the fast CUDA paths)
     pipe.engine.precompile([shape for width, height in sizes
-                            for shape in pipe.planned_shapes(args.frames, height, width, run)])
+                            for shape in pipe.planned_shapes(args.frames, height, width, run)], background=False)
     for width, height in sizes:
         video, mask = media.synthetic_clip(args.frames, height, width, seed=0, object_fraction=0.1)
         before = store.stats()

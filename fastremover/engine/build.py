@@ -223,11 +223,13 @@ class Engine:
                 and plan.device.type == "cuda" and self.parallel is None
                 and getattr(self.vae, "kernels", None) == "triton" and kernel_tuning().precompile != "off")
 
-    def precompile(self, shapes) -> dict | None:
+    def precompile(self, shapes, background: bool = True) -> dict | None:
         """Compile, concurrently, the Triton kernels the fast VAE and the fast transformer will launch for windows of
         these run shapes ((frames, height, width) of the VAE input: the padded crop) that earlier calls did not
         (fastremover/fast/precompile.py); timed as the phase "precompile". A no-op (None) where `precompiles` is
-        False. Never an error: a kernel that was not compiled here compiles at its launch."""
+        False. Never an error: a kernel that was not compiled here compiles at its launch. `background`: a process's
+        later shapes are recorded in a background thread while the window runs (`Precompiler.background_ok`; the
+        first shape, FASTREMOVER_PRECOMPILE=wait and background=False record before returning)."""
         if not self.precompiles():
             return None
         from fastremover.timing import phase
@@ -240,7 +242,7 @@ class Engine:
                 self.precompiler = Precompiler(self.plan.device, vae=self.vae,
                                                transformer=fast if getattr(fast, "use_triton", False) else None,
                                                wait=kernel_tuning().precompile != "background")
-            return self.precompiler.shapes(shapes).describe()
+            return self.precompiler.shapes(shapes, background=background).describe()
 
     def follow(self) -> None:
         """A rank other than 0: run the stages rank 0 announces, until it stops."""

@@ -24,6 +24,12 @@ to compile everything the fast engine will launch for that window's run shape, i
    3.9 keeps the pending compile in the kernel's cache; for Triton 3.6, which does not, `_await_hook` makes the
    launch's compile wait for the compile submitted ahead instead of starting another).
 
+   A recording intercepts only its own thread's calls (each patched function dispatches on the calling thread), so
+   a shape can be recorded in a background thread while the window's real work runs: `Precompiler.shapes(...,
+   background=True)` (the engine's choice for a process's later shapes, whose kernels are mostly compiled already:
+   the window's launches start at once, a launch of a key whose compile was submitted waits for it, one not yet
+   recorded compiles at its launch as without precompile). One recording runs at a time (`_RECORDING`).
+
 `Precompiler` holds the per-process state (shapes done, keys submitted) and is what the engine calls.
 """
 
@@ -33,8 +39,9 @@ import contextlib
 import importlib
 import logging
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +152,9 @@ class _Props:
         return getattr(self._live, name)
 
 
+_RECORDING = threading.Lock()  # one recording at a time: each restores the functions it found
+
+
 @contextlib.contextmanager
 def recording(device: torch.device | None = None, *, sm_count: int | None = None, upconv: bool = True):
     """Within: a JITFunction launch is recorded in the yielded `Recording` and does nothing else; the kernel
@@ -190,41 +200,53 @@ def recording(device: torch.device | None = None, *, sm_count: int | None = None
     props_stub = _Props(live_props, sm_count)
 
     patches = []
+    owner = threading.get_ident()
 
     def patch(obj, name, value):
-        patches.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
+        """obj.name is `value` for this thread's calls and what it was for every other thread's."""
+        old = getattr(obj, name)
+        patches.append((obj, name, old))
+        if isinstance(obj, type):  # a method (JITFunction.run)
+            def dispatch(self, *args, **kwargs):
+                return (value if threading.get_ident() == owner else old)(self, *args, **kwargs)
+        else:
+            def dispatch(*args, **kwargs):
+                return (value if threading.get_ident() == owner else old)(*args, **kwargs)
+        setattr(obj, name, dispatch)
 
-    patch(JITFunction, "run", run)
-    for mod_name in KERNEL_MODULES:
-        try:
-            mod = importlib.import_module(f"fastremover.fast.kernels.{mod_name}")
-        except ImportError:
-            continue
-        if hasattr(mod, "check_device"):
-            patch(mod, "check_device", lambda *a, **k: None)
-        if hasattr(mod, "autotune"):
-            patch(mod, "autotune", autotune)
-    from fastremover.fast.kernels import gemm_fp8, upsample_conv
-
-    patch(upsample_conv, "available", lambda d: upconv)
-    patch(gemm_fp8, "fused_ffn1_available", lambda d, k, n: True)  # asked only where the live transformer fuses
-    patch(torch.cuda, "get_device_properties", lambda *a, **k: props_stub)
-    import torch.nn.functional as F
-
-    real_sdpa = F.scaled_dot_product_attention
-
-    def sdpa(q, k, v, *args, **kwargs):  # on meta: the output's shape without its decomposition (the VAE's attention)
-        if q.device.type != "meta":
-            return real_sdpa(q, k, v, *args, **kwargs)
-        return torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-
-    patch(F, "scaled_dot_product_attention", sdpa)
+    _RECORDING.acquire()
     try:
+        patch(JITFunction, "run", run)
+        for mod_name in KERNEL_MODULES:
+            try:
+                mod = importlib.import_module(f"fastremover.fast.kernels.{mod_name}")
+            except ImportError:
+                continue
+            if hasattr(mod, "check_device"):
+                patch(mod, "check_device", lambda *a, **k: None)
+            if hasattr(mod, "autotune"):
+                patch(mod, "autotune", autotune)
+        from fastremover.fast.kernels import gemm_fp8, upsample_conv
+
+        patch(upsample_conv, "available", lambda d: upconv)
+        patch(gemm_fp8, "fused_ffn1_available", lambda d, k, n: True)  # asked only where the live transformer fuses
+        patch(torch.cuda, "get_device_properties", lambda *a, **k: props_stub)
+        import torch.nn.functional as F
+
+        real_sdpa = F.scaled_dot_product_attention
+
+        # on meta: the output's shape without its decomposition (the VAE's attention)
+        def sdpa(q, k, v, *args, **kwargs):
+            if q.device.type != "meta":
+                return real_sdpa(q, k, v, *args, **kwargs)
+            return torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+
+        patch(F, "scaled_dot_product_attention", sdpa)
         yield rec
     finally:
         for obj, name, old in reversed(patches):
             setattr(obj, name, old)
+        _RECORDING.release()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -377,6 +399,7 @@ class CompileReport:
     failed: int = 0  # replays that raised (those launches compile lazily, as without precompile)
     record_s: float = 0.0
     compile_s: float = 0.0
+    background: bool = False  # recorded and submitted in the background (the counts are then not known here)
 
     def describe(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -483,6 +506,12 @@ def compile_launches(launches: list[Launch], threads: int | None = None, *, pool
     return submitted, failed
 
 
+def _log_failure(future: Future) -> None:
+    if future.exception() is not None:  # (the recording's own failures are caught: this is anything else)
+        e = future.exception()
+        log.debug("precompile: a background recording failed: %s: %s", type(e).__name__, e)
+
+
 class Precompiler:
     """Per-process precompile of the fast engine's Triton kernels: `shapes((frames, height, width), ...)` records
     each new run shape's launches (the fast VAE's and, given, the fast transformer's) and compiles the new ones."""
@@ -494,7 +523,9 @@ class Precompiler:
         self.threads = threads
         self.wait = wait  # False: compile in the background (module docstring)
         self._pool: ThreadPoolExecutor | None = None
-        self.done: set[tuple] = set()  # run shapes recorded
+        self._recorder: ThreadPoolExecutor | None = None  # the background recordings (`shapes(background=True)`)
+        self.last: Future | None = None  # the latest background recording (its CompileReport)
+        self.done: set[tuple] = set()  # run shapes recorded (or being recorded in the background)
         self.keys: set[tuple] = set()  # specializations submitted
         self._backend = None
 
@@ -531,18 +562,43 @@ class Precompiler:
                                             thread_name_prefix="fastremover-compile")
         return self._pool
 
-    def shapes(self, shapes) -> CompileReport:
+    def background_ok(self) -> bool:
+        """Whether a new shape may be recorded in the background: compiles in the background (not `wait`), and a
+        shape recorded before in this process (its kernels compiled or on the way: a later shape brings few new
+        specializations), with the VAE's meta twin built then (its construction swaps module functions for every
+        thread)."""
+        return (not self.wait and bool(self.done)
+                and (self.vae is None or getattr(self.vae, "_precompile_twin", None) is not None))
+
+    def shapes(self, shapes, background: bool = False) -> CompileReport:
+        """Record these run shapes' launches (those not recorded before) and compile the new specializations. With
+        `background` (where `background_ok`), the recording and the submission run in a background thread and this
+        returns at once (`self.last` is its future)."""
         report = CompileReport()
         settle()  # (the background compiles of earlier calls that have finished)
         new = [tuple(int(v) for v in s) for s in dict.fromkeys(tuple(s) for s in shapes)]
         new = [s for s in new if s not in self.done]
         if not new:
             return report
+        if background and self.background_ok():
+            self.done.update(new)  # (claimed now: a later call does not record them again)
+            if self._recorder is None:
+                self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastremover-record")
+            self.last = self._recorder.submit(self._record_and_compile, new, "precompile_background")
+            self.last.add_done_callback(_log_failure)
+            report.background = True
+            return report
+        return self._record_and_compile(new, "precompile_record")
+
+    def _record_and_compile(self, new: list[tuple], phase_name: str) -> CompileReport:
+        report = CompileReport()
         t0 = time.perf_counter()
         try:
             from fastremover.timing import phase
 
-            with phase("precompile_record"):  # (inside the engine's "precompile": the recording's share of it)
+            # (in the foreground inside the engine's "precompile": the recording's share of it; in the background
+            # its own phase, which overlaps the window's work)
+            with phase(phase_name):
                 rec = self.record(new)
                 pending = [(k, launch) for k, launch in rec.unique(self.backend) if k not in self.keys]
         except Exception as e:  # noqa: BLE001 (precompile is an optimization: the run compiles lazily instead)

@@ -262,6 +262,84 @@ print("LEFT", precompile.settle(wait=True))
     assert "REPORT True" in out and "LEFT 0" in out, out
 
 
+def test_a_later_shape_is_recorded_in_the_background_with_a_foreground_recordings_keys(tmp_path):
+    """A process's first shape is recorded before `shapes` returns; a later one (background=True, compiles in the
+    background) in a background thread: `shapes` returns at once, and when the thread is done every specialization a
+    foreground recording of that shape finds has been submitted. With `wait` every shape records in the foreground."""
+    out = _run(COMPILE + ENGINE + """
+prec = precompile.Precompiler(torch.device("cpu"), vae=vae, transformer=fast, threads=2, wait=False)
+print("OK BEFORE", prec.background_ok())
+r1 = prec.shapes([(9, 64, 96)], background=True)
+print("FIRST", r1.background, r1.recorded > 0 and r1.submitted == r1.distinct > 0)
+print("OK AFTER", prec.background_ok())
+r2 = prec.shapes([(9, 48, 160)], background=True)
+print("SECOND", r2.background, r2.recorded)
+done = prec.last.result(timeout=300)
+print("DONE", done.background, done.recorded > 0, done.failed)
+want = {k for k, _ in prec.record([(9, 48, 160)]).unique(prec.backend)}
+print("COVERED", want <= prec.keys, len(want))
+print("AGAIN", prec.shapes([(9, 48, 160)], background=True).recorded)
+print("LEFT", precompile.settle(wait=True))
+waits = precompile.Precompiler(torch.device("cpu"), vae=vae, transformer=fast, threads=2, wait=True)
+waits.shapes([(9, 64, 96)])
+print("WAIT", waits.background_ok(), waits.shapes([(9, 48, 160)], background=True).background)
+""", tmp_path)
+    assert "OK BEFORE False" in out and "FIRST False True" in out and "OK AFTER True" in out, out
+    assert "SECOND True 0" in out and "DONE False True 0" in out, out
+    assert "COVERED True" in out and "AGAIN 0" in out and "LEFT 0" in out and "WAIT False False" in out, out
+
+
+def test_a_recording_intercepts_only_its_own_threads_calls(tmp_path):
+    """While a thread records, another thread's calls of the patched functions (a Triton launch, the sub-pixel
+    conv's availability, the GPU's properties) reach the real ones, and nothing of theirs is recorded; afterwards
+    every function is the one before."""
+    out = _run(COMPILE + """
+import threading
+import torch.nn.functional as F
+from triton.runtime.jit import JITFunction
+from fastremover.fast import precompile
+from fastremover.fast.kernels import qk_norm_rope, upsample_conv
+
+before = (JITFunction.run, upsample_conv.available, torch.cuda.get_device_properties, F.scaled_dot_product_attention)
+inside, checked, seen = threading.Event(), threading.Event(), {}
+
+def record():
+    with precompile.recording(torch.device("cpu"), sm_count=132) as rec:
+        seen["available"] = upsample_conv.available(torch.device("cpu"))
+        seen["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+        inside.set()
+        checked.wait(60)
+        x = torch.zeros(40, 192, dtype=torch.float16, device="meta")
+        qk_norm_rope.qk_norm_rope(x[:, :64], torch.ones(64, dtype=torch.float16, device="meta"),
+                                  torch.zeros(20, 16, device="meta"), torch.zeros(20, 16, device="meta"), 20, 2, 1e-6)
+    seen["launches"] = [l.name for l in rec.launches]
+
+t = threading.Thread(target=record)
+t.start()
+inside.wait(60)
+main = {"available": upsample_conv.available(torch.device("cpu"))}
+try:
+    torch.cuda.get_device_properties(0)
+    main["props"] = "stub"
+except Exception as e:
+    main["props"] = "real"
+try:  # the real run: a bad launch raises (it is not recorded)
+    qk_norm_rope._qk_norm_rope_kernel.run(grid=(1,), warmup=False)
+    main["run"] = "recorded"
+except Exception:
+    main["run"] = "real"
+checked.set()
+t.join(60)
+print("MAIN", main)
+print("SEEN", seen)
+after = (JITFunction.run, upsample_conv.available, torch.cuda.get_device_properties, F.scaled_dot_product_attention)
+print("RESTORED", all(a is b for a, b in zip(before, after)))
+""", tmp_path)
+    assert "MAIN {'available': False, 'props': 'real', 'run': 'real'}" in out, out
+    assert "'available': True, 'sms': 132, 'launches': ['_qk_norm_rope_kernel']" in out, out
+    assert "RESTORED True" in out, out
+
+
 def test_precompiler_records_each_shape_once_and_survives_a_failing_part(tmp_path):
     out = _run(COMPILE + ENGINE + """
 class Broken:
@@ -391,8 +469,13 @@ video, mask = media.synthetic_clip(33, 240, 432, seed=0, object_fraction=0.1)
 before = dict(PHASES.counts)
 result = pipe.remove(video.frames, mask, RunOptions(steps=2, crop="off"))
 lazy = PHASES.counts.get("triton_compile", 0) - before.get("triton_compile", 0)
+# a second shape in the same process: recorded in the background thread with FASTREMOVER_PRECOMPILE=background
+video2, mask2 = media.synthetic_clip(17, 256, 400, seed=1, object_fraction=0.1)
+second = pipe.remove(video2.frames, mask2, RunOptions(steps=2, crop="off"))
 print("RESULT", json.dumps({"sha": hashlib.sha256(result.frames.tobytes()).hexdigest(), "lazy": lazy,
-                            "precompiled": PHASES.counts.get("precompile", 0)}))
+                            "precompiled": PHASES.counts.get("precompile", 0),
+                            "second_sha": hashlib.sha256(second.frames.tobytes()).hexdigest(),
+                            "background": PHASES.counts.get("precompile_background", 0)}))
 """
 
 
@@ -422,3 +505,6 @@ def test_gpu_a_precompiled_run_compiles_nothing_lazily_and_gives_the_same_bytes(
     # in the background: the launches wait for the compiles submitted ahead, none compiles again
     assert results["background"]["precompiled"] >= 1 and results["background"]["lazy"] == 0, results
     assert results["background"]["sha"] == results["0"]["sha"]
+    # the second shape: recorded in the background thread (background), before the window (1): the same bytes
+    assert results["background"]["background"] == 1 and results["1"]["background"] == 0, results
+    assert results["background"]["second_sha"] == results["1"]["second_sha"] == results["0"]["second_sha"]
