@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "a graph of one step, per run shape (the costs of engine/denoise.capture_pays, step_graph_pays)")
     cold.add_argument("--precompile-variants", default="", metavar="V[,V]",
                       help="--cold: also the engine's first and second runs with FASTREMOVER_PRECOMPILE set to each "
-                      "of these (wait, background, off), each with an empty cache of its own, beside the default's")
+                      "of these (wait, background, off, record-background), each with an empty cache of its own, "
+                      "beside the default's")
     cold.add_argument("--cold-clip", default=None, metavar="FxWxH",
                       help="--cold: another clip size than the workload's, e.g. 9x96x64 (quick checks)")
 
@@ -675,8 +676,9 @@ def _bench_cold(args) -> int:
     if args.shape_clips < 0 or args.shape_frames < 1 or args.repeats < 0:
         raise FastRemoverError("--shape-clips must be >= 0, --shape-frames and --repeats positive")
     variants = tuple(dict.fromkeys(v.strip() for v in args.precompile_variants.split(",") if v.strip()))
-    if not set(variants) <= {"wait", "background", "off"}:
-        raise FastRemoverError(f"--precompile-variants {args.precompile_variants!r}: choose from wait, background, off")
+    if not set(variants) <= {"wait", "background", "off", "record-background"}:
+        raise FastRemoverError(f"--precompile-variants {args.precompile_variants!r}: choose from wait, background, off, "
+                               "record-background")
     config = engine_config(args)
     engine_args = ["--attention", args.attention, "--vae-precision", args.vae_precision]
     record = bench_cold(clip=args.workload, mode=modes[0], preset=args.preset, weights_seed=args.weights_seed,

@@ -70,8 +70,11 @@ class KernelTuning:
     # compile a window's Triton kernels concurrently before its VAE encode (fastremover/fast/precompile.py; off:
     # each kernel compiles at its first launch)
     # "background" (the default): it returns once they are submitted, and a launch waits only for its own kernel (the
-    # window's work overlaps the compiles); "wait" (or 1): it returns when its compiles are done; "off" (or 0): none
+    # window's work overlaps the compiles); "wait" (or 1): it returns when its compiles are done; "off" (or 0): none;
+    # "record-background": as background, and a process's later shapes are also recorded in a background thread
+    # (measured slower on one H100: off by default)
     precompile: str = _switch("background", "FASTREMOVER_PRECOMPILE", {"1": "wait", "wait": "wait", "background": "background",
+                                                                 "record-background": "record-background",
                                                                  "0": "off", "off": "off"})
     # a shape's first call replays its later denoise steps from a CUDA graph of one transformer step where the host's
     # launches bound the step (engine/denoise.step_graph_pays; off: eagerly until a whole-loop recording pays)

@@ -223,17 +223,22 @@ class Engine:
                 and plan.device.type == "cuda" and self.parallel is None
                 and getattr(self.vae, "kernels", None) == "triton" and kernel_tuning().precompile != "off")
 
-    def precompile(self, shapes, background: bool = True) -> dict | None:
+    def precompile(self, shapes, background: bool | None = None) -> dict | None:
         """Compile, concurrently, the Triton kernels the fast VAE and the fast transformer will launch for windows of
         these run shapes ((frames, height, width) of the VAE input: the padded crop) that earlier calls did not
         (fastremover/fast/precompile.py); timed as the phase "precompile". A no-op (None) where `precompiles` is
-        False. Never an error: a kernel that was not compiled here compiles at its launch. `background`: a process's
-        later shapes are recorded in a background thread while the window runs (`Precompiler.background_ok`; the
-        first shape, FASTREMOVER_PRECOMPILE=wait and background=False record before returning)."""
+        False. Never an error: a kernel that was not compiled here compiles at its launch. `background` (None:
+        FASTREMOVER_PRECOMPILE=record-background, off by default): a process's later shapes are recorded in a
+        background thread while the window runs (`Precompiler.background_ok`); on the one H100 it was measured on,
+        the thread's recording slowed the window's host-bound launches more than it saved (docs/performance.md,
+        session 28)."""
         if not self.precompiles():
             return None
         from fastremover.timing import phase
 
+        mode = kernel_tuning().precompile
+        if background is None:
+            background = mode == "record-background"
         with phase("precompile"):
             if self.precompiler is None:
                 from fastremover.fast.precompile import Precompiler
@@ -241,7 +246,7 @@ class Engine:
                 fast = getattr(self.denoiser, "fast", None)
                 self.precompiler = Precompiler(self.plan.device, vae=self.vae,
                                                transformer=fast if getattr(fast, "use_triton", False) else None,
-                                               wait=kernel_tuning().precompile != "background")
+                                               wait=mode == "wait")
             return self.precompiler.shapes(shapes, background=background).describe()
 
     def follow(self) -> None:

@@ -127,7 +127,8 @@ def test_kernel_tuning_from_the_environment():
     assert KernelTuning.from_env({"FASTREMOVER_FP8_ATTN_CONFIG": "m32n32w4s1t0ws0a1"}) == KernelTuning()
     # the precompile: in the background by default (measured faster, the same bytes); 1 / 0 keep their meaning
     assert KernelTuning().precompile == "background"
-    for text, value in [("1", "wait"), ("wait", "wait"), ("background", "background"), ("0", "off"), ("off", "off")]:
+    for text, value in [("1", "wait"), ("wait", "wait"), ("background", "background"), ("0", "off"), ("off", "off"),
+                        ("record-background", "record-background")]:
         assert KernelTuning.from_env({"FASTREMOVER_PRECOMPILE": text}).precompile == value
     with pytest.raises(FastRemoverError, match="FASTREMOVER_PRECOMPILE='later'"):
         KernelTuning.from_env({"FASTREMOVER_PRECOMPILE": "later"})
