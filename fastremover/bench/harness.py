@@ -356,6 +356,27 @@ def streamed_write(pipe: RemovalPipeline, inputs: BenchInputs, options: RunOptio
 # The whole comparison
 
 
+def host() -> dict:
+    """The machine's host side, so that results from two leases of the same GPU can be told apart: its processor,
+    the cores this process may use, and the rate of a fixed pure-Python loop (millions of iterations per second, the
+    best of three; a fresh process's imports and a request's kernel launches are host-bound Python)."""
+    model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+    def loop(n: int = 200_000) -> float:
+        t, total = time.perf_counter(), 0
+        for i in range(n):
+            total += i & 7
+        return n / (time.perf_counter() - t) / 1e6
+
+    return {"cpu": model or "unknown", "cores": cores, "python_loop_mops": round(max(loop() for _ in range(3)), 2)}
+
+
 def environment() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -366,7 +387,8 @@ def environment() -> dict:
         commit, dirty = "unknown", False
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'unknown'})"
     return {"gpu": gpu, "torch": torch.__version__, "commit": commit + ("-dirty" if dirty else ""),
-            "command": " ".join(["fastremover", *sys.argv[1:]]) if sys.argv else "", "python": platform.python_version()}
+            "command": " ".join(["fastremover", *sys.argv[1:]]) if sys.argv else "", "python": platform.python_version(),
+            "host": host()}
 
 
 def script_environment() -> dict:

@@ -33,6 +33,8 @@ def test_harness_eager_vs_reference(tmp_path):
     data = json.loads(paths[0].read_text())
     for key in REQUIRED:
         assert key in data, key
+    # the host beside the GPU: two leases of one GPU kind differ by it (their imports and launches are Python)
+    assert data["host"]["cores"] >= 1 and data["host"]["python_loop_mops"] > 0 and data["host"]["cpu"]
     for side in ("reference", "engine"):
         assert set(data[side]) >= {"stages_s", "total_s", "peak_gib"}
         assert set(data[side]["stages_s"]) == {"preprocess", "vae_encode", "denoise", "vae_decode", "composite_write"}

@@ -335,6 +335,7 @@ def test_bench_cold_end_to_end_on_the_tiny_model(tmp_path, capsys):
                 "reference_cold_s", "reference_warm_s", "first_frame_s", "new_shape_ratio", "phases"):
         assert record[key] is not None, key
     assert {"startup", "imports", "weights_read", "window_1"} <= set(record["phases"])
+    assert record["host"]["python_loop_mops"] > 0  # (harness.host: which machine of a GPU kind ran it)
     assert record["outputs_identical"] and len(record["new_shape_clips"]) == 2
     assert all(isinstance(c["first_phases_s"], dict) for c in record["new_shape_clips"])
     assert record["first_frame_s"] < record["engine_first_run_s"]
