@@ -72,7 +72,7 @@ class KernelTuning:
     # "background" (the default): it returns once they are submitted, and a launch waits only for its own kernel (the
     # window's work overlaps the compiles); "wait" (or 1): it returns when its compiles are done; "off" (or 0): none;
     # "record-background": as background, and a process's later shapes are also recorded in a background thread
-    # (measured slower on one H100: off by default)
+    # (no faster where measured: off by default, docs/performance.md sessions 27-28)
     precompile: str = _switch("background", "FASTREMOVER_PRECOMPILE", {"1": "wait", "wait": "wait", "background": "background",
                                                                  "record-background": "record-background",
                                                                  "0": "off", "off": "off"})

@@ -228,10 +228,8 @@ class Engine:
         these run shapes ((frames, height, width) of the VAE input: the padded crop) that earlier calls did not
         (fastremover/fast/precompile.py); timed as the phase "precompile". A no-op (None) where `precompiles` is
         False. Never an error: a kernel that was not compiled here compiles at its launch. `background` (None:
-        FASTREMOVER_PRECOMPILE=record-background, off by default): a process's later shapes are recorded in a
-        background thread while the window runs (`Precompiler.background_ok`); on the one H100 it was measured on,
-        the thread's recording slowed the window's host-bound launches more than it saved (docs/performance.md,
-        session 28)."""
+        FASTREMOVER_PRECOMPILE=record-background, off by default: docs/performance.md, sessions 27-28): a process's
+        later shapes are recorded in a background thread while the window runs (`Precompiler.background_ok`)."""
         if not self.precompiles():
             return None
         from fastremover.timing import phase
