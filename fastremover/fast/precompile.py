@@ -26,9 +26,10 @@ to compile everything the fast engine will launch for that window's run shape, i
 
    A recording intercepts only its own thread's calls (each patched function dispatches on the calling thread), so
    a shape can be recorded in a background thread while the window's real work runs: `Precompiler.shapes(...,
-   background=True)` (the engine's choice for a process's later shapes, whose kernels are mostly compiled already:
-   the window's launches start at once, a launch of a key whose compile was submitted waits for it, one not yet
-   recorded compiles at its launch as without precompile). One recording runs at a time (`_RECORDING`).
+   background=True)` (the engine's choice for a process's later shapes with FASTREMOVER_PRECOMPILE=record-background,
+   off by default: the window's launches start at once, a launch of a key whose compile was submitted waits for it,
+   one not yet recorded compiles at its launch as without precompile; both threads run Python under one GIL). One
+   recording runs at a time (`_RECORDING`).
 
 `Precompiler` holds the per-process state (shapes done, keys submitted) and is what the engine calls.
 """
