@@ -207,12 +207,10 @@ def recording(device: torch.device | None = None, *, sm_count: int | None = None
         """obj.name is `value` for this thread's calls and what it was for every other thread's."""
         old = getattr(obj, name)
         patches.append((obj, name, old))
-        if isinstance(obj, type):  # a method (JITFunction.run)
-            def dispatch(self, *args, **kwargs):
-                return (value if threading.get_ident() == owner else old)(self, *args, **kwargs)
-        else:
-            def dispatch(*args, **kwargs):
-                return (value if threading.get_ident() == owner else old)(*args, **kwargs)
+
+        def dispatch(*args, **kwargs):  # (on a class, a method: the instance comes first in args)
+            return (value if threading.get_ident() == owner else old)(*args, **kwargs)
+
         setattr(obj, name, dispatch)
 
     _RECORDING.acquire()
@@ -350,9 +348,8 @@ def vae_twin(vae):
 # The VAE runs a clip chunk by chunk (its first frame, then 4 frames per chunk; a latent frame per decode step), each
 # causal conv keeping the last 2 frames it saw: the first chunk runs without them, the second with one, every later
 # chunk with two, as the third does. So a clip of this many frames (1 + 2 chunks; 3 latent frames) makes every
-# specialization a window of any length does (tests/kernels/test_precompile.py compares 81 frames with it; at the
-# released config the same 30 kernels as 81 frames at ten frame sizes from 144x208 to 720x1280, 660 launches
-# recorded instead of 5268; 13 frames recorded 916).
+# specialization a window of any length does (tests/kernels/test_precompile.py compares 81 frames with it; the check
+# at the released config: docs/performance.md, sessions 27-28).
 VAE_RECORD_FRAMES = 9
 
 
@@ -511,8 +508,8 @@ def compile_launches(launches: list[Launch], threads: int | None = None, *, pool
 
 
 def _log_failure(future: Future) -> None:
-    if future.exception() is not None:  # (the recording's own failures are caught: this is anything else)
-        e = future.exception()
+    e = future.exception()  # (the recording's own failures are caught: this is anything else)
+    if e is not None:
         log.debug("precompile: a background recording failed: %s: %s", type(e).__name__, e)
 
 
