@@ -114,6 +114,125 @@ class PagedSparse:
         return oh
 
 
+class ZeroCopy:
+    """The same on token-major codes [S_pad, H, D] (allocated to whole tiles, the first S rows used), no copies.
+
+    mode "one": one graph; batch entry b = i * H + h (query tile i, head h); Q and O by ragged offsets
+    (i * T * H * D + h * D, in elements), K / V as a container of overlapping pages with a page stride of D: page
+    j * T * H + h is tile j of head h, whose token t lies H * D further on, i.e. token-major memory as it is.
+    mode "per-head": one graph of B = NT entries per head, called H times with the head's column offset (q[..., h, :]
+    is a [NT, 1, T, D] view with one batch stride T * H * D; its pages likewise)."""
+
+    def __init__(self, S: int, H: int, D: int, T: int, J: int, device, mode: str):
+        import torch
+
+        from fastremover.ops.attention import cudnn_fp8 as cf
+
+        cudnn = cf._cudnn()
+        self.S, self.H, self.D, self.T, self.J, self.mode = S, H, D, T, J, mode
+        self.NT = NT = -(-S // T)
+        B = NT * H if mode == "one" else NT
+        self.B = B
+        self.handle = cf._handle(device)
+        g = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
+        fp8, i32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.INT32
+        if mode == "one":
+            qdims, qstrides = [B, 1, T, D], [D, D, H * D, 1]  # batch stride unused: ragged offsets
+            kdims, kstrides = [NT * T * H, 1, T, D], [D, D, H * D, 1]
+        else:
+            qdims, qstrides = [B, 1, T, D], [T * H * D, D, H * D, 1]
+            kdims, kstrides = [NT, 1, T, D], [T * H * D, D, H * D, 1]
+
+        def scalar(name):
+            return g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT)
+
+        self.q = g.tensor(name="q", dim=qdims, stride=qstrides, data_type=fp8)
+        self.k = g.tensor(name="k", dim=kdims, stride=kstrides, data_type=fp8)
+        self.v = g.tensor(name="v", dim=kdims, stride=kstrides, data_type=fp8)
+        self.pt = g.tensor(name="page_table", dim=[B, 1, J, 1], stride=[J, J, 1, 1], data_type=i32)
+        self.sq = g.tensor(name="seq_q", dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32)
+        self.skv = g.tensor(name="seq_kv", dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32)
+        if mode == "one":
+            self.q_off = g.tensor(name="q_off", dim=[B + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32)
+            self.o_off = g.tensor(name="o_off", dim=[B + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32)
+            self.q.set_ragged_offset(self.q_off)
+        self.dq, self.dk, self.dv = scalar("dq"), scalar("dk"), scalar("dv")
+        self.ds, self.ss, self.so = scalar("ds"), scalar("ss"), scalar("so")
+        o, _stats, amax_s, amax_o = g.sdpa_fp8(
+            q=self.q, k=self.k, v=self.v, descale_q=self.dq, descale_k=self.dk, descale_v=self.dv,
+            descale_s=self.ds, scale_s=self.ss, scale_o=self.so, is_inference=True, attn_scale=D ** -0.5,
+            use_padding_mask=True, seq_len_q=self.sq, seq_len_kv=self.skv,
+            paged_attention_k_table=self.pt, paged_attention_v_table=self.pt,
+            paged_attention_max_seq_len_kv=J * T, name="sdpa_fp8_paged")
+        o.set_output(True).set_dim(qdims).set_stride(qstrides).set_data_type(fp8)
+        if mode == "one":
+            o.set_ragged_offset(self.o_off)
+        amax_s.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+        amax_o.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+        self.o, self.amax_s, self.amax_o = o, amax_s, amax_o
+        self.graph, self.workspace, _ = cf._build(g, device)
+        self.amax = torch.empty(2, dtype=torch.float32, device=device)
+        self.p_scale = torch.full((1,), cf.P_SCALE, dtype=torch.float32, device=device)
+        self.p_descale = torch.full((1,), 1.0 / cf.P_SCALE, dtype=torch.float32, device=device)
+        if mode == "one":
+            i = torch.arange(NT, device=device, dtype=torch.int32)[:, None]
+            h = torch.arange(H, device=device, dtype=torch.int32)[None, :]
+            off = (i * (T * H * D) + h * D).reshape(-1)
+            self.offsets = torch.cat([off, off.new_full((1,), NT * T * H * D)]).reshape(B + 1, 1, 1, 1).contiguous()
+
+    def tables(self, idx, cnt):
+        import torch
+
+        H, NT, T, J = self.H, self.NT, self.T, self.J
+        idx, cnt = idx[0].expand(H, NT, -1), cnt[0].expand(H, NT)
+        short = self.S - (NT - 1) * T
+        last = torch.gather(idx, 2, (cnt - 1).long().unsqueeze(-1)).squeeze(-1)
+        seq_kv = (cnt * T - torch.where(last == NT - 1, T - short, 0)).to(torch.int32)
+        seq_q = torch.full((H, NT), T, dtype=torch.int32, device=idx.device)
+        seq_q[:, -1] = short
+        tiles = idx[..., :J].clamp(max=NT - 1).to(torch.int32)
+        if self.mode == "one":  # entry (i, h): pages j * T * H + h
+            h = torch.arange(H, device=idx.device, dtype=torch.int32)[:, None, None]
+            page = (tiles * (T * H) + h).permute(1, 0, 2)  # [NT, H, J]
+            return (page.reshape(self.B, 1, J, 1).contiguous(), seq_q.t().reshape(self.B, 1, 1, 1).contiguous(),
+                    seq_kv.t().reshape(self.B, 1, 1, 1).contiguous())
+        return [(tiles[h].reshape(NT, 1, J, 1).contiguous(), seq_q[h].reshape(NT, 1, 1, 1).contiguous(),
+                 seq_kv[h].reshape(NT, 1, 1, 1).contiguous()) for h in range(H)]
+
+    def run(self, q, k, v, o, tables, sq, sk, sv, so):
+        """q, k, v, o: [S_pad, H, D] e4m3."""
+        import torch
+
+        from fastremover.ops.attention import cudnn_fp8 as cf
+
+        cudnn = cf._cudnn()
+        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
+        common = {self.dq: sq, self.dk: sk, self.dv: sv, self.ds: self.p_descale, self.ss: self.p_scale,
+                  self.so: so, self.amax_s: self.amax[0:1], self.amax_o: self.amax[1:2]}
+        if self.mode == "one":
+            page, seq_q, seq_kv = tables
+            pack = {self.q: q, self.k: k, self.v: v, self.o: o, self.pt: page, self.sq: seq_q, self.skv: seq_kv,
+                    self.q_off: self.offsets, self.o_off: self.offsets, **common}
+            self.graph.execute(pack, self.workspace, handle=self.handle)
+            return o
+        for h, (page, seq_q, seq_kv) in enumerate(tables):
+            pack = {self.q: q[:, h], self.k: k[:, h], self.v: v[:, h], self.o: o[:, h], self.pt: page,
+                    self.sq: seq_q, self.skv: seq_kv, **common}
+            self.graph.execute(pack, self.workspace, handle=self.handle)
+        return o
+
+
+def padded(x, T):
+    """[1, S, H, D] -> [S_pad, H, D] token-major, S_pad a multiple of T (the rows past S zero)."""
+    import torch
+
+    _, S, H, D = x.shape
+    out = torch.zeros(-(-S // T) * T, H, D, dtype=x.dtype, device=x.device)
+    out[:S].copy_(x[0])
+    return out
+
+
 def head_major(x, T):
     """[1, S, H, D] -> [H, NT * T, D] (zero-padded)."""
     import torch
@@ -132,7 +251,8 @@ def token_major(oh, S):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--quick", action="store_true", help="W2 only, tile 128, keep 1.0 and 0.25")
+    ap.add_argument("--modes", default="one,per-head", help="zero-copy variants: one, per-head")
+    ap.add_argument("--tiles", default="128")
     a = ap.parse_args()
     import torch
 
@@ -142,51 +262,46 @@ def main() -> int:
 
     bm = bench_module()
     H, D = bm.HEADS, bm.HEAD_DIM
+    modes = [m for m in a.modes.split(",") if m]
+    tiles = [int(t) for t in a.tiles.split(",")]
     rows = []
     print(f"cudnn backend {bm_version()}", flush=True)
 
-    # correctness at the bench's small grid and one with short last tiles (2160 tokens), both tiles
-    for grid, T in [(g, t) for g in (bm.CHECK_GRID, (9, 16, 15)) for t in (64, 128)]:
+    # correctness at the bench's small grid and one with short last tiles (2160 tokens)
+    good = set()
+    for grid, T, mode in [(g, t, m) for g in (bm.CHECK_GRID, (9, 16, 15)) for t in tiles for m in modes]:
         (q, k, v), scales = bm.make_inputs(grid, "fp8", seed=1)
         S = q.shape[1]
+        so = torch.reciprocal(scales[2])
         for keep in (1.0, 0.25):
-            row = {"kind": "check", "grid": list(grid), "tile": T, "keep": keep}
+            row = {"kind": "check", "grid": list(grid), "tile": T, "mode": mode, "keep": keep}
             try:
                 layout = bm.layout_for(grid, T, "vsa-topk", keep)
                 idx, cnt = layout.lists(q, k)
-                ps = PagedSparse(S, H, D, T, idx.shape[-1], q.device)
-                tables = ps.tables(idx, cnt)
-                so = torch.reciprocal(scales[2])
-                qh, kh, vh = (head_major(t, T) for t in (q, k, v))
-                oh = torch.empty_like(qh)
-                out = token_major(ps.run(qh, kh, vh, oh, tables, *scales, so), S)
-                again = token_major(ps.run(qh, kh, vh, torch.empty_like(qh), tables, *scales, so), S)
+                zc = ZeroCopy(S, H, D, T, idx.shape[-1], q.device, mode)
+                tables = zc.tables(idx, cnt)
+                qp, kp, vp = (padded(t, T) for t in (q, k, v))
+                op = torch.full_like(qp, float("nan"))
+                out = zc.run(qp, kp, vp, op, tables, *scales, so)[:S].unsqueeze(0).clone()
+                again = zc.run(qp, kp, vp, torch.empty_like(qp), tables, *scales, so)[:S].unsqueeze(0)
                 ref = bsa.block_sparse_attention_reference(q, k, v, idx, cnt, tile_q=T, tile_k=T, scales=scales)
                 bound = bsa.reference_bound(v, cnt, tile_q=T, tile_k=T, scales=scales)
-                tri = bsa.block_sparse_attention(q, k, v, idx, cnt, tile_q=T, tile_k=T, scales=scales)
                 real = lambda t: t.float() * scales[2]  # noqa: E731
-                for name, o in (("cudnn_paged", out), ("triton", tri)):
-                    err = (real(o) - real(ref)).abs()
-                    row[name] = {"max_err_over_bound": round(float((err / bound).max()), 4),
-                                 "rel_l2": round(float((real(o) - real(ref)).norm() / real(ref).norm()), 5)}
-                row["deterministic"] = bool(torch.equal(out, again))
+                err = (real(out) - real(ref)).abs()
+                row.update(max_err_over_bound=round(float((err / bound).max()), 4),
+                           rel_l2=round(float((real(out) - real(ref)).norm() / real(ref).norm()), 5),
+                           deterministic=bool(torch.equal(out, again)),
+                           padding_rows_written=bool(op[S:].float().isfinite().any()) if op.shape[0] > S else None)
                 if keep == 1.0:
-                    dense = sdpa_fp8(q, k, v, *scales)
-                    row["paged_keep1_equals_dense_cudnn"] = bool(torch.equal(dense, out))
-                    row["paged_keep1_vs_dense_max_code_diff"] = float((dense.float() - out.float()).abs().max())
+                    row["keep1_equals_dense_cudnn"] = bool(torch.equal(sdpa_fp8(q, k, v, *scales), out))
+                if row["max_err_over_bound"] <= 1.0:
+                    good.add((T, mode))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc) else ''}"
             rows.append(row)
             print(row, flush=True)
-    if any("error" in r for r in rows):
-        print("paged FP8 attention does not run here; stopping", flush=True)
-        save_experiment(a.out, rows, cudnn=bm_version())
-        return 0
 
-    shapes = {"W2": bm.SHAPES["W2"]} if a.quick else bm.SHAPES
-    tiles = (128,) if a.quick else (64, 128)
-    keeps = (1.0, 0.25) if a.quick else bm.KEEPS
-    for shape, grid in shapes.items():
+    for shape, grid in bm.SHAPES.items():
         (q, k, v), scales = bm.make_inputs(grid, "fp8")
         S = q.shape[1]
         dense_ms = cuda_time_ms(lambda: sdpa_fp8(q, k, v, *scales), iters=10)
@@ -194,48 +309,43 @@ def main() -> int:
         print(rows[-1], flush=True)
         so = torch.reciprocal(scales[2])
         for T in tiles:
-            qh, kh, vh = (head_major(t, T) for t in (q, k, v))
-            oh = torch.empty_like(qh)
-            dst = torch.empty_like(qh)
-            copy_in_ms = cuda_time_ms(lambda: dst[:, :S].copy_(q[0].transpose(0, 1)), iters=10)
-            copy_out_ms = cuda_time_ms(lambda: token_major(oh, S), iters=10)
-            for keep in keeps:
+            qp, kp, vp = (padded(t, T) for t in (q, k, v))
+            op = torch.empty_like(qp)
+            for keep in bm.KEEPS:
                 layout = bm.layout_for(grid, T, "vsa-topk", keep)
                 idx, cnt = layout.lists(q, k)
                 row = {"kind": "sparse", "shape": shape, "tile": T, "keep": keep, "kept": round(layout.density, 4)}
-                try:
-                    t0 = time.perf_counter()
-                    ps = PagedSparse(S, H, D, T, idx.shape[-1], q.device)
-                    row["build_s"] = round(time.perf_counter() - t0, 3)
-                    tables = ps.tables(idx, cnt)
-                    ps.run(qh, kh, vh, oh, tables, *scales, so)
-                    row["paged_ms"] = round(cuda_time_ms(lambda: ps.run(qh, kh, vh, oh, tables, *scales, so),
-                                                         iters=10), 4)
-                    row["tables_ms"] = round(cuda_time_ms(lambda: ps.tables(idx, cnt), iters=10), 4)
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc) else ''}"
+                scaled = layout.density * dense_ms
+                for mode in modes:
+                    if (T, mode) not in good:
+                        continue
+                    try:
+                        zc = ZeroCopy(S, H, D, T, idx.shape[-1], q.device, mode)
+                        tables = zc.tables(idx, cnt)
+                        zc.run(qp, kp, vp, op, tables, *scales, so)
+                        ms = cuda_time_ms(lambda: zc.run(qp, kp, vp, op, tables, *scales, so), iters=10)
+                        row[f"{mode}_ms"] = round(ms, 4)
+                        row[f"{mode}_vs_scaled_dense"] = round(ms / scaled, 3)
+                        row[f"{mode}_tables_ms"] = round(cuda_time_ms(lambda: zc.tables(idx, cnt), iters=5), 4)
+                    except Exception as exc:
+                        row[f"{mode}_error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
                 fn = lambda: bsa.block_sparse_attention(q, k, v, idx, cnt, tile_q=T, tile_k=T, scales=scales)  # noqa
                 fn()
                 row["triton_ms"] = round(cuda_time_ms(fn, iters=10), 4)
-                row["copies_ms"] = round(3 * copy_in_ms + copy_out_ms, 4)
-                scaled = layout.density * dense_ms
-                if "paged_ms" in row:
-                    row["paged_vs_scaled_dense"] = round(row["paged_ms"] / scaled, 3)
-                    row["paged_with_copies_vs_scaled_dense"] = round((row["paged_ms"] + row["copies_ms"]) / scaled, 3)
                 row["triton_vs_scaled_dense"] = round(row["triton_ms"] / scaled, 3)
                 rows.append(row)
                 print(row, flush=True)
-            del qh, kh, vh, oh, dst
+            del qp, kp, vp, op
         del q, k, v
         torch.cuda.empty_cache()
     save_experiment(a.out, rows, cudnn=bm_version())
-    print(f"{'shape':5} {'tile':>4} {'keep':>5} {'paged ms':>9} {'+copies':>8} {'triton ms':>9} {'paged/kd':>8} "
-          f"{'triton/kd':>9}")
+    print(f"{'shape':5} {'tile':>4} {'keep':>5} " + " ".join(f"{m + ' ms':>12} {m + '/kd':>12}" for m in modes)
+          + f" {'triton/kd':>9}")
     for r in rows:
         if r["kind"] == "sparse":
-            print(f"{r['shape']:5} {r['tile']:>4} {r['keep']:>5} {r.get('paged_ms', float('nan')):>9} "
-                  f"{r['copies_ms']:>8} {r['triton_ms']:>9} {r.get('paged_vs_scaled_dense', float('nan')):>8} "
-                  f"{r['triton_vs_scaled_dense']:>9}")
+            print(f"{r['shape']:5} {r['tile']:>4} {r['keep']:>5} " + " ".join(
+                f"{r.get(m + '_ms', float('nan')):>12} {r.get(m + '_vs_scaled_dense', float('nan')):>12}"
+                for m in modes) + f" {r['triton_vs_scaled_dense']:>9}")
     return 0
 
 
