@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-frames", type=int, default=None, help="use only the first N frames")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--attention-keeps", default=None, metavar="R,R,...",
-                   help="with --attention sparse-sta / sparse-vsa: instead of the reference comparison, the sparse "
+                   help="with --attention sparse-* (sta, vsa, sta-cudnn, vsa-cudnn): instead of the reference comparison, the sparse "
                    "attention at each of these keep rates against the same mode's dense attention (PSNR, SSIM, "
                    "latent cosine, denoise time); --modes defaults to fast here")
 
@@ -781,7 +781,8 @@ def _verify_sparse(args) -> tuple[str, list[dict]]:
     keeps = parse_keeps(args.attention_keeps)
     source, config = model_and_config(args)
     if config.attention.backend == "auto" or get(config.attention.backend).token_layout is None:
-        raise FastRemoverError("--attention-keeps needs --attention sparse-sta or sparse-vsa")
+        raise FastRemoverError("--attention-keeps needs a sparse --attention (sparse-sta, sparse-vsa, "
+                               "sparse-sta-cudnn or sparse-vsa-cudnn)")
     if config.attention.keep is not None:
         raise FastRemoverError("give the keep rates with --attention-keeps only (not --attention-keep too)")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes != "eager" else ["fast"]

@@ -166,16 +166,19 @@ class AttentionOptions:
                         "install flashinfer-python); cudnn-fp8: cuDNN's FP8 attention (the cudnn extra); "
                         "flashattn3-fp8: FlashAttention-3's FP8 kernel (built from source: tools/build_flash3.sh); "
                         "sparse-sta / sparse-vsa: tile-sparse attention (sliding window / top-k tiles; lossy, never "
-                        "picked by auto: check it with verify --attention-keeps first). Old names fa3, fp8-fa3, fp8, "
+                        "picked by auto: check it with verify --attention-keeps first); sparse-sta-cudnn / "
+                        "sparse-vsa-cudnn: the same masks over 128-token tiles on cuDNN's FP8 attention (--mode fast "
+                        "on Hopper, the cudnn extra; about twice as fast). Old names fa3, fp8-fa3, fp8, "
                         "fp8-flash3 work too")
     # the sparse backends (fastremover/ops/attention/sparse.py): the fraction of key tiles each query tile attends to
     # (None: 0.25), and sparse-sta's window in 4x4x4-token tiles per axis (None: the one keeping `keep` of the tiles);
     # EngineConfig.validate refuses them for the other backends
     keep: float | None = _opt(None, flag="attention_keep", parse=float, metavar="R",
-                              help="sparse-sta / sparse-vsa: fraction of key tiles each query tile attends to, in "
+                              help="sparse-*: fraction of key tiles each query tile attends to, in "
                               "(0, 1] (default 0.25)")
     window: tuple[int, int, int] | None = _opt(None, flag="attention_window", metavar="T,H,W",
-                                               help="sparse-sta: the window in 4x4x4-token tiles per axis (default: "
+                                               help="sparse-sta(-cudnn): the window in tiles per axis (4x4x4 tokens; "
+                                               "4x4x8 for -cudnn) (default: "
                                                "the one that keeps --attention-keep of the tiles)")
 
     def __post_init__(self):

@@ -11,6 +11,8 @@ Rows (12 heads x 128, one batch; W2 = 21 x 30 x 52 = 32760 tokens, W3 = 21 x 45 
     time, the selection time (pooling, scores, top-k, sort), the kept fraction, effective TFLOP/s and
     `vs_scaled_dense` = kernel time / (kept fraction x dense fp8 time): issue #46 asks <= 1.25 at keep 0.25;
   * tiles of 64 (4x4x4 cubes) and 128 (4x4x8), each with the best config of a small sweep at W2 keep 0.25;
+  * the `sparse-*-cudnn` kernel (cuDNN's FP8 attention over paged K/V, 128-token tiles; config `cudnn-paged`):
+    the whole call (page tables + kernel) timed in a CUDA graph, as the engine runs it;
   * the cube-order gathers per transformer call (patch embedding output in, proj_out's 64 channels out).
 Checks on the GPU: every swept config against the fp32 masked reference within the kernel's stated bound at a
 small grid (9 x 16 x 16 tokens) and two calls bit-identical (torch.equal); warp-specialized configs run in a child
@@ -261,6 +263,60 @@ def table_rows(best: dict, shapes: dict, keeps, dtypes) -> list[dict]:
                     print(json.dumps(row), flush=True)
             del q, k, v
             torch.cuda.empty_cache()
+        if "fp8" in dtypes:
+            rows += cudnn_paged_rows(shape_name, grid, keeps, fp8_name, fp8_ms)
+    return rows
+
+
+def graph_time_ms(fn, iters: int = 10) -> float:
+    """GPU time of fn() per call, captured once in a CUDA graph and replayed (as the engine's denoise runs it: no
+    host launch gaps)."""
+    import torch
+
+    from fastremover.timing import cuda_time_ms
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time_ms(graph.replay, iters=iters)
+
+
+def cudnn_paged_rows(shape_name: str, grid, keeps, dense_name: str, dense_ms: float) -> list[dict]:
+    """`sparse-*-cudnn`'s kernel (fastremover/ops/attention/cudnn_sparse.py: cuDNN's FP8 attention with paged K/V,
+    128-token tiles) on the same inputs: per keep the whole call (page tables + kernel) in a CUDA graph, the kernel
+    alone, and `vs_scaled_dense` of the whole call. Nothing where cuDNN's paged FP8 graph does not build."""
+    import torch
+
+    from fastremover.ops.attention import cudnn_sparse
+
+    why = cudnn_sparse.supported(torch.device("cuda"))
+    if why is not None:
+        print(f"cudnn paged rows skipped: {why}", file=sys.stderr)
+        return []
+    S = math.prod(grid)
+    dense_flop = 4.0 * S * S * HEADS * HEAD_DIM
+    (q, k, v), scales = make_inputs(grid, "fp8")
+    padded = [cudnn_sparse.padded_codes(t, cudnn_sparse.TILE) for t in (q, k, v)]
+    rows = []
+    for source, keep in [("vsa-topk", kp) for kp in keeps] + [("sta", 0.25)]:
+        layout = layout_for(grid, cudnn_sparse.TILE, source, keep)
+        idx, cnt = layout.lists(q, k)
+        call = lambda: cudnn_sparse.tile_sparse_fp8(*padded, *scales, idx, cnt, layout.tile)  # noqa: E731
+        ms = graph_time_ms(call)
+        tables = lambda: cudnn_sparse.page_tables(idx, cnt, S, layout.tile)  # noqa: E731
+        row = {"shape": shape_name, "tokens": S, "kind": "sparse", "dtype": "fp8", "tile": layout.tile,
+               "source": source, "keep": keep, "kept": round(layout.density, 4), "config": "cudnn-paged",
+               "window": list(layout.window) if layout.window else None, "ms": round(ms, 4),
+               "tables_ms": round(graph_time_ms(tables), 4),
+               "tflops": round(dense_flop * layout.density / ms / 1e9, 1),
+               "vs_scaled_dense": round(ms / (layout.density * dense_ms), 3), "dense_fp8_backend": dense_name}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 

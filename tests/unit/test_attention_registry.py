@@ -24,7 +24,8 @@ def test_canonical_names_and_aliases():
                 "fp8-flash3": "flashattn3-fp8"}
     for alias, name in expected.items():
         assert registry.canonical(alias) == name and registry.canonical(name) == name
-    assert set(expected.values()) | {"sparse-sta", "sparse-vsa"} == set(registry.names())
+    sparse = {"sparse-sta", "sparse-vsa", "sparse-sta-cudnn", "sparse-vsa-cudnn"}
+    assert set(expected.values()) | sparse == set(registry.names())
     with pytest.raises(FastRemoverError, match="choose one of"):
         registry.canonical("flash9")
     for gone in ("triton-fp8", "fp8-triton"):  # our Triton FP8 kernel no longer ships (experiments/attention_fp8.py)

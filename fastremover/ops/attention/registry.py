@@ -20,17 +20,21 @@ that file plus its import in `fastremover/ops/attention/__init__.py`). The recor
     rows, columns) token grid and the config's AttentionOptions; the transformer runs its tokens in the layout's
     order (`layout.permute(x)` / `layout.restore(x)`, RoPE tables `layout.rope(cos, sin)`) and passes `layout=` to
     `call` and `codes_call` (None: a dense backend, called without it);
+  - `code_rows`: `code_rows(tokens, layout) -> rows` where `codes_call` reads its q/k/v codes past the sequence (a
+    kernel that loads whole tiles): the fast transformer allocates each code buffer with that many rows per batch
+    and hands over the first `tokens` (None: exactly `tokens`);
 * `priority`: per engine mode, its rank for `--attention auto` (higher wins; a mode it lacks never picks it, and an
   explicit request for it in that mode is refused); `announce_if_skipped`: whether `auto` says so on a GPU when this
   backend is passed over for a lower one (when the fast mode ends up in 16 bits, every 8-bit backend passed over is
   named anyway: that note says why no FP8 attention runs).
 
 `auto` in the fast mode (by priority): flashattn3-fp8, else cudnn-fp8, else sdpa in fp16 with that note (FlashInfer's
-backends rank below sdpa there). The sparse backends (`sparse-sta`, `sparse-vsa`) rank below sdpa in every mode:
+backends rank below sdpa there). The sparse backends (`sparse-*`) rank below sdpa in every mode:
 only an explicit request runs them (they change the result).
 
 No code outside this registry compares backend names. Names are canonical (`sdpa`, `flashinfer-fa3`,
-`flashinfer-fa3-fp8`, `flashattn3-fp8`, `cudnn-fp8`, `sparse-sta`, `sparse-vsa`); the earlier names are aliases.
+`flashinfer-fa3-fp8`, `flashattn3-fp8`, `cudnn-fp8`, `sparse-sta`, `sparse-vsa`, `sparse-sta-cudnn`,
+`sparse-vsa-cudnn`); the earlier names are aliases.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class AttentionBackend:
     row_split_block_m: int | None = None
     announce_if_skipped: bool = True
     token_layout: Callable | None = None
+    code_rows: Callable | None = None
 
     def __post_init__(self):
         if self.takes_codes and (self.codes_call is None or self.output not in ("fp8-codes", "centred-16bit")):

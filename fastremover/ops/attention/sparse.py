@@ -1,7 +1,11 @@
 """`sparse-sta` and `sparse-vsa`: tile-sparse attention on the block-sparse Triton kernel
 (fastremover/fast/kernels/block_sparse_attention.py), the tokens in cube order with the key tiles of each query tile
 from a static sliding window (`sparse-sta`) or VSA's coarse top-k selection (`sparse-vsa`); see
-fastremover/ops/attention/sparse_layout.py for the order, the tiles and the masks.
+fastremover/ops/attention/sparse_layout.py for the order, the tiles and the masks. `sparse-sta-cudnn` and
+`sparse-vsa-cudnn`: the same masks over 128-token tiles (4x4x8 cubes) on cuDNN's FP8 attention with paged K/V
+(fastremover/ops/attention/cudnn_sparse.py): the fast mode only, a Hopper GPU with cudnn-frontend; about twice as
+fast as the Triton kernel there. Each backend is its own kernel and tile size, so an explicit choice always runs
+what it names (no fallback between them: their results differ).
 
 Opt-in only (no `auto` ever picks them: they change the result). `keep` (config `attention.keep`, flag
 `--attention-keep`, default 0.25) is the fraction of key tiles each query tile attends to; `sparse-sta` derives its
@@ -24,7 +28,8 @@ from fastremover.ops.attention import registry
 from fastremover.ops.attention.registry import AttentionBackend, register
 
 DEFAULT_KEEP = 0.25
-SOURCES = {"sparse-sta": "sta", "sparse-vsa": "vsa-topk"}
+SOURCES = {"sparse-sta": "sta", "sparse-vsa": "vsa-topk", "sparse-sta-cudnn": "sta", "sparse-vsa-cudnn": "vsa-topk"}
+CUDNN_CUBE = (4, 4, 8)  # 128-token tiles: cuDNN's FP8 query tile height (cudnn_sparse.TILE)
 
 
 def parse_window(value) -> tuple[int, int, int]:
@@ -52,8 +57,9 @@ def check_options(backend: str, keep, window) -> None:
         if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1:
             raise FastRemoverError(f"--attention-keep {keep!r}: must be a fraction in (0, 1]")
     if window is not None:
-        if name != "sparse-sta":
-            raise FastRemoverError(f"--attention-window applies to --attention sparse-sta, not {backend}")
+        if SOURCES.get(name) != "sta":
+            raise FastRemoverError(f"--attention-window applies to --attention sparse-sta / sparse-sta-cudnn, not "
+                                   f"{backend}")
         parse_window(window)
 
 
@@ -94,15 +100,15 @@ def validate(device, dtype=None, shape=None, *, name: str = "sparse attention") 
     return reasons
 
 
-def _layout_for(source: str):
+def _layout_for(source: str, cube: tuple[int, int, int] | None = None):
     def token_layout(grid, device, options=None):
         """The SparseLayout of a token grid (options: the config's AttentionOptions, or None for the defaults)."""
-        from fastremover.ops.attention.sparse_layout import SparseLayout, SparseOptions
+        from fastremover.ops.attention.sparse_layout import CUBE, SparseLayout, SparseOptions
 
         keep = getattr(options, "keep", None)
         window = getattr(options, "window", None) if source == "sta" else None  # (T, H, W) or None
         return SparseLayout(grid, device, SparseOptions(source, DEFAULT_KEEP if keep is None else float(keep),
-                                                        window))
+                                                        window, cube or CUBE))
 
     return token_layout
 
@@ -144,4 +150,75 @@ VSA = register(AttentionBackend(
     validate=partial(validate, name="sparse-vsa"),
     priority={"exact": -100, "fast": -100}, precision="8bit", takes_codes=True, codes_call=sparse_codes,
     output="fp8-codes", token_layout=_layout_for("vsa-topk"), announce_if_skipped=False,
+))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The cuDNN paged-attention kernel (fast mode only)
+
+
+def cudnn_validate(device, dtype=None, shape=None, *, name: str = "sparse attention (cuDNN)") -> list[str]:
+    """Reasons it cannot run: a CUDA GPU on which cuDNN's FP8 attention builds a paged graph (Hopper or newer,
+    cudnn-frontend installed, a recent cuDNN), the fast mode's e4m3 codes (dtype float8_e4m3fn; any other dtype is
+    the exact mode, which this backend does not run), a head dim that is a multiple of 16 up to 128."""
+    reasons = []
+    if device.type != "cuda":
+        return [f"{name} needs a CUDA GPU (cuDNN's FP8 attention)"]
+    from fastremover.ops.attention import cudnn_sparse
+
+    why = cudnn_sparse.supported(device)
+    if why is not None:
+        reasons.append(f"{name}: cuDNN's paged FP8 attention does not run here ({why})")
+    import torch
+
+    if dtype is not None and dtype != torch.float8_e4m3fn:
+        reasons.append(f"{name} runs the fast mode's e4m3 codes only (--mode fast)")
+    if shape is not None and (shape[-1] % 16 or shape[-1] > 128):
+        reasons.append(f"{name} needs a head dim that is a multiple of 16 up to 128; this model has {shape[-1]}")
+    return reasons
+
+
+def cudnn_sparse_codes(q8, k8, v8, sq, sk, sv, out_dtype=None, *, layout=None):
+    """e4m3 codes (per-tensor scales; V centred by the caller; storages of whole tiles: `code_rows`) -> e4m3 codes
+    of (o - c) / sv."""
+    from fastremover.ops.attention.cudnn_sparse import tile_sparse_fp8
+
+    _needs_layout(layout)
+    kv_idx, kv_cnt = layout.lists(q8, k8)
+    return tile_sparse_fp8(q8, k8, v8, sq, sk, sv, kv_idx, kv_cnt, layout.tile)
+
+
+def cudnn_sparse_call(q, k, v, *, layout=None):
+    """16-bit q, k, v [1, S, H, D] in the layout's cube order -> o (quantized to per-tensor e4m3 codes, K and V
+    centred, as the fast transformer does; the stand-alone entry, tests and tools)."""
+    from fastremover.ops.attention.cudnn_sparse import padded_codes
+    from fastremover.ops.attention.quantize import add_v_mean, quantize_qkv
+
+    _needs_layout(layout)
+    q8, k8, v8, sq, sk, sv, v_mean = quantize_qkv(q, k, v, smooth_k=True, smooth_v=True)
+    q8, k8, v8 = (padded_codes(t, layout.tile) for t in (q8, k8, v8))
+    o8 = cudnn_sparse_codes(q8, k8, v8, sq, sk, sv, layout=layout)
+    return add_v_mean(o8.to(q.dtype).mul_(sv.view(())), v_mean)
+
+
+def code_rows(tokens: int, layout) -> int:
+    """Rows of one batch's q/k/v codes the cuDNN kernel reads (whole tiles of the layout)."""
+    from fastremover.ops.attention.cudnn_sparse import padded_rows
+
+    return padded_rows(tokens, layout.tile)
+
+
+STA_CUDNN = register(AttentionBackend(
+    name="sparse-sta-cudnn", label="sliding-tile sparse attention on cuDNN", call=cudnn_sparse_call,
+    validate=partial(cudnn_validate, name="sparse-sta-cudnn"),
+    priority={"fast": -100}, precision="8bit", takes_codes=True, codes_call=cudnn_sparse_codes,
+    output="fp8-codes", token_layout=_layout_for("sta", CUDNN_CUBE), code_rows=code_rows,
+    announce_if_skipped=False,
+))
+VSA_CUDNN = register(AttentionBackend(
+    name="sparse-vsa-cudnn", label="VSA-style top-k sparse attention on cuDNN", call=cudnn_sparse_call,
+    validate=partial(cudnn_validate, name="sparse-vsa-cudnn"),
+    priority={"fast": -100}, precision="8bit", takes_codes=True, codes_call=cudnn_sparse_codes,
+    output="fp8-codes", token_layout=_layout_for("vsa-topk", CUDNN_CUBE), code_rows=code_rows,
+    announce_if_skipped=False,
 ))
