@@ -412,14 +412,17 @@ class FastTransformer(nn.Module):
 
     def _code_buffer(self, b: int, s: int, like: torch.Tensor) -> torch.Tensor | None:
         """The e4m3 code buffer [b * s, D] for q, k or v when the backend reads past the sequence (its `code_rows`:
-        a kernel loading whole tiles): the first b * s rows of one allocated that long; else None (the kernel
-        allocates exactly b * s rows). Allocated on the stream that writes it, as the kernel's own would be."""
+        a kernel loading whole tiles): the first b * s rows of one allocated that long, the rows past them zero (a
+        masked key still multiplies its V row by P = 0, and 0 x NaN is NaN); else None (the kernel allocates
+        exactly b * s rows). Allocated on the stream that writes it, as the kernel's own would be."""
         if self.backend.code_rows is None:
             return None
         if b != 1:
             raise ValueError(f"attention backend {self.backend.name} runs one batch at a time, got {b}")
         rows = self.backend.code_rows(s, self._attention_kw["layout"])
-        return torch.empty((rows, like.shape[1]), dtype=torch.float8_e4m3fn, device=like.device)[:s]
+        buf = torch.empty((rows, like.shape[1]), dtype=torch.float8_e4m3fn, device=like.device)
+        buf[s:].zero_()
+        return buf[:s]
 
     def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool, x: torch.Tensor, mods: torch.Tensor,
                        next_mods: tuple, ffn_amax: torch.Tensor):

@@ -48,9 +48,10 @@ def registered(name: str, *, codes_call=None, output: str = "16bit", row_split_b
 def emulate_paged(q, k, v, page, seq_q, seq_kv, offsets, tile: int, scales=(1.0, 1.0, 1.0)) -> torch.Tensor:
     """cuDNN's paged SDPA read as fastremover/ops/attention/cudnn_sparse.py addresses it, in fp32 on the CPU: entry b
     has its queries at offsets[b] + t * H * D (t < seq_q[b]) and its keys / values at page[b, p // tile] * D +
-    (p % tile) * H * D (p < seq_kv[b]), in the flat storage of the token-major [1, S, H, D] inputs (times their
-    `scales`), which must hold whole tiles (as_strided refuses a shorter storage). Tables as page_tables and
-    seq_q_and_offsets return them. -> o [1, S, H, D] fp32 (NaN where no entry wrote)."""
+    (p % tile) * H * D, in the flat storage of the token-major [1, S, H, D] inputs (times their `scales`), which
+    must hold whole tiles (as_strided refuses a shorter storage). Keys p >= seq_kv[b] of its last page get P = 0
+    but their V rows are still multiplied (as a tensor-core P @ V over whole pages does: a NaN there is a NaN out).
+    Tables as page_tables and seq_q_and_offsets return them. -> o [1, S, H, D] fp32 (NaN where no entry wrote)."""
     from fastremover.ops.attention.cudnn_sparse import padded_rows
 
     _, S, H, D = q.shape
@@ -66,9 +67,10 @@ def emulate_paged(q, k, v, page, seq_q, seq_kv, offsets, tile: int, scales=(1.0,
     for b in range(page.shape[0]):
         start, nq, nkv = int(offsets[b]), int(seq_q[b]), int(seq_kv[b])
         qi = start + torch.arange(nq)[:, None] * (H * D) + d
-        p = torch.arange(nkv)
+        p = torch.arange(-(-nkv // tile) * tile)  # whole pages
         ki = page[b, p // tile][:, None] * D + (p % tile)[:, None] * (H * D) + d
-        w = torch.softmax(qf[qi] @ kf[ki].T * D ** -0.5, dim=-1)
+        logits = (qf[qi] @ kf[ki].T * D ** -0.5).masked_fill(p >= nkv, float("-inf"))
+        w = torch.softmax(logits, dim=-1)
         out[qi] = w @ vf[ki]
     return out[: S * H * D].view(1, S, H, D)
 

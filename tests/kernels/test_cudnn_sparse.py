@@ -85,6 +85,11 @@ def test_the_tables_need_the_padded_storage():
     seq_q, offsets = cudnn_sparse.seq_q_and_offsets(S, H, D, tile, "cpu")
     with pytest.raises(RuntimeError, match="out of bounds"):
         attention_fakes.emulate_paged(q, q, q, page, seq_q, seq_kv, offsets, tile)
+    # whole tiles, but V's padding rows NaN (uninitialized e4m3 codes can be): the masked keys' P = 0 times NaN
+    padded = [cudnn_sparse.padded_codes(q, tile) for _ in range(3)]
+    assert padded[2].untyped_storage().nbytes() == 2176 * H * D * 4
+    torch.zeros(0).set_(padded[2].untyped_storage()).view(2176, H, D)[S:] = float("nan")
+    assert attention_fakes.emulate_paged(*padded, page, seq_q, seq_kv, offsets, tile).isnan().any()
     codes = q.to(FP8)
     one = torch.ones(1)
     with pytest.raises(ValueError, match=r"storage holds 2160 rows; the kernel reads 2176 \(whole tiles\)"):
@@ -124,7 +129,11 @@ def test_the_fast_transformer_hands_a_code_rows_backend_whole_tiles():
     seen = []
 
     def codes(q8, k8, v8, sq, sk, sv, out_dtype=None, *, layout=None):
-        seen.append(q8.untyped_storage().nbytes() // (q8.shape[2] * q8.shape[3]))
+        width = q8.shape[2] * q8.shape[3]
+        seen.append(q8.untyped_storage().nbytes() // width)
+        for t in (q8, k8, v8):  # the padding rows are zero (garbage could be an e4m3 NaN)
+            pad = torch.empty(0, dtype=FP8).set_(t.untyped_storage())[t.shape[1] * width:]
+            assert (pad.float() == 0).all()
         return attention_fakes.fake_paged_codes(q8, k8, v8, sq, sk, sv, layout=layout)
 
     layout = sparse._layout_for("sta")

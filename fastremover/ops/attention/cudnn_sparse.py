@@ -17,8 +17,11 @@ becomes one batch entry of one head and its kept key tiles its pages (page size 
     short last key tile when the row lists it (its last entry, so the padding mask drops exactly those).
 
 Memory contract: cuDNN reads whole pages and whole query tiles, so the codes' storage must extend to
-`padded_rows(S, tile)` rows (the rows past S are read, never used); the fast transformer allocates its code
-buffers so (AttentionBackend.code_rows), and `tile_sparse_fp8` raises ValueError for a shorter storage. Rows past S
+`padded_rows(S, tile)` rows, and the rows past S of K and V must hold finite codes (zeros): the padding mask gives
+their keys P = 0, but P @ V still multiplies V's rows, and 0 x NaN is NaN (an e4m3 NaN is one byte in 128 of
+uninitialized memory). The fast transformer allocates its code buffers so, the padding zeroed
+(AttentionBackend.code_rows); `tile_sparse_fp8` raises ValueError for a shorter storage (the padding's values it
+cannot check without reading them back). Rows past S
 of the output are not written (ragged O). One batch only (ValueError otherwise). No host sync: the tables are
 device ops, the graph is CUDA-graph capturable like `cudnn_fp8`'s.
 
@@ -190,7 +193,7 @@ def _graph(key: tuple, build) -> _PagedGraph:
 
 def tile_sparse_fp8(q8, k8, v8, sq, sk, sv, kv_idx, kv_cnt, tile: int, *, attn_scale: float | None = None):
     """Codes of o / sv [1, S, H, D] (a view of a buffer of padded_rows(S, tile) rows) for e4m3 codes q8, k8, v8
-    [1, S, H, D] whose storages hold padded_rows(S, tile) rows, per-tensor dequantization scales sq, sk, sv (fp32 on
+    [1, S, H, D] whose storages hold padded_rows(S, tile) rows (k8's and v8's past S zero), per-tensor dequantization scales sq, sk, sv (fp32 on
     the device) and the lists kv_idx [1, H, NT, J], kv_cnt [1, H, NT] (module docstring)."""
     import torch
 
@@ -216,12 +219,14 @@ def tile_sparse_fp8(q8, k8, v8, sq, sk, sv, kv_idx, kv_cnt, tile: int, *, attn_s
 
 
 def padded_codes(t: "torch.Tensor", tile: int) -> "torch.Tensor":
-    """A copy of [1, S, H, D] codes in a storage of padded_rows(S, tile) rows (the stand-alone call's inputs)."""
+    """A copy of [1, S, H, D] codes in a storage of padded_rows(S, tile) rows, the padding zero (the stand-alone
+    call's inputs)."""
     import torch
 
     _, S, H, D = t.shape
     buf = torch.empty((padded_rows(S, tile), H, D), dtype=t.dtype, device=t.device)
     buf[:S].copy_(t[0])
+    buf[S:].zero_()
     return buf[:S].unsqueeze(0)
 
 
