@@ -410,19 +410,19 @@ class FastTransformer(nn.Module):
         return AttentionCalibration(make((n, b, d), **f32), make((n, 1), **f32), make((n, 1), **f32),
                                     torch.full((), 448.0, **f32))
 
-    def _code_buffer(self, b: int, s: int, like: torch.Tensor) -> torch.Tensor | None:
-        """The e4m3 code buffer [b * s, D] for q, k or v when the backend reads past the sequence (its `code_rows`:
-        a kernel loading whole tiles): the first b * s rows of one allocated that long, the rows past them zero (a
-        masked key still multiplies its V row by P = 0, and 0 x NaN is NaN); else None (the kernel allocates
-        exactly b * s rows). Allocated on the stream that writes it, as the kernel's own would be."""
+    def _code_out(self, b: int, s: int, like: torch.Tensor) -> dict:
+        """{"out": the e4m3 code buffer [b * s, D]} for q, k or v when the backend reads past the sequence (its
+        `code_rows`: a kernel loading whole tiles): the first b * s rows of one allocated that long, the rows past
+        them zero (a masked key still multiplies its V row by P = 0, and 0 x NaN is NaN); else {} (the kernel
+        allocates exactly b * s rows). Allocated on the stream that writes it, as the kernel's own would be."""
         if self.backend.code_rows is None:
-            return None
+            return {}
         if b != 1:
             raise ValueError(f"attention backend {self.backend.name} runs one batch at a time, got {b}")
         rows = self.backend.code_rows(s, self._attention_kw["layout"])
         buf = torch.empty((rows, like.shape[1]), dtype=torch.float8_e4m3fn, device=like.device)
         buf[s:].zero_()
-        return buf[:s]
+        return {"out": buf[:s]}
 
     def _attention_fp8(self, index: int, q, k, v, rope, shape, calibrate: bool, x: torch.Tensor, mods: torch.Tensor,
                        next_mods: tuple, ffn_amax: torch.Tensor):
@@ -453,7 +453,7 @@ class FastTransformer(nn.Module):
             if self.parallel.is_parallel:  # sequence parallel: mean and amax over every rank's tokens
                 v8, sv, v_centre = self.parallel.quant_centred(v, s)
             else:
-                v8, sv, v_centre = ops.quant_centred(v, s, out=self._code_buffer(b, s, v),
+                v8, sv, v_centre = ops.quant_centred(v, s, **self._code_out(b, s, v),
                                                      **self._v_stats_options(index, v, b, s))
         with _on(side_k):
             if calibrate:  # the run's first step: K's centre from this step's K, then frozen (on k's own chain:
@@ -464,9 +464,9 @@ class FastTransformer(nn.Module):
                 torch.div(cal.k_amax[index, 0], cal.fp8_max, out=cal.k_scale[index, 0])  # quant.py's rule (a true
                 # division: a CPU-scalar divisor would be a multiplication by its reciprocal on the GPU)
             k8 = ops.qk_norm_rope(k, attn.norm_k.weight, *rope, s, heads, eps, fp8_amax=cal.k_amax[index],
-                                  centre=cal.k_centre[index], out=self._code_buffer(b, s, k))
+                                  centre=cal.k_centre[index], **self._code_out(b, s, k))
         q8 = ops.qk_norm_rope(q, attn.norm_q.weight, *rope, s, heads, eps, fp8_amax=self.q_amax[index],
-                              out=self._code_buffer(b, s, q))
+                              **self._code_out(b, s, q))
         if main is not None:
             main.wait_stream(side_v)
             main.wait_stream(side_k)
