@@ -172,7 +172,8 @@ def resolve(attention: str, mode: str, device: "torch.device") -> tuple[str, lis
     backend = get(attention)
     if mode not in backend.priority:
         allowed = [b.name for b in _BACKENDS.values() if mode in b.priority]
+        modes = " or ".join(m for m in backend.priority if m != "eager") or "exact or fast"
         raise FastRemoverError(f"--attention {attention}: not available in the {mode} mode (it runs {allowed}); "
-                               "use --mode exact or fast")
+                               f"use --mode {modes}")
     runnable(attention, device)
     return backend.name, []
