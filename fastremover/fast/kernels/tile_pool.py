@@ -6,11 +6,14 @@ Each run of `tile` consecutive tokens (the last one may be short) is averaged pe
 path converts the codes to fp16 (a copy of the whole tensor), sums in fp32 and divides; this kernel reads each code
 once and writes only the means.
 
-Exactness (equal bits to the torch path, tile <= 64): an e4m3 value is a multiple of 2^-9 with magnitude <= 448, so
-every partial sum of at most 64 of them is a multiple of 2^-9 below 64 * 448 < 2^15: 24 significant bits, which fp32
-holds exactly. The fp32 sum is therefore exact in any order (the kernel's tree and torch's reduction agree), and the
-mean is that sum divided by the tile's token count with one IEEE round-to-nearest division (`div_rn`; exact for a
-power of two), as torch's fp32 division. NaN codes give NaN means on the GPU (the interpreter reads them as +-480).
+Exactness (equal bits to the torch path, tile <= 128): an e4m3 value is a multiple of 2^-9 with magnitude <= 448,
+so 512 x value is an integer below 2^18 (exact in fp32 and in int32), and the kernel sums those integers in int32:
+at most 128 of them stay below 2^25, so the sum is exact in any order. It is converted to fp32 once
+(round-to-nearest-even; exact below 2^24, i.e. always for tiles of <= 64 tokens), times 2^-9 (exact), and divided by
+the tile's token count with one IEEE round-to-nearest division (`div_rn`; exact for a power of two). The torch path
+(`sparse_layout.tile_means_torch`) sums codes in fp64 (exact) and rounds to fp32 once: the same bits. A NaN code
+becomes an undefined integer in the int32 path, so it gives a wrong finite mean instead of NaN (codes from our
+quantizers are never NaN).
 
 Interpreter (TRITON_INTERPRET=1): the same code; e4m3 -> fp32 is exact there for every finite code.
 """
@@ -24,7 +27,7 @@ import triton.language as tl
 from fastremover.fast.kernels._common import check_device, check_tensor, interpreting, launch_options
 
 FP8 = torch.float8_e4m3fn
-MAX_TILE = 64  # the exactness argument above holds up to 64 tokens per tile
+MAX_TILE = 128  # the exactness argument above holds up to 128 tokens per tile (int32 sums below 2^25)
 
 
 @triton.jit
@@ -39,7 +42,8 @@ def _tile_mean_fp8_kernel(X, Y, S, H, sxb, sxs, sxh, syb, syt, syh,
     inside = rows < S
     x = tl.load(X + b * sxb + h * sxh + rows.to(tl.int64)[:, None] * sxs + cols[None, :], mask=inside[:, None],
                 other=0.0)
-    total = tl.sum(x.to(tl.float32), axis=0)  # exact: see the module docstring
+    units = (x.to(tl.float32) * 512.0).to(tl.int32)  # exact: e4m3 values are multiples of 2^-9
+    total = tl.sum(units, axis=0).to(tl.float32) * (1.0 / 512.0)  # an exact int32 sum, one rounding to fp32
     count = tl.minimum(S - t * TILE, TILE).to(tl.float32)
     if INTERPRET:
         mean = total / count  # numpy: IEEE division
@@ -61,7 +65,7 @@ def _refusal(x: torch.Tensor, tile: int) -> str | None:
 
 def tile_means_fp8(x: torch.Tensor, tile: int) -> torch.Tensor:
     """x [B, S, H, D] e4m3 codes (unit stride along D, D a power of two 16..256) -> fp32 means of each run of
-    `tile` tokens (<= 64), [B, cdiv(S, tile), H, D]; equal to the torch path's bits (module docstring)."""
+    `tile` tokens (<= 128), [B, cdiv(S, tile), H, D]; equal to the torch path's bits (module docstring)."""
     check_tensor("x", x, ndim=4, dtypes=(FP8,), contiguous=False)
     why = _refusal(x, tile)
     if why:

@@ -179,12 +179,19 @@ def _kernels(name: str):
 
 
 def tile_means_torch(x: torch.Tensor, tile: int) -> torch.Tensor:
-    """`tile_means` with torch ops on any device (the reference of the Triton pass)."""
+    """`tile_means` with torch ops on any device (the reference of the Triton pass). e4m3 codes are summed in fp64
+    (exact: multiples of 2^-9 below 2^25 units for tiles of <= 128) and rounded to fp32 once, so the result does not
+    depend on the reduction's order; other dtypes are summed in fp32."""
     B, S, H, D = x.shape
+    acc = torch.float32
     if x.dtype == torch.float8_e4m3fn:
         x = x.to(torch.float16)  # exact: every e4m3 value is an fp16 value
+        acc = torch.float64  # (a sum of <= 64 codes is exact in fp32 too: the same bits as before for such tiles)
     n_full = S // tile
     parts = []
+
+    def total_of(t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+        return t.sum(dim, keepdim=keepdim, dtype=acc).to(torch.float32)
 
     def mean(total: torch.Tensor, count: int) -> torch.Tensor:
         # a tensor divisor: IEEE division on every device (CUDA turns a Python-number divisor into a multiply by
@@ -192,9 +199,9 @@ def tile_means_torch(x: torch.Tensor, tile: int) -> torch.Tensor:
         return total / torch.full((), float(count), dtype=torch.float32, device=total.device)
 
     if n_full:
-        parts.append(mean(x[:, :n_full * tile].reshape(B, n_full, tile, H, D).sum(2, dtype=torch.float32), tile))
+        parts.append(mean(total_of(x[:, :n_full * tile].reshape(B, n_full, tile, H, D), 2), tile))
     if S % tile:
-        parts.append(mean(x[:, n_full * tile:].sum(1, keepdim=True, dtype=torch.float32), S % tile))
+        parts.append(mean(total_of(x[:, n_full * tile:], 1, keepdim=True), S % tile))
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
