@@ -21,9 +21,9 @@ Memory contract: cuDNN reads whole pages and whole query tiles, so the codes' st
 their keys P = 0, but P @ V still multiplies V's rows, and 0 x NaN is NaN (an e4m3 NaN is one byte in 128 of
 uninitialized memory). The fast transformer allocates its code buffers so, the padding zeroed
 (AttentionBackend.code_rows); `tile_sparse_fp8` raises ValueError for a shorter storage (the padding's values it
-cannot check without reading them back). Rows past S
-of the output are not written (ragged O). One batch only (ValueError otherwise). No host sync: the tables are
-device ops, the graph is CUDA-graph capturable like `cudnn_fp8`'s.
+cannot check without reading them back). Rows past S of the output are not written (ragged O). One batch only
+(ValueError otherwise). No host sync: the tables are device ops, the graph is CUDA-graph capturable like
+`cudnn_fp8`'s.
 
 Numerics: cuDNN's FP8 SDPA (closed source): P quantized to e4m3 with the fixed scale `cudnn_fp8.P_SCALE`, fp32
 softmax statistics, codes of o / sv out (scale_o = 1 / sv, the same output contract as the Triton kernel's codes).
