@@ -111,6 +111,21 @@ def cuda_time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
     return start.elapsed_time(end) / iters
 
 
+def capture_graph(fn):
+    """(torch.cuda.CUDAGraph, its output) of `fn()` captured once, after one warm-up run on a side stream (the usual
+    recipe: lazy allocations and first-call work stay out of the graph); `graph.replay()` reruns it."""
+    torch = _torch()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Progress of finished GPU work
 

@@ -271,18 +271,9 @@ def table_rows(best: dict, shapes: dict, keeps, dtypes) -> list[dict]:
 def graph_time_ms(fn, iters: int = 10) -> float:
     """GPU time of fn() per call, captured once in a CUDA graph and replayed (as the engine's denoise runs it: no
     host launch gaps)."""
-    import torch
+    from fastremover.timing import capture_graph, cuda_time_ms
 
-    from fastremover.timing import cuda_time_ms
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn)
     return cuda_time_ms(graph.replay, iters=iters)
 
 

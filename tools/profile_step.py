@@ -94,15 +94,9 @@ def step_latents(model, workload: str, device: torch.device) -> torch.Tensor:
 
 def capture(step: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, its output) of `step` captured once, after one run on a side stream (the usual warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = step()
-    return g, out
+    from fastremover.timing import capture_graph
+
+    return capture_graph(step)
 
 
 def profile(model, workload: str, mode: str, attention: str, steps: int = 12, graph: bool = False) -> dict:

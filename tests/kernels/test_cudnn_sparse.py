@@ -228,15 +228,10 @@ def test_gpu_tile_sparse_fp8_is_captured_in_a_cuda_graph():
         idx, cnt = layout.lists(padded[0], padded[1])
         return cudnn_sparse.tile_sparse_fp8(*padded, *scales, idx, cnt, 128)
 
+    from fastremover.timing import capture_graph
+
     eager = run()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    graph, captured = capture_graph(run)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)

@@ -36,7 +36,8 @@ from fastremover.ops.attention.quantize import add_v_mean, needs_cuda, quantize_
 from fastremover.ops.attention.registry import AttentionBackend, register
 from fastremover.timing import phase
 
-MAX_GRAPHS = 16  # built graphs kept (per shape: one fp8 and one half graph; the denoiser keeps 4 captured shapes)
+MAX_GRAPHS = 16  # built graphs kept (per shape: one fp8 and one half graph, or cudnn_sparse's paged graph; the
+# denoiser keeps 4 captured shapes)
 P_SCALE = 448.0  # scale_s: P in [0, 1] -> codes in [0, 448]; descale_s = 1 / P_SCALE (a power-of-two-free constant)
 
 

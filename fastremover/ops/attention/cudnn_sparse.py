@@ -38,17 +38,15 @@ kernel takes about twice as long (docs/performance.md).
 
 from __future__ import annotations
 
-import threading
+import functools
 from typing import TYPE_CHECKING
 
-from fastremover.lru import LRUCache, used
-from fastremover.timing import phase
+from fastremover.ops.attention import cudnn_fp8 as cf
 
 if TYPE_CHECKING:
     import torch
 
 TILE = 128  # tokens per tile (4x4x8 cubes): cuDNN's FP8 query tile height
-MAX_GRAPHS = 8
 
 
 def padded_rows(tokens: int, tile: int) -> int:
@@ -109,13 +107,12 @@ def seq_q_and_offsets(tokens: int, heads: int, head_dim: int, tile: int, device)
     return seq_q.reshape(heads * NT, 1, 1, 1), offsets.reshape(heads * NT + 1, 1, 1, 1)
 
 
-class _PagedGraph:
-    """One built graph for (tokens, heads, head dim, tile, list width J) and its constant tables."""
+class _PagedGraph(cf._Graph):
+    """One built graph for (tokens, heads, head dim, tile, list width J) and its constant tables (kept in
+    cudnn_fp8's bounded graph cache, run on torch's current stream as its graphs are)."""
 
     def __init__(self, tokens: int, H: int, D: int, tile: int, J: int, attn_scale: float, device):
         import torch
-
-        from fastremover.ops.attention import cudnn_fp8 as cf
 
         cudnn = cf._cudnn()
         NT = -(-tokens // tile)
@@ -162,39 +159,18 @@ class _PagedGraph:
         self.p_descale = torch.full((1,), 1.0 / cf.P_SCALE, dtype=torch.float32, device=device)
 
     def run(self, q8, k8, v8, out, page, seq_kv, dq, dk, dv, scale_o) -> None:
-        import torch
-
-        from fastremover.ops.attention import cudnn_fp8 as cf
-
-        cudnn = cf._cudnn()
-        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
         pack = {self.q: q8, self.k: k8, self.v: v8, self.o: out, self.page: page, self.seq_q: self.seq_q_t,
                 self.seq_kv: seq_kv, self.q_off: self.offsets, self.o_off: self.offsets,
                 self.dq: dq, self.dk: dk, self.dv: dv, self.ds: self.p_descale, self.ss: self.p_scale,
                 self.so: scale_o, self.amax_s: self.amax[0:1], self.amax_o: self.amax[1:2]}
-        self.graph.execute(pack, self.workspace, handle=self.handle)
-
-
-_graphs: LRUCache = LRUCache(MAX_GRAPHS)
-_lock = threading.Lock()
-
-
-def _graph(key: tuple, build) -> _PagedGraph:
-    with _lock:
-        graph = _graphs.get(key)
-    if graph is None:
-        with phase("cudnn_graphs"):
-            graph = build()
-        with _lock:
-            _graphs.put(key, graph)
-    used(graph)
-    return graph
+        self._execute(pack, q8.device, None)
 
 
 def tile_sparse_fp8(q8, k8, v8, sq, sk, sv, kv_idx, kv_cnt, tile: int, *, attn_scale: float | None = None):
     """Codes of o / sv [1, S, H, D] (a view of a buffer of padded_rows(S, tile) rows) for e4m3 codes q8, k8, v8
-    [1, S, H, D] whose storages hold padded_rows(S, tile) rows (k8's and v8's past S zero), per-tensor dequantization scales sq, sk, sv (fp32 on
-    the device) and the lists kv_idx [1, H, NT, J], kv_cnt [1, H, NT] (module docstring)."""
+    [1, S, H, D] whose storages hold padded_rows(S, tile) rows (k8's and v8's past S zero), per-tensor
+    dequantization scales sq, sk, sv (fp32 on the device) and the lists kv_idx [1, H, NT, J], kv_cnt [1, H, NT]
+    (module docstring)."""
     import torch
 
     _, S, H, D = q8.shape
@@ -209,8 +185,8 @@ def tile_sparse_fp8(q8, k8, v8, sq, sk, sv, kv_idx, kv_cnt, tile: int, *, attn_s
                          f"[1, {H}, {NT}, J] / [1, {H}, {NT}] ({S} tokens in tiles of {tile})")
     J = kv_idx.shape[-1]
     scale = D ** -0.5 if attn_scale is None else float(attn_scale)
-    key = (q8.device, S, H, D, tile, J, scale)
-    graph = _graph(key, lambda: _PagedGraph(S, H, D, tile, J, scale, q8.device))
+    key = ("tile-sparse", q8.device, S, H, D, tile, J, scale)
+    graph = cf._cached(key, lambda: _PagedGraph(S, H, D, tile, J, scale, q8.device))
     page, seq_kv = page_tables(kv_idx, kv_cnt, S, tile)
     out = torch.empty((rows, H, D), dtype=torch.float8_e4m3fn, device=q8.device)
     scales = tuple(s.reshape(1) for s in (sq, sk, sv))
@@ -230,18 +206,17 @@ def padded_codes(t: "torch.Tensor", tile: int) -> "torch.Tensor":
     return buf[:S].unsqueeze(0)
 
 
-_probe: dict = {}
-
-
 def supported(device: "torch.device") -> str | None:
     """None when a tile-sparse FP8 graph builds and runs on this CUDA device, else why not (cached per device)."""
     import torch
 
-    from fastremover.ops.attention import cudnn_fp8 as cf
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _probe:
-        return _probe[index]
+
+@functools.lru_cache(maxsize=None)
+def _supported(index: int) -> str | None:
+    import torch
+
     why = cf.supported(index)
     if why is None:
         try:
@@ -256,5 +231,4 @@ def supported(device: "torch.device") -> str | None:
         except Exception as exc:  # cudnnGraphNotSupportedError (an older cuDNN), RuntimeError, ...
             text = str(exc).strip()
             why = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-    _probe[index] = why
     return why

@@ -139,18 +139,21 @@ def sparse_codes(q8, k8, v8, sq, sk, sv, out_dtype=None, *, layout=None):
                                   scales=scales, out_dtype=FP8)
 
 
-STA = register(AttentionBackend(
-    name="sparse-sta", label="sliding-tile sparse attention", call=sparse_call,
-    validate=partial(validate, name="sparse-sta"),
-    priority={"exact": -100, "fast": -100}, precision="8bit", takes_codes=True, codes_call=sparse_codes,
-    output="fp8-codes", token_layout=_layout_for("sta"), announce_if_skipped=False,
-))
-VSA = register(AttentionBackend(
-    name="sparse-vsa", label="VSA-style top-k sparse attention", call=sparse_call,
-    validate=partial(validate, name="sparse-vsa"),
-    priority={"exact": -100, "fast": -100}, precision="8bit", takes_codes=True, codes_call=sparse_codes,
-    output="fp8-codes", token_layout=_layout_for("vsa-topk"), announce_if_skipped=False,
-))
+def _register(name: str, label: str, *, call, codes_call, validator, modes: tuple[str, ...],
+              cube: tuple[int, int, int] | None = None, code_rows=None) -> AttentionBackend:
+    """Register one sparse backend: its mask source from SOURCES, opt-in in `modes` (priority -100: `auto` never
+    picks it), e4m3 codes in and out in the fast mode."""
+    return register(AttentionBackend(
+        name=name, label=label, call=call, validate=partial(validator, name=name),
+        priority={mode: -100 for mode in modes}, precision="8bit", takes_codes=True, codes_call=codes_call,
+        output="fp8-codes", token_layout=_layout_for(SOURCES[name], cube), code_rows=code_rows,
+        announce_if_skipped=False,
+    ))
+
+
+_TRITON_KERNEL = dict(call=sparse_call, codes_call=sparse_codes, validator=validate, modes=("exact", "fast"))
+STA = _register("sparse-sta", "sliding-tile sparse attention", **_TRITON_KERNEL)
+VSA = _register("sparse-vsa", "VSA-style top-k sparse attention", **_TRITON_KERNEL)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -208,17 +211,7 @@ def code_rows(tokens: int, layout) -> int:
     return padded_rows(tokens, layout.tile)
 
 
-STA_CUDNN = register(AttentionBackend(
-    name="sparse-sta-cudnn", label="sliding-tile sparse attention on cuDNN", call=cudnn_sparse_call,
-    validate=partial(cudnn_validate, name="sparse-sta-cudnn"),
-    priority={"fast": -100}, precision="8bit", takes_codes=True, codes_call=cudnn_sparse_codes,
-    output="fp8-codes", token_layout=_layout_for("sta", CUDNN_CUBE), code_rows=code_rows,
-    announce_if_skipped=False,
-))
-VSA_CUDNN = register(AttentionBackend(
-    name="sparse-vsa-cudnn", label="VSA-style top-k sparse attention on cuDNN", call=cudnn_sparse_call,
-    validate=partial(cudnn_validate, name="sparse-vsa-cudnn"),
-    priority={"fast": -100}, precision="8bit", takes_codes=True, codes_call=cudnn_sparse_codes,
-    output="fp8-codes", token_layout=_layout_for("vsa-topk", CUDNN_CUBE), code_rows=code_rows,
-    announce_if_skipped=False,
-))
+_CUDNN_KERNEL = dict(call=cudnn_sparse_call, codes_call=cudnn_sparse_codes, validator=cudnn_validate,
+                     modes=("fast",), cube=CUDNN_CUBE, code_rows=code_rows)
+STA_CUDNN = _register("sparse-sta-cudnn", "sliding-tile sparse attention on cuDNN", **_CUDNN_KERNEL)
+VSA_CUDNN = _register("sparse-vsa-cudnn", "VSA-style top-k sparse attention on cuDNN", **_CUDNN_KERNEL)
